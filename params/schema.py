@@ -1,0 +1,419 @@
+"""The typed description of a pipeline run: one pydantic model per concern, composed by PipelineParams.
+
+Every field states its meaning, unit and default here; `llmflow params show` prints the resolved values
+and every run saves them. Unknown keys are errors (`extra="forbid"`), and checks that involve two fields
+name both fields and both values. The class defaults are the `tiny` preset, so a partial dict (a Prefect
+`--param` override, a short YAML file) always lands on a model that runs on a laptop CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class StrictModel(BaseModel):
+    """Base for every params model: unknown keys are rejected and assignments re-validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+class DataSource(StrictModel):
+    """One input of the corpus."""
+
+    kind: Literal["jsonl", "parquet", "text", "python_docstrings"] = Field(
+        "python_docstrings",
+        description="Input format. `python_docstrings` reads the docstrings of the Python standard "
+        "library installed on this machine (real human-written text, no download, PSF licence).",
+    )
+    paths: list[str] = Field(
+        default_factory=list,
+        description="Files or glob patterns (relative to the working directory). Unused by python_docstrings.",
+    )
+    text_field: str = Field("text", description="JSONL key / Parquet column that holds the document text.")
+    text_unit: Literal["file", "paragraph", "line"] = Field(
+        "file", description="For kind=text: what one document is (a whole file, a blank-line paragraph, a line)."
+    )
+
+    @model_validator(mode="after")
+    def _paths_match_kind(self) -> DataSource:
+        if self.kind == "python_docstrings" and self.paths:
+            raise ValueError("kind=python_docstrings reads the standard library and takes no paths")
+        if self.kind != "python_docstrings" and not self.paths:
+            raise ValueError(f"kind={self.kind} needs at least one entry in paths")
+        return self
+
+
+class DataParams(StrictModel):
+    """Data prep: read, clean, deduplicate, filter, tokenize, pack, shuffle, split, write shards."""
+
+    sources: list[DataSource] = Field(
+        default_factory=lambda: [DataSource()], min_length=1, description="Corpus inputs, read in order."
+    )
+    output_dir: str = Field(
+        "artifacts/data",
+        description="Parent directory of prepared datasets; each one lands in a subdirectory named by "
+        "the hash of its inputs and params, so identical inputs reuse it.",
+    )
+    normalize_unicode: bool = Field(True, description="Apply Unicode NFKC normalisation while cleaning.")
+    dedup_exact: bool = Field(True, description="Drop documents whose cleaned text is an exact repeat.")
+    near_dup_threshold: float | None = Field(
+        0.8,
+        gt=0.0,
+        le=1.0,
+        description="Estimated Jaccard similarity (MinHash over word shingles) at or above which a "
+        "document is dropped as a near-duplicate of an earlier one. null disables near-dedup.",
+    )
+    shingle_words: int = Field(5, ge=1, description="Words per shingle for near-duplicate detection.")
+    minhash_permutations: int = Field(
+        64, ge=8, description="MinHash signature length; more is more exact and slower."
+    )
+    min_chars: int = Field(64, ge=1, description="Documents shorter than this (characters, after cleaning) are dropped.")
+    max_chars: int = Field(
+        200_000, ge=1, description="Documents longer than this (characters, after cleaning) are dropped."
+    )
+    max_bad_record_fraction: float = Field(
+        0.01,
+        ge=0.0,
+        le=1.0,
+        description="Malformed records (bad JSON, missing text field) are reported and skipped; the "
+        "run fails when their share of all records exceeds this fraction.",
+    )
+    add_bos: bool = Field(True, description="Start every packed document with the BOS token.")
+    last_row: Literal["drop", "pad"] = Field(
+        "drop",
+        description="What happens to the final partial row of each split: drop it, or pad it with "
+        "pad_id (padding positions are not documents and carry no loss).",
+    )
+    validation_fraction: float = Field(
+        0.05, ge=0.0, lt=1.0, description="Share of documents (after shuffling) held out for validation."
+    )
+    shuffle_seed: int = Field(1234, description="Seed of the document and row shuffles; same seed, same shards.")
+    rows_per_shard: int = Field(4096, ge=1, description="Packed rows per Parquet shard file.")
+    num_workers: int | None = Field(
+        None, ge=1, description="Processes/threads for cleaning and tokenization. null means all cores."
+    )
+
+    @model_validator(mode="after")
+    def _length_bounds(self) -> DataParams:
+        if self.min_chars > self.max_chars:
+            raise ValueError(f"data.min_chars={self.min_chars} is greater than data.max_chars={self.max_chars}")
+        return self
+
+
+class TokenizerParams(StrictModel):
+    """SentencePiece tokenizer: trained on the prepared corpus, or loaded from a file."""
+
+    model_path: str | None = Field(
+        None, description="An existing SentencePiece .model to load instead of training one."
+    )
+    model_type: Literal["bpe", "unigram"] = Field("bpe", description="SentencePiece algorithm when training.")
+    byte_fallback: bool = Field(True, description="Encode unknown characters as UTF-8 bytes instead of <unk>.")
+    character_coverage: float = Field(
+        0.9995, gt=0.0, le=1.0, description="Share of characters the trained vocabulary must cover."
+    )
+    training_sentences: int = Field(
+        2_000_000, ge=1, description="At most this many lines are sampled to train the tokenizer."
+    )
+    unk_id: int = Field(0, ge=0, description="Id of the unknown token.")
+    bos_id: int = Field(1, ge=0, description="Id of the beginning-of-sequence token.")
+    eos_id: int = Field(2, ge=0, description="Id of the end-of-sequence token (document separator).")
+    pad_id: int = Field(3, ge=0, description="Id of the padding token.")
+
+    @model_validator(mode="after")
+    def _distinct_special_ids(self) -> TokenizerParams:
+        ids = {"unk_id": self.unk_id, "bos_id": self.bos_id, "eos_id": self.eos_id, "pad_id": self.pad_id}
+        seen: dict[int, str] = {}
+        for name, value in ids.items():
+            if value in seen:
+                raise ValueError(f"tokenizer.{name}={value} collides with tokenizer.{seen[value]}={value}")
+            seen[value] = name
+        return self
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+
+class ModelParams(StrictModel):
+    """Llama-family decoder architecture."""
+
+    vocab_size: int = Field(4096, ge=8, description="Tokens in the vocabulary; must match the tokenizer.")
+    hidden_size: int = Field(128, ge=1, description="Width of the residual stream (d_model).")
+    num_layers: int = Field(4, ge=1, description="Transformer blocks.")
+    num_heads: int = Field(4, ge=1, description="Query attention heads.")
+    num_kv_heads: int = Field(
+        2, ge=1, description="Key/value heads (grouped-query attention); equal to num_heads for plain MHA."
+    )
+    ffn_hidden_size: int = Field(352, ge=1, description="Inner width of the SwiGLU MLP.")
+    seq_len: int = Field(128, ge=2, description="Tokens per training sequence (context length).")
+    rope_theta: float = Field(10_000.0, gt=0.0, description="RoPE base frequency.")
+    norm_eps: float = Field(1e-5, gt=0.0, description="RMSNorm epsilon.")
+    tie_embeddings: bool = Field(True, description="Share the token embedding with the LM head.")
+    init_std: float = Field(0.02, gt=0.0, description="Std of the normal initialisation of weights.")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @model_validator(mode="after")
+    def _shapes_divide(self) -> ModelParams:
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}"
+            )
+        if self.num_kv_heads > self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model.num_heads={self.num_heads} is not a multiple of model.num_kv_heads={self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(
+                f"head dim {self.head_dim} (model.hidden_size={self.hidden_size} / "
+                f"model.num_heads={self.num_heads}) must be even for RoPE"
+            )
+        return self
+
+
+# ------------------------------------------------------------------------------------------- training
+
+
+class ParallelParams(StrictModel):
+    """How the world of devices is split. dp * tp * pp must equal the number of workers."""
+
+    data_parallel: int = Field(1, ge=1, description="Data-parallel replicas (dp).")
+    tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel ranks per layer (tp), innermost.")
+    pipeline_parallel: int = Field(1, ge=1, description="Pipeline stages (pp).")
+    micro_batches: int = Field(
+        1,
+        ge=1,
+        description="Micro-batches per pipeline pass, each of train.micro_batch_size sequences; must be "
+        ">= pipeline_parallel. With pp=1 they act as extra gradient accumulation.",
+    )
+    pipeline_schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="Pipeline schedule.")
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        0,
+        description="ZeRO sharding over the dp group: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters.",
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
+
+    @model_validator(mode="after")
+    def _enough_micro_batches(self) -> ParallelParams:
+        if self.micro_batches < self.pipeline_parallel:
+            raise ValueError(
+                f"parallel.micro_batches={self.micro_batches} is fewer than "
+                f"parallel.pipeline_parallel={self.pipeline_parallel}; a pipeline needs at least one per stage"
+            )
+        return self
+
+
+class PrecisionParams(StrictModel):
+    """Numeric precision: compute dtype over fp32 master weights, and fp16 loss scaling."""
+
+    compute_dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="dtype of matmuls and activations; master weights, norms, softmax and loss stay fp32.",
+    )
+    initial_loss_scale: float = Field(2.0**16, gt=0.0, description="fp16 only: starting dynamic loss scale.")
+    loss_scale_factor: float = Field(2.0, gt=1.0, description="fp16 only: scale multiplier/divisor on growth/overflow.")
+    loss_scale_window: int = Field(
+        1000, ge=1, description="fp16 only: overflow-free steps before the loss scale grows."
+    )
+
+
+class RecomputeParams(StrictModel):
+    """Activation recomputation (trade compute for memory)."""
+
+    mode: Literal["none", "selected", "all"] = Field("none", description="Which blocks recompute activations.")
+    layers: list[int] = Field(default_factory=list, description="mode=selected: block indices to recompute.")
+    every_k: int | None = Field(None, ge=1, description="mode=selected: recompute every k-th block instead.")
+
+    @model_validator(mode="after")
+    def _selection_given(self) -> RecomputeParams:
+        chosen = bool(self.layers) + (self.every_k is not None)
+        if self.mode == "selected" and chosen != 1:
+            raise ValueError("recompute.mode=selected needs exactly one of recompute.layers or recompute.every_k")
+        if self.mode != "selected" and chosen:
+            raise ValueError(f"recompute.layers/every_k are only used with mode=selected, not mode={self.mode}")
+        return self
+
+
+class OptimizerParams(StrictModel):
+    """AdamW and its learning-rate schedule."""
+
+    lr: float = Field(1e-3, gt=0.0, description="Peak learning rate.")
+    min_lr: float = Field(1e-4, ge=0.0, description="Learning rate at the end of a cosine or linear decay.")
+    schedule: Literal["cosine", "linear", "constant"] = Field(
+        "cosine", description="Decay after warmup: cosine or linear to min_lr, or constant at lr."
+    )
+    warmup_steps: int | None = Field(20, ge=0, description="Linear warmup length in optimizer steps.")
+    warmup_ratio: float | None = Field(
+        None, ge=0.0, lt=1.0, description="Warmup as a share of train steps (instead of warmup_steps)."
+    )
+    beta1: float = Field(0.9, ge=0.0, lt=1.0, description="AdamW first-moment decay.")
+    beta2: float = Field(0.95, ge=0.0, lt=1.0, description="AdamW second-moment decay.")
+    eps: float = Field(1e-8, gt=0.0, description="AdamW denominator epsilon.")
+    weight_decay: float = Field(0.1, ge=0.0, description="Decoupled weight decay; never applied to norms or biases.")
+    grad_clip: float | None = Field(1.0, gt=0.0, description="Global gradient-norm clip; null disables clipping.")
+
+    @model_validator(mode="after")
+    def _schedule_consistent(self) -> OptimizerParams:
+        if self.min_lr > self.lr:
+            raise ValueError(f"optimizer.min_lr={self.min_lr} is greater than optimizer.lr={self.lr}")
+        if self.warmup_steps is not None and self.warmup_ratio is not None:
+            raise ValueError(
+                f"give one of optimizer.warmup_steps={self.warmup_steps} and "
+                f"optimizer.warmup_ratio={self.warmup_ratio}, not both (set the other to null)"
+            )
+        return self
+
+
+class TrainParams(StrictModel):
+    """The training loop: length, batch, cadence, seed."""
+
+    steps: int = Field(300, ge=1, description="Optimizer steps of the pretraining run.")
+    micro_batch_size: int = Field(8, ge=1, description="Sequences per micro-batch per data-parallel rank.")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batch passes accumulated per optimizer step.")
+    log_interval: int = Field(10, ge=1, description="Optimizer steps between metric records.")
+    eval_interval: int = Field(100, ge=1, description="Optimizer steps between validation-loss evaluations.")
+    eval_batches: int = Field(8, ge=1, description="Validation micro-batches per evaluation.")
+    checkpoint_interval: int = Field(100, ge=1, description="Optimizer steps between checkpoints (and one at the end).")
+    keep_checkpoints: int = Field(3, ge=1, description="Newest checkpoints kept; older ones are deleted.")
+    max_consecutive_nonfinite: int = Field(
+        5, ge=1, description="Non-finite steps in a row (each skipped) after which the run stops with an error."
+    )
+    reset_at_document_boundaries: bool = Field(
+        False, description="Restart attention and positions at the document boundaries recorded by data prep."
+    )
+    seed: int = Field(1234, description="Seed of initialisation, dropout and data order.")
+    output_dir: str = Field("artifacts/train", description="Where checkpoints and run outputs go.")
+
+
+class SmokeParams(StrictModel):
+    """Short run that must show learning before the expensive pretraining run starts."""
+
+    enabled: bool = Field(True, description="Run the smoke stage before pretraining.")
+    steps: int = Field(500, ge=1, description="Optimizer steps of the smoke run.")
+    min_loss_drop: float = Field(
+        0.5, ge=0.0, description="Required drop of the final loss below the initial loss, in nats."
+    )
+
+
+class LoraParams(StrictModel):
+    """LoRA fine-tuning on instruction data."""
+
+    enabled: bool = Field(True, description="Run the fine-tune stage after pretraining.")
+    rank: int = Field(16, ge=1, description="Adapter rank r.")
+    alpha: float = Field(32.0, gt=0.0, description="Adapter scale numerator; the update is scaled by alpha / rank.")
+    dropout: float = Field(0.05, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
+    target_modules: list[Literal["q", "k", "v", "o", "gate", "up", "down"]] = Field(
+        default_factory=lambda: ["q", "k", "v", "o"], min_length=1, description="Projections that get adapters."
+    )
+    lr: float = Field(1e-4, gt=0.0, description="Fine-tuning peak learning rate.")
+    steps: int = Field(100, ge=1, description="Fine-tuning optimizer steps.")
+    data_paths: list[str] = Field(
+        default_factory=list,
+        description="Instruction JSONL files (instruction, optional input, output); empty uses the bundled set.",
+    )
+    instruction_header: str = Field("### Instruction:", description="Separator before the instruction.")
+    input_header: str = Field("### Input:", description="Separator before the optional input.")
+    response_header: str = Field("### Response:", description="Separator before the response (loss starts after it).")
+
+
+class EvalParams(StrictModel):
+    """Fixed-seed evaluation: held-out loss/perplexity and generation on fixed prompts."""
+
+    seed: int = Field(0, description="Seed of sampling; the same seed gives the same generations.")
+    batches: int = Field(16, ge=1, description="Held-out micro-batches for loss and perplexity.")
+    prompts: list[str] = Field(
+        default_factory=lambda: ["Return the number of", "### Instruction:\nExplain what a list is.\n\n### Response:\n"],
+        description="Prompts generated from at every evaluation.",
+    )
+    max_new_tokens: int = Field(48, ge=1, description="Generated tokens per prompt at most.")
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature; 0 is greedy.")
+    top_k: int = Field(0, ge=0, description="Keep the k most likely tokens; 0 keeps all.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1 keeps all.")
+    repetition_penalty: float = Field(1.0, ge=1.0, description="Divide logits of already-seen tokens by this.")
+    stop_token_ids: list[int] = Field(default_factory=list, description="Generation stops at any of these (EOS always stops).")
+
+
+class TrackingParams(StrictModel):
+    """Where MLflow records runs."""
+
+    uri: str = Field(
+        "sqlite:///mlflow.db",
+        description="MLflow tracking URI; the MLFLOW_TRACKING_URI environment variable wins when set.",
+    )
+    experiment: str = Field("llmflow", description="MLflow experiment of all pipeline runs.")
+    artifact_location: str | None = Field(
+        None, description="Artifact root for a newly created experiment; null lets MLflow choose (./mlruns)."
+    )
+
+
+# ------------------------------------------------------------------------------------------- pipeline
+
+
+class PipelineParams(StrictModel):
+    """Everything one pipeline run is. Flows take this as their only parameter."""
+
+    name: str = Field("tiny", min_length=1, description="Preset or experiment name, shown in run names.")
+    data: DataParams = Field(default_factory=DataParams)
+    tokenizer: TokenizerParams = Field(default_factory=TokenizerParams)
+    model: ModelParams = Field(default_factory=ModelParams)
+    parallel: ParallelParams = Field(default_factory=ParallelParams)
+    precision: PrecisionParams = Field(default_factory=PrecisionParams)
+    recompute: RecomputeParams = Field(default_factory=RecomputeParams)
+    optimizer: OptimizerParams = Field(default_factory=OptimizerParams)
+    train: TrainParams = Field(default_factory=TrainParams)
+    smoke: SmokeParams = Field(default_factory=SmokeParams)
+    lora: LoraParams = Field(default_factory=LoraParams)
+    eval: EvalParams = Field(default_factory=EvalParams)
+    tracking: TrackingParams = Field(default_factory=TrackingParams)
+
+    @property
+    def global_batch_size(self) -> int:
+        """Sequences per optimizer step across the whole world."""
+        return (
+            self.train.micro_batch_size
+            * self.parallel.micro_batches
+            * self.train.grad_accum_steps
+            * self.parallel.data_parallel
+        )
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> PipelineParams:
+        model, parallel, tokenizer = self.model, self.parallel, self.tokenizer
+        for name in ("unk_id", "bos_id", "eos_id", "pad_id"):
+            token_id = getattr(tokenizer, name)
+            if token_id >= model.vocab_size:
+                raise ValueError(f"tokenizer.{name}={token_id} is outside model.vocab_size={model.vocab_size}")
+        tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
+        divisible = {
+            "model.num_heads": model.num_heads,
+            "model.num_kv_heads": model.num_kv_heads,
+            "model.ffn_hidden_size": model.ffn_hidden_size,
+        }
+        for field, value in divisible.items():
+            if value % tp:
+                raise ValueError(f"parallel.tensor_parallel={tp} does not divide {field}={value}")
+        if pp > model.num_layers:
+            raise ValueError(
+                f"parallel.pipeline_parallel={pp} is more than model.num_layers={model.num_layers}; "
+                "every stage needs at least one layer"
+            )
+        bad_layers = [i for i in self.recompute.layers if not 0 <= i < model.num_layers]
+        if bad_layers:
+            raise ValueError(
+                f"recompute.layers {bad_layers} are outside 0..{model.num_layers - 1} (model.num_layers={model.num_layers})"
+            )
+        bad_stops = [t for t in self.eval.stop_token_ids if not 0 <= t < model.vocab_size]
+        if bad_stops:
+            raise ValueError(f"eval.stop_token_ids {bad_stops} are outside model.vocab_size={model.vocab_size}")
+        if self.lora.rank > model.hidden_size:
+            raise ValueError(f"lora.rank={self.lora.rank} exceeds model.hidden_size={model.hidden_size}")
+        return self
