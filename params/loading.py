@@ -119,14 +119,17 @@ def _describe(
     for item in error.errors():
         loc = tuple(str(part) for part in item["loc"])
         field = ".".join(loc) or "params"
-        override = next((text for key, text in overridden.items() if loc[: len(key)] == key), None)
+        setting = [text for key, text in overridden.items() if loc[: len(key)] == key]
+        inside = [text for key, text in overridden.items() if key[: len(loc)] == loc and key != loc]
         line = _nearest_line(loc, lines)
-        if override is not None:
-            where = f"--set {override}: "
+        if setting:
+            where = f"--set {setting[0]}: "
         elif path is not None:
             where = f"{path}:{line}: " if line else f"{path}: "
         else:
             where = ""
+        if inside:
+            where = f"{where.rstrip(': ')} (with --set {', --set '.join(inside)}): "
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown field (check the spelling; `llmflow params show` lists every field)"
