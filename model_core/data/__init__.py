@@ -1,0 +1,8 @@
+"""Data prep (corpus -> cleaned, deduplicated, packed token shards) and the reader of its shards."""
+
+from model_core.data.errors import DataPrepError
+from model_core.data.packing import PackedRows
+from model_core.data.prepare import PrepResult, prepare_dataset
+from model_core.data.shards import read_shards
+
+__all__ = ["DataPrepError", "PackedRows", "PrepResult", "prepare_dataset", "read_shards"]

@@ -1,0 +1,71 @@
+"""Packing tokenized documents into fixed-length rows, keeping where each document starts.
+
+Each document becomes [BOS] + ids + [EOS] (BOS optional); the documents are concatenated into one
+stream and cut into rows of `row_len` tokens (seq_len + 1: inputs and shifted targets). A row records
+the offsets at which documents start inside it, always including 0, so training can reset attention and
+positions there. The last partial row is dropped or padded with pad_id; padding is not a document.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import chain
+from typing import Literal
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """Rows of tokens and, per row, the offsets where documents start (a ragged array, CSR style)."""
+
+    tokens: np.ndarray  # (rows, row_len) int32
+    doc_start_values: np.ndarray  # int32, all rows' start offsets concatenated
+    doc_start_offsets: np.ndarray  # (rows + 1,) int64: row i's starts are values[offsets[i]:offsets[i + 1]]
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def doc_starts(self, row: int) -> np.ndarray:
+        return self.doc_start_values[self.doc_start_offsets[row] : self.doc_start_offsets[row + 1]]
+
+    def take(self, order: np.ndarray) -> PackedRows:
+        """The rows in the given order (a permutation or a slice of row indices)."""
+        lengths = np.diff(self.doc_start_offsets)[order]
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        gather = np.repeat(self.doc_start_offsets[:-1][order] - offsets[:-1], lengths) + np.arange(offsets[-1])
+        return PackedRows(self.tokens[order], self.doc_start_values[gather], offsets)
+
+
+def pack_documents(
+    token_ids: list[list[int]],
+    row_len: int,
+    bos_id: int | None,
+    eos_id: int,
+    pad_id: int,
+    last_row: Literal["drop", "pad"],
+) -> PackedRows:
+    lengths = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
+    body = np.fromiter(chain.from_iterable(token_ids), dtype=np.int32, count=int(lengths.sum()))
+    doc_lengths = lengths + 1 + (bos_id is not None)
+    doc_starts = np.cumsum(doc_lengths) - doc_lengths
+    total = int(doc_lengths.sum())
+
+    stream = np.empty(total, dtype=np.int32)
+    is_body = np.ones(total, dtype=bool)
+    doc_ends = doc_starts + doc_lengths - 1
+    stream[doc_ends], is_body[doc_ends] = eos_id, False
+    if bos_id is not None:
+        stream[doc_starts], is_body[doc_starts] = bos_id, False
+    stream[is_body] = body
+
+    rows, remainder = divmod(total, row_len)
+    if remainder and last_row == "pad":
+        stream = np.concatenate([stream, np.full(row_len - remainder, pad_id, dtype=np.int32)])
+        rows += 1
+    stream = stream[: rows * row_len]
+
+    row_starts = np.arange(rows, dtype=np.int64) * row_len
+    starts = np.union1d(row_starts, doc_starts[doc_starts < rows * row_len])
+    offsets = np.searchsorted(starts, np.append(row_starts, rows * row_len))
+    return PackedRows(stream.reshape(rows, row_len), (starts % row_len).astype(np.int32), offsets.astype(np.int64))

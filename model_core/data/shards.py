@@ -1,0 +1,72 @@
+"""Parquet token shards: writing packed rows of one split, and reading them back for training.
+
+A shard `<split>-NNNNN.parquet` has two list<int32> columns, `tokens` (seq_len + 1 ids per row) and
+`doc_starts` (offsets where documents start in the row, always including 0), zstd-compressed.
+The dataset's manifest.json lists the shards of each split in order, with their sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from model_core.data.packing import PackedRows
+
+MANIFEST_NAME = "manifest.json"
+
+
+def write_shards(rows: PackedRows, directory: Path, split: str, rows_per_shard: int, pad_id: int) -> list[dict]:
+    """Write the rows as consecutive shards; returns one {file, rows, tokens, sha256} entry per shard
+    (tokens excludes padding)."""
+    shards = []
+    for index, first in enumerate(range(0, len(rows), rows_per_shard)):
+        shard = rows.take(np.arange(first, min(first + rows_per_shard, len(rows))))
+        path = directory / f"{split}-{index:05d}.parquet"
+        pq.write_table(_to_table(shard), path, compression="zstd")
+        shards.append(
+            {
+                "file": path.name,
+                "rows": len(shard),
+                "tokens": int(np.count_nonzero(shard.tokens != pad_id)),
+                "sha256": file_sha256(path),
+            }
+        )
+    return shards
+
+
+def read_shards(output_dir: str | Path, split: str) -> Iterator[PackedRows]:
+    """The packed rows of a prepared split, one PackedRows per shard in manifest order."""
+    output_dir = Path(output_dir)
+    manifest = json.loads((output_dir / MANIFEST_NAME).read_text())
+    row_len = manifest["seq_len"] + 1
+    for shard in manifest["splits"][split]["shards"]:
+        table = pq.read_table(output_dir / shard["file"])
+        tokens = table.column("tokens").combine_chunks()
+        doc_starts = table.column("doc_starts").combine_chunks()
+        yield PackedRows(
+            tokens.values.to_numpy().reshape(-1, row_len),
+            doc_starts.values.to_numpy(),
+            doc_starts.offsets.to_numpy().astype(np.int64),
+        )
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        while chunk := file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _to_table(rows: PackedRows) -> pa.Table:
+    row_len = rows.tokens.shape[1]
+    token_offsets = pa.array(np.arange(len(rows) + 1, dtype=np.int32) * row_len)
+    tokens = pa.ListArray.from_arrays(token_offsets, pa.array(rows.tokens.reshape(-1)))
+    doc_starts = pa.ListArray.from_arrays(pa.array(rows.doc_start_offsets.astype(np.int32)), pa.array(rows.doc_start_values))
+    return pa.table({"tokens": tokens, "doc_starts": doc_starts})

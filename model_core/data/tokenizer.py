@@ -1,0 +1,84 @@
+"""The SentencePiece tokenizer of a dataset: trained on the training documents, or loaded from a file,
+and checked against the model's vocabulary size and the configured special-token ids.
+
+Trained tokenizers use identity normalisation and keep whitespace as it is (cleaning already did NFKC
+and whitespace), and `\n` is a piece of its own, so decode(encode(text)) == text for cleaned text;
+byte fallback covers characters outside the vocabulary. The thread count is cleared from the saved
+model, so the same sentences give the same .model bytes on any machine.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import numpy as np
+import sentencepiece as spm
+from sentencepiece import sentencepiece_model_pb2
+
+from model_core.data.errors import DataPrepError
+from params.schema import TokenizerParams
+
+_SPECIAL_IDS = ("unk_id", "bos_id", "eos_id", "pad_id")
+
+
+def train_tokenizer(
+    texts: list[str], params: TokenizerParams, vocab_size: int, seed: int, num_threads: int
+) -> bytes:
+    """Serialized SentencePiece model trained on the lines of `texts` (at most params.training_sentences)."""
+    lines = [line for text in texts for line in text.split("\n") if line.strip()]
+    if len(lines) > params.training_sentences:
+        chosen = np.sort(np.random.default_rng(seed).choice(len(lines), params.training_sentences, replace=False))
+        lines = [lines[index] for index in chosen]
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(lines),
+            model_writer=model,
+            vocab_size=vocab_size,
+            model_type=params.model_type,
+            byte_fallback=params.byte_fallback,
+            character_coverage=params.character_coverage,
+            unk_id=params.unk_id,
+            bos_id=params.bos_id,
+            eos_id=params.eos_id,
+            pad_id=params.pad_id,
+            user_defined_symbols=["\n"],
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            input_sentence_size=0,  # sampling happened above, with our seed
+            shuffle_input_sentence=False,
+            num_threads=num_threads,
+            minloglevel=2,
+        )
+    except RuntimeError as error:
+        raise DataPrepError(
+            f"cannot train a tokenizer with model.vocab_size={vocab_size} on {len(lines)} lines: {error}"
+        ) from error
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model.getvalue())
+    proto.trainer_spec.ClearField("num_threads")
+    return proto.SerializeToString()
+
+
+def load_tokenizer(path: Path) -> bytes:
+    if not path.is_file():
+        raise DataPrepError(f"tokenizer.model_path={path} does not exist")
+    return path.read_bytes()
+
+
+def open_tokenizer(model: bytes, params: TokenizerParams, vocab_size: int, origin: str) -> spm.SentencePieceProcessor:
+    """The processor of a serialized model, after checking its size and special ids against the params."""
+    try:
+        processor = spm.SentencePieceProcessor(model_proto=model)
+    except (RuntimeError, OSError) as error:
+        raise DataPrepError(f"{origin} is not a SentencePiece model ({error})") from error
+    if processor.get_piece_size() != vocab_size:
+        raise DataPrepError(
+            f"{origin} has {processor.get_piece_size()} pieces but model.vocab_size={vocab_size}"
+        )
+    for name in _SPECIAL_IDS:
+        actual, expected = getattr(processor, name)(), getattr(params, name)
+        if actual != expected:
+            raise DataPrepError(f"{origin} has {name}={actual} but tokenizer.{name}={expected}")
+    return processor
