@@ -1,0 +1,1 @@
+"""The pipelines as Prefect flows, and the `llmflow` command line that runs them."""

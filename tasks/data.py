@@ -1,0 +1,91 @@
+"""The data-prep stage as a Prefect task: prepare (or reuse) the token shards and record them in MLflow."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact
+from prefect.cache_policies import NO_CACHE
+from pydantic import BaseModel
+
+from model_core.data import PrepResult, prepare_dataset
+from params import PipelineParams, flatten
+from tasks.progress import PhaseProgress
+from tasks.retry import retry_on_transient_io
+from tasks.tracking import StageRun, Tracking, stage_run
+
+
+class DataResult(BaseModel):
+    """What later stages need from data prep."""
+
+    dataset_dir: Path
+    manifest_path: Path
+    tokenizer_path: Path
+    reused: bool
+    metrics: dict[str, float]
+
+
+@task(
+    name="prepare-data",
+    retries=2,
+    retry_delay_seconds=5,
+    retry_condition_fn=retry_on_transient_io,
+    cache_policy=NO_CACHE,  # reuse is decided by the dataset manifest, which survives any Prefect server
+)
+def prepare_data(params: PipelineParams, tracking: Tracking) -> DataResult:
+    with stage_run(tracking, "data_prep") as run:
+        run.log_params(_stage_params(params))
+        progress = PhaseProgress("data prep")
+        started = time.perf_counter()
+        try:
+            result = prepare_dataset(params.data, params.tokenizer, params.model, progress=progress)
+        finally:
+            progress.close()
+        metrics = numeric_leaves(result.manifest, skip={"shards"})
+        metrics["seconds"] = time.perf_counter() - started
+        run.log_metrics(metrics)
+        run.set_tags({"llmflow.reused": str(result.reused).lower(), "llmflow.dataset_dir": str(result.output_dir)})
+        _log_artifacts(run, result)
+    create_markdown_artifact(
+        summary_markdown(result), key="data-prep-summary", description="Data prep counts, tokens and shards"
+    )
+    return DataResult(
+        dataset_dir=result.output_dir,
+        manifest_path=result.manifest_path,
+        tokenizer_path=result.tokenizer_path,
+        reused=result.reused,
+        metrics=metrics,
+    )
+
+
+def _stage_params(params: PipelineParams) -> dict[str, object]:
+    keep = ("data.", "tokenizer.", "model.vocab_size", "model.seq_len")
+    return {key: value for key, value in flatten(params).items() if key.startswith(keep)}
+
+
+def _log_artifacts(run: StageRun, result: PrepResult) -> None:
+    run.log_artifact(result.manifest_path, "data")
+    run.log_artifact(result.tokenizer_path, "tokenizer")
+
+
+def numeric_leaves(tree: object, prefix: str = "", skip: frozenset[str] | set[str] = frozenset()) -> dict[str, float]:
+    """Flatten the numbers of a nested dict into `a.b.c` -> float (booleans and strings are left out)."""
+    found: dict[str, float] = {}
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if key in skip:
+                continue
+            found.update(numeric_leaves(value, f"{prefix}{key}.", skip))
+    elif isinstance(tree, (int, float)) and not isinstance(tree, bool):
+        found[prefix.rstrip(".")] = float(tree)
+    return found
+
+
+def summary_markdown(result: PrepResult) -> str:
+    """A Prefect artifact: the manifest's numbers as a table, one row each."""
+    numbers = numeric_leaves(result.manifest, skip={"shards"})
+    rows = "\n".join(f"| {name} | {value:,.6g} |" for name, value in numbers.items())
+    state = "reused an existing dataset" if result.reused else "prepared a new dataset"
+    return f"# Data prep\n\n{state}: `{result.output_dir}`\n\n| quantity | value |\n|---|---|\n{rows}\n"

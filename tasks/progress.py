@@ -1,0 +1,30 @@
+"""Progress bars for model_core callbacks: one tqdm bar per named phase, shown only on a terminal."""
+
+from __future__ import annotations
+
+from tqdm.auto import tqdm
+
+
+class PhaseProgress:
+    """Callable `progress(phase, done, total)` that model_core reports to; closes bars as phases change."""
+
+    def __init__(self, description: str) -> None:
+        self.description = description
+        self.phase: str | None = None
+        self.bar: tqdm | None = None
+
+    def __call__(self, phase: str, done: int, total: int | None) -> None:
+        if phase != self.phase:
+            self.close()
+            self.phase = phase
+            self.bar = tqdm(total=total, desc=f"{self.description}: {phase}", disable=None, leave=False)
+        if self.bar is not None:
+            if total is not None and self.bar.total != total:
+                self.bar.total = total
+            self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.bar = None
+        self.phase = None

@@ -1,0 +1,151 @@
+"""MLflow bookkeeping for pipeline runs: one parent run per Prefect flow run, one child run per stage.
+
+Everything goes through an explicit `MlflowClient` and run ids, never MLflow's thread-local "active run":
+Prefect runs tasks on worker threads, where the flow's active run would not be visible.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+from params import PipelineParams, flatten, params_hash, to_yaml
+
+MAX_PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch call
+MAX_METRICS_PER_BATCH = 1000
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Tracking:
+    """Where a pipeline run is recorded; small and serialisable so Prefect can hand it to tasks."""
+
+    uri: str
+    experiment_id: str
+    parent_run_id: str
+
+
+def tracking_uri(params: PipelineParams) -> str:
+    return os.environ.get("MLFLOW_TRACKING_URI") or params.tracking.uri
+
+
+def git_commit() -> str:
+    """The commit of the llmflow checkout running this code, or 'unknown' outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() or "unknown"
+
+
+def _experiment_id(client: MlflowClient, params: PipelineParams) -> str:
+    name = params.tracking.experiment
+    experiment = client.get_experiment_by_name(name)
+    if experiment is not None:
+        return experiment.experiment_id
+    try:
+        return client.create_experiment(name, artifact_location=params.tracking.artifact_location)
+    except MlflowException:  # created concurrently by another run
+        return client.get_experiment_by_name(name).experiment_id
+
+
+def open_pipeline_run(
+    params: PipelineParams, flow_run_name: str, flow_run_id: str, deployment: str | None
+) -> Tracking:
+    """Create the parent run: named after the flow run, tagged, with flattened params and the params YAML."""
+    uri = tracking_uri(params)
+    client = MlflowClient(tracking_uri=uri)
+    experiment_id = _experiment_id(client, params)
+    tags = {
+        "prefect.flow_run_id": flow_run_id,
+        "prefect.flow_run_name": flow_run_name,
+        "prefect.deployment": deployment or "none",
+        "mlflow.source.git.commit": git_commit(),
+        "llmflow.params_hash": params_hash(params),
+        "llmflow.preset": params.name,
+    }
+    run = client.create_run(experiment_id, run_name=flow_run_name, tags=tags)
+    tracking = Tracking(uri=uri, experiment_id=experiment_id, parent_run_id=run.info.run_id)
+    stage = StageRun(client, run.info.run_id)
+    stage.log_params(flatten(params))
+    stage.log_text(to_yaml(params), "params.yaml")
+    return tracking
+
+
+def close_pipeline_run(tracking: Tracking, succeeded: bool) -> None:
+    MlflowClient(tracking_uri=tracking.uri).set_terminated(
+        tracking.parent_run_id, status="FINISHED" if succeeded else "FAILED"
+    )
+
+
+class StageRun:
+    """One MLflow run that a stage logs into; every call batches what it is given."""
+
+    def __init__(self, client: MlflowClient, run_id: str) -> None:
+        self.client = client
+        self.run_id = run_id
+
+    def log_params(self, values: Mapping[str, object]) -> None:
+        items = [Param(key, str(value)) for key, value in values.items()]
+        for start in range(0, len(items), MAX_PARAMS_PER_BATCH):
+            self.client.log_batch(self.run_id, params=items[start : start + MAX_PARAMS_PER_BATCH])
+
+    def log_metrics(self, values: Mapping[str, float], step: int = 0) -> None:
+        self.log_metric_records([(step, dict(values))])
+
+    def log_metric_records(self, records: list[tuple[int, Mapping[str, float]]]) -> None:
+        """Many (step, {name: value}) records in as few calls as MLflow allows."""
+        now = int(time.time() * 1000)
+        metrics = [
+            Metric(name, float(value), now, step) for step, values in records for name, value in values.items()
+        ]
+        for start in range(0, len(metrics), MAX_METRICS_PER_BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[start : start + MAX_METRICS_PER_BATCH])
+
+    def set_tags(self, tags: Mapping[str, str]) -> None:
+        self.client.log_batch(self.run_id, tags=[RunTag(key, str(value)) for key, value in tags.items()])
+
+    def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifact(self.run_id, str(path), artifact_path)
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        self.client.log_text(self.run_id, text, artifact_file)
+
+
+@contextmanager
+def stage_run(tracking: Tracking, stage: str) -> Iterator[StageRun]:
+    """A child run of the pipeline run; FAILED if the stage raises, FINISHED otherwise."""
+    client = MlflowClient(tracking_uri=tracking.uri)
+    tags = {"mlflow.parentRunId": tracking.parent_run_id, "llmflow.stage": stage}
+    run = client.create_run(tracking.experiment_id, run_name=stage, tags=tags)
+    try:
+        yield StageRun(client, run.info.run_id)
+    except BaseException:
+        client.set_terminated(run.info.run_id, status="FAILED")
+        raise
+    client.set_terminated(run.info.run_id, status="FINISHED")
+
+
+@contextmanager
+def pipeline_run(params: PipelineParams) -> Iterator[Tracking]:
+    """The parent run of the current Prefect flow run, closed FINISHED or FAILED with the flow."""
+    from prefect.runtime import deployment, flow_run
+
+    tracking = open_pipeline_run(params, flow_run.name or "local", flow_run.id or "none", deployment.name)
+    succeeded = False
+    try:
+        yield tracking
+        succeeded = True
+    finally:
+        close_pipeline_run(tracking, succeeded)

@@ -1,0 +1,66 @@
+"""Shared fixtures: a small real corpus, an isolated MLflow store, and one Prefect test harness per session."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+# Modules whose docstrings make a small, real, human-written corpus (a few hundred KB).
+CORPUS_MODULES = ("argparse", "textwrap", "json", "pathlib", "functools", "collections", "csv", "string")
+
+
+def docstring_documents() -> list[str]:
+    """Docstrings of a few standard-library modules and their members, in a fixed order."""
+    import importlib
+
+    documents = []
+    for module_name in CORPUS_MODULES:
+        module = importlib.import_module(module_name)
+        for _, member in [("", module), *sorted(vars(module).items())]:
+            doc = inspect.getdoc(member) if (inspect.ismodule(member) or inspect.isclass(member) or inspect.isfunction(member)) else None
+            if doc and len(doc) >= 80 and doc not in documents:
+                documents.append(doc)
+    return documents
+
+
+@pytest.fixture(scope="session")
+def corpus_jsonl(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "docs.jsonl"
+    with path.open("w", encoding="utf-8") as handle:
+        for text in docstring_documents():
+            handle.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+@pytest.fixture(scope="session")
+def mlflow_uri(tmp_path_factory) -> str:
+    """One SQLite store for the session (creating one costs seconds); tests use distinct experiments."""
+    uri = f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlflow.db'}"
+    os.environ["MLFLOW_TRACKING_URI"] = uri
+    return uri
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def small_pipeline_overrides(corpus: Path, output_dir: Path, experiment: str) -> list[str]:
+    """The tiny preset shrunk to seconds: a small corpus, a 512-token vocabulary."""
+    return [
+        f"data.sources=[{{kind: jsonl, paths: ['{corpus}']}}]",
+        f"data.output_dir={output_dir}",
+        "data.rows_per_shard=64",
+        "model.vocab_size=512",
+        "model.seq_len=64",
+        f"tracking.experiment={experiment}",
+    ]

@@ -1,0 +1,51 @@
+"""Promises about the repository itself: CI runs the README's test command, and layers import one way."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+FORBIDDEN_IN_MODEL_CORE = ("prefect", "mlflow", "tasks", "flows")
+
+
+def _readme_command(heading: str) -> str:
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    match = re.search(rf"{re.escape(heading)}.*?```(?:bash|sh)?\n(.+?)\n```", readme, flags=re.S)
+    assert match, f"README.md has no code block after {heading!r}"
+    return match.group(1).strip()
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    command = _readme_command("Run the tests")
+    ci_lines = [line.strip() for line in (REPO_ROOT / ".ci" / "run").read_text().splitlines()]
+    assert command in ci_lines
+
+
+def test_readme_run_command_installs_and_runs_the_pipeline():
+    command = _readme_command("Install and run the default pipeline")
+    assert "pip install" in command and "llmflow run" in command
+
+
+def _imported_roots(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "model_core").rglob("*.py")), ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_model_core_never_imports_orchestration_or_tracking(path):
+    assert not _imported_roots(path) & set(FORBIDDEN_IN_MODEL_CORE)
+
+
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "tasks").rglob("*.py")), ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_tasks_never_import_flows(path):
+    assert "flows" not in _imported_roots(path)
