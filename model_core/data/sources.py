@@ -14,6 +14,7 @@ import glob
 import hashlib
 import inspect
 import json
+import os
 import platform
 import re
 import sysconfig
@@ -29,7 +30,7 @@ from params.schema import DataSource
 # Directories of the standard library that hold tests, fixtures or third-party packages, not its docs.
 _STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 _DOCSTRING_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-_PARAGRAPH_BREAK = re.compile(r"\n[^\S\n]*\n")
+_PARAGRAPH_BREAK = re.compile(r"\n(?:[^\S\n]*\n)+")
 
 
 @dataclass(frozen=True)
@@ -70,12 +71,11 @@ def list_inputs(sources: list[DataSource]) -> list[InputFile]:
 
 def stdlib_files() -> list[Path]:
     """The standard library's own .py files in a fixed order, without tests and installed packages."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    return sorted(
-        path
-        for path in root.rglob("*.py")
-        if not _STDLIB_SKIPPED_DIRS.intersection(path.relative_to(root).parts[:-1])
-    )
+    files = []
+    for directory, subdirectories, names in os.walk(sysconfig.get_paths()["stdlib"]):
+        subdirectories[:] = [name for name in subdirectories if name not in _STDLIB_SKIPPED_DIRS]
+        files += [Path(directory, name) for name in names if name.endswith(".py")]
+    return sorted(files)
 
 
 def fingerprint(inputs: list[InputFile]) -> str:

@@ -1,0 +1,55 @@
+"""Training, loading and checking the SentencePiece tokenizer."""
+
+import pytest
+
+from model_core.data.cleaning import clean_text
+from model_core.data.errors import DataPrepError
+from model_core.data.sources import InputFile, read_input, stdlib_files
+from model_core.data.tokenizer import open_tokenizer, train_tokenizer
+from params.schema import TokenizerParams
+
+VOCAB = 512
+
+
+@pytest.fixture(scope="module")
+def texts():
+    files = [path for path in stdlib_files() if path.name in {"argparse.py", "pathlib.py", "textwrap.py"}]
+    return [clean_text(text) for path in files for text in read_input(InputFile(path, "python_docstrings"))[0]]
+
+
+@pytest.fixture(scope="module")
+def model(texts):
+    return train_tokenizer(texts, TokenizerParams(), VOCAB, seed=0, num_threads=2)
+
+
+def test_training_is_deterministic_across_runs_and_thread_counts(texts, model):
+    assert train_tokenizer(texts, TokenizerParams(), VOCAB, seed=0, num_threads=2) == model
+    assert train_tokenizer(texts, TokenizerParams(), VOCAB, seed=0, num_threads=1) == model
+
+
+def test_decode_of_encode_gives_the_cleaned_text_back(texts, model):
+    processor = open_tokenizer(model, TokenizerParams(), VOCAB, "test")
+    samples = texts[:50] + [clean_text("Grüße, 日本語 and emoji 🙂\n\n  indented\tline  ✓")]
+    for text in samples:
+        assert processor.decode(processor.encode(text)) == text
+    assert processor.unk_id() not in processor.encode(samples[-1])  # byte fallback, not <unk>
+
+
+def test_sampled_training_sentences_still_train(texts):
+    params = TokenizerParams(training_sentences=2000)
+    assert open_tokenizer(train_tokenizer(texts, params, VOCAB, 0, 2), params, VOCAB, "test")
+
+
+def test_a_vocabulary_mismatch_names_both_sizes(model):
+    with pytest.raises(DataPrepError, match="has 512 pieces but model.vocab_size=600"):
+        open_tokenizer(model, TokenizerParams(), 600, "tokenizer x.model")
+
+
+def test_a_special_id_mismatch_names_both_ids(model):
+    with pytest.raises(DataPrepError, match="has pad_id=3 but tokenizer.pad_id=7"):
+        open_tokenizer(model, TokenizerParams(pad_id=7), VOCAB, "tokenizer x.model")
+
+
+def test_a_vocabulary_too_large_for_the_corpus_is_a_data_prep_error():
+    with pytest.raises(DataPrepError, match="model.vocab_size=5000"):
+        train_tokenizer(["tiny corpus"] * 3, TokenizerParams(), 5000, 0, 1)
