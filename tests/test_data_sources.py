@@ -17,7 +17,8 @@ def read(path, kind, **options):
 
 def test_jsonl_reads_the_configured_field(tmp_path):
     path = tmp_path / "a.jsonl"
-    path.write_text(json.dumps({"body": "first", "text": "no"}) + "\n\n" + json.dumps({"body": "second\u2028line"}) + "\n")
+    records = [{"body": "first", "text": "no"}, {"body": "second\u2028line"}]
+    path.write_text(json.dumps(records[0]) + "\n\n" + json.dumps(records[1]) + "\n")
     texts, report = read(path, "jsonl", text_field="body")
     assert texts == ["first", "second\u2028line"]
     assert report.records == 2 and not report.malformed

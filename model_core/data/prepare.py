@@ -91,7 +91,8 @@ def data_params(data: DataParams, tokenizer: TokenizerParams, model: ModelParams
     """Everything that decides the content of the dataset (a loaded tokenizer counts by its bytes)."""
     tokenizer_params = tokenizer.model_dump(exclude={"model_path"})
     if tokenizer.model_path is not None:
-        tokenizer_params["model_sha256"] = file_sha256(Path(tokenizer.model_path)) if Path(tokenizer.model_path).is_file() else None
+        given = Path(tokenizer.model_path)
+        tokenizer_params["model_sha256"] = file_sha256(given) if given.is_file() else None
     return {
         "format_version": FORMAT_VERSION,
         "data": data.model_dump(exclude=_NON_DATA_PARAMS),

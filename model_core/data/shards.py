@@ -68,5 +68,6 @@ def _to_table(rows: PackedRows) -> pa.Table:
     row_len = rows.tokens.shape[1]
     token_offsets = pa.array(np.arange(len(rows) + 1, dtype=np.int32) * row_len)
     tokens = pa.ListArray.from_arrays(token_offsets, pa.array(rows.tokens.reshape(-1)))
-    doc_starts = pa.ListArray.from_arrays(pa.array(rows.doc_start_offsets.astype(np.int32)), pa.array(rows.doc_start_values))
+    doc_start_offsets = pa.array(rows.doc_start_offsets.astype(np.int32))
+    doc_starts = pa.ListArray.from_arrays(doc_start_offsets, pa.array(rows.doc_start_values))
     return pa.table({"tokens": tokens, "doc_starts": doc_starts})
