@@ -1,0 +1,189 @@
+"""The Llama decoder for one device: RMSNorm, RoPE, grouped-query attention, SwiGLU, tied or untied head.
+
+Parameter names follow Hugging Face `LlamaForCausalLM` minus its `model.` prefix (`embed_tokens.weight`,
+`layers.{i}.self_attn.q_proj.weight`, ..., `norm.weight`, `lm_head.weight`), so a state-dict adapter is a
+table. q/k/v and gate/up stay separate matrices so tensor parallelism can split them from outside.
+
+Dtypes: parameters are fp32; the residual stream and matmuls run in `compute_dtype`; RMSNorm, softmax
+and the returned logits are fp32. RoPE tables and the causal mask are built once, at construction.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, mint, nn, ops
+from mindspore.common.initializer import Normal, initializer
+
+from model_core.model.attention import attention, fused_attention_available
+from params.schema import ModelParams
+
+ComputeDtype = Literal["float32", "bfloat16", "float16"]
+_DTYPES = {"float32": ms.float32, "bfloat16": ms.bfloat16, "float16": ms.float16}
+
+
+class Linear(nn.Cell):
+    """y = x W^T without bias; W is [out, in] like torch.nn.Linear and runs in the dtype of x."""
+
+    def __init__(self, in_features: int, out_features: int, init_std: float):
+        super().__init__()
+        self.weight = Parameter(initializer(Normal(init_std), (out_features, in_features), ms.float32))
+
+    def construct(self, x: Tensor) -> Tensor:
+        return mint.nn.functional.linear(x, self.weight.astype(x.dtype))
+
+
+class Embedding(nn.Cell):
+    """Token id -> row of a [vocab, hidden] table (`weight`, the name Hugging Face uses)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, init_std: float):
+        super().__init__()
+        self.weight = Parameter(initializer(Normal(init_std), (vocab_size, hidden_size), ms.float32))
+
+    def construct(self, tokens: Tensor) -> Tensor:
+        return ops.gather(self.weight, tokens, 0)
+
+
+class RMSNorm(nn.Cell):
+    """x / rms(x) * weight, computed in fp32 and returned in the dtype of x."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = Parameter(initializer("ones", (hidden_size,), ms.float32))
+        self.eps = eps
+
+    def construct(self, x: Tensor) -> Tensor:
+        x32 = x.astype(ms.float32)
+        normed = x32 * mint.rsqrt(mint.mean(x32 * x32, dim=-1, keepdim=True) + self.eps)
+        return (normed * self.weight).astype(x.dtype)
+
+
+def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin of RoPE angles, [max_positions, head_dim], in the rotate-half layout Hugging Face uses."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)  # [D/2]
+    angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)  # [P, D/2]
+    angles = np.concatenate([angles, angles], axis=-1)  # [P, D]: the two halves share frequencies
+    return Tensor(np.cos(angles), ms.float32), Tensor(np.sin(angles), ms.float32)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each (x[i], x[i + D/2]) pair by its angle. x: [B, H, T, D]; cos, sin broadcast to it."""
+    half = x.shape[-1] // 2
+    rotated_half = mint.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated_half * sin
+
+
+class SelfAttention(nn.Cell):
+    """Causal multi-head attention with RoPE and grouped-query key/value heads."""
+
+    def __init__(self, params: ModelParams, output_std: float):
+        super().__init__()
+        hidden, head_dim = params.hidden_size, params.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = params.num_heads, params.num_kv_heads, head_dim
+        self.q_proj = Linear(hidden, params.num_heads * head_dim, params.init_std)
+        self.k_proj = Linear(hidden, params.num_kv_heads * head_dim, params.init_std)
+        self.v_proj = Linear(hidden, params.num_kv_heads * head_dim, params.init_std)
+        self.o_proj = Linear(params.num_heads * head_dim, hidden, output_std)
+        self.fused = fused_attention_available()
+
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim).swapaxes(1, 2)  # [B, H, T, D]
+        k = self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim).swapaxes(1, 2)  # [B, Hkv, T, D]
+        v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim).swapaxes(1, 2)
+        out = attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, mask, self.fused)
+        return self.o_proj(out.swapaxes(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+
+
+class SwiGLU(nn.Cell):
+    """down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, params: ModelParams, output_std: float):
+        super().__init__()
+        self.gate_proj = Linear(params.hidden_size, params.ffn_hidden_size, params.init_std)
+        self.up_proj = Linear(params.hidden_size, params.ffn_hidden_size, params.init_std)
+        self.down_proj = Linear(params.ffn_hidden_size, params.hidden_size, output_std)
+
+    def construct(self, x: Tensor) -> Tensor:
+        return self.down_proj(mint.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Cell):
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, params: ModelParams):
+        super().__init__()
+        # Each residual branch's output projection is scaled down so the stream's variance stays O(1) in depth.
+        output_std = params.init_std / math.sqrt(2 * params.num_layers)
+        self.input_layernorm = RMSNorm(params.hidden_size, params.norm_eps)
+        self.self_attn = SelfAttention(params, output_std)
+        self.post_attention_layernorm = RMSNorm(params.hidden_size, params.norm_eps)
+        self.mlp = SwiGLU(params, output_std)
+
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Cell):
+    """tokens [B, T] -> next-token logits [B, T, vocab] (fp32), T <= params.seq_len.
+
+    With `position_ids` [B, T] RoPE uses those positions instead of 0..T-1; with `segment_ids` [B, T] a
+    token attends only to earlier tokens of its own segment (document). `document_positions` makes both.
+    """
+
+    def __init__(self, params: ModelParams, compute_dtype: ComputeDtype = "float32"):
+        super().__init__()
+        self.compute_dtype = _DTYPES[compute_dtype]
+        self.tie_embeddings = params.tie_embeddings
+        self.embed_tokens = Embedding(params.vocab_size, params.hidden_size, params.init_std)
+        self.layers = nn.CellList([Block(params) for _ in range(params.num_layers)])
+        self.norm = RMSNorm(params.hidden_size, params.norm_eps)
+        if not params.tie_embeddings:
+            self.lm_head = Linear(params.hidden_size, params.vocab_size, params.init_std)
+        self.rope_cos, self.rope_sin = rope_tables(params.head_dim, params.seq_len, params.rope_theta)
+        self.causal_mask = Tensor(np.tril(np.ones((params.seq_len, params.seq_len), dtype=bool)))
+
+    def construct(self, tokens: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> Tensor:
+        seq = tokens.shape[1]
+        cos, sin = self._rotary_angles(seq, position_ids)
+        mask = self._attention_mask(seq, segment_ids)
+        x = self.embed_tokens(tokens).astype(self.compute_dtype)  # [B, T, hidden]
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        x = self.norm(x)
+        head = self.embed_tokens.weight if self.tie_embeddings else self.lm_head.weight
+        return mint.nn.functional.linear(x, head.astype(x.dtype)).astype(ms.float32)
+
+    def _rotary_angles(self, seq: int, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
+        """cos, sin broadcastable to [B, H, T, head_dim], in the compute dtype."""
+        if position_ids is None:
+            cos, sin = self.rope_cos[:seq], self.rope_sin[:seq]  # [T, D]
+        else:
+            cos = ops.gather(self.rope_cos, position_ids, 0).unsqueeze(1)  # [B, 1, T, D]
+            sin = ops.gather(self.rope_sin, position_ids, 0).unsqueeze(1)
+        return cos.astype(self.compute_dtype), sin.astype(self.compute_dtype)
+
+    def _attention_mask(self, seq: int, segment_ids: Tensor | None) -> Tensor:
+        """bool, True where query t may attend to key s: s <= t, and within one segment if segments are given."""
+        causal = self.causal_mask[:seq, :seq]  # [T, T]
+        if segment_ids is None:
+            return causal
+        same_segment = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)  # [B, T, T]
+        return ops.logical_and(same_segment, causal).unsqueeze(1)  # [B, 1, T, T]
+
+
+def count_parameters(model: nn.Cell, include_embeddings: bool = True) -> int:
+    """Number of parameter elements; without embeddings, the token-embedding table is left out.
+
+    The lookup costs no FLOPs, so MFU counts N without it. An untied `lm_head` is a matmul and is always
+    counted; a tied head shares the embedding table and leaves with it.
+    """
+    return sum(
+        param.size
+        for param in model.get_parameters()
+        if include_embeddings or not param.name.endswith("embed_tokens.weight")
+    )

@@ -1,0 +1,321 @@
+"""The single-device Llama: shapes, causality, RoPE, GQA, document reset, init, head tying, loss, graph
+mode, and numerical parity with Hugging Face `LlamaForCausalLM`."""
+
+from __future__ import annotations
+
+import math
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from model_core.model import Llama, attention, count_parameters, document_positions, token_cross_entropy
+from model_core.model.llama import apply_rotary, rope_tables
+from params.schema import ModelParams
+
+VOCAB, SEQ = 256, 16
+
+
+def tiny_params(**overrides) -> ModelParams:
+    fields = dict(
+        vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=96, seq_len=SEQ
+    )
+    return ModelParams(**{**fields, **overrides})
+
+
+def build(seed: int = 0, compute_dtype: str = "float32", **overrides) -> Llama:
+    ms.set_seed(seed)
+    return Llama(tiny_params(**overrides), compute_dtype)
+
+
+def random_tokens(batch: int = 2, seq: int = SEQ, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, VOCAB, (batch, seq)).astype(np.int32)
+
+
+def logits_of(model: Llama, tokens: np.ndarray, position_ids=None, segment_ids=None) -> np.ndarray:
+    extra = [ms.Tensor(a) for a in (position_ids, segment_ids) if a is not None]
+    return model(ms.Tensor(tokens), *extra).asnumpy()
+
+
+def weights(model: Llama) -> dict[str, np.ndarray]:
+    return {param.name: param.asnumpy() for param in model.get_parameters()}
+
+
+def load(model: Llama, values: dict[str, np.ndarray]) -> None:
+    for param in model.get_parameters():
+        param.set_data(ms.Tensor(values[param.name], ms.float32))
+
+
+# ------------------------------------------------------------------------------------------ forward
+
+
+def test_logits_have_batch_sequence_vocab_shape_in_fp32():
+    model = build()
+    assert model(ms.Tensor(random_tokens())).shape == (2, SEQ, VOCAB)
+    shorter = model(ms.Tensor(random_tokens(batch=3, seq=7)))
+    assert shorter.shape == (3, 7, VOCAB) and shorter.dtype == ms.float32
+
+
+def test_changing_a_future_token_never_changes_earlier_logits():
+    model, tokens = build(), random_tokens()
+    changed = tokens.copy()
+    changed[:, 9] = (changed[:, 9] + 1) % VOCAB
+    before, after = logits_of(model, tokens), logits_of(model, changed)
+    np.testing.assert_array_equal(before[:, :9], after[:, :9])
+    assert np.abs(before[:, 9:] - after[:, 9:]).max() > 1e-4
+
+
+def test_rope_score_depends_only_on_position_difference():
+    head_dim = 16
+    cos, sin = (t.asnumpy() for t in rope_tables(head_dim, 64, theta=10_000.0))
+    q, k = np.random.default_rng(0).standard_normal((2, head_dim)).astype(np.float32)
+
+    def score(q_position: int, k_position: int) -> float:
+        def rotated(x, position):
+            return apply_rotary(ms.Tensor(x), ms.Tensor(cos[position]), ms.Tensor(sin[position])).asnumpy()
+
+        return float(rotated(q, q_position) @ rotated(k, k_position))
+
+    assert score(7, 3) == pytest.approx(score(40, 36), abs=1e-4)
+    assert score(3, 3) == pytest.approx(score(50, 50), abs=1e-4)
+    assert abs(score(7, 3) - score(7, 4)) > 1e-3
+    np.testing.assert_allclose(apply_rotary(ms.Tensor(q), ms.Tensor(cos[0]), ms.Tensor(sin[0])).asnumpy(), q)
+
+
+# ----------------------------------------------------------------------------------------- attention
+
+
+def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np.ndarray) -> np.ndarray:
+    """Plain multi-head attention in float64; k/v have as many heads as q."""
+    scores = q.astype(np.float64) @ k.swapaxes(-1, -2) / math.sqrt(q.shape[-1])
+    scores = np.where(allowed, scores, -np.inf)
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    return (probs / probs.sum(-1, keepdims=True)) @ v
+
+
+def test_attention_with_all_kv_heads_is_plain_multi_head_attention():
+    q, k, v = np.random.default_rng(1).standard_normal((3, 2, 4, 8, 16)).astype(np.float32)
+    causal = np.tril(np.ones((8, 8), dtype=bool))
+    out = attention(ms.Tensor(q), ms.Tensor(k), ms.Tensor(v), ms.Tensor(causal)).asnumpy()
+    np.testing.assert_allclose(out, reference_attention(q, k, v, causal), atol=1e-5)
+
+
+def test_grouped_query_attention_shares_each_kv_head_with_consecutive_query_heads():
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((2, 4, 8, 16)).astype(np.float32)
+    k, v = rng.standard_normal((2, 2, 2, 8, 16)).astype(np.float32)
+    causal = np.tril(np.ones((8, 8), dtype=bool))
+    out = attention(ms.Tensor(q), ms.Tensor(k), ms.Tensor(v), ms.Tensor(causal)).asnumpy()
+    expected = reference_attention(q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1), causal)
+    np.testing.assert_allclose(out, expected, atol=1e-5)
+
+
+def test_gqa_model_equals_mha_model_with_duplicated_kv_weights():
+    gqa, mha = build(num_kv_heads=2), build(num_kv_heads=4)
+    values = weights(gqa)
+    head_dim = 64 // 4
+    for name in list(values):
+        if name.endswith(("k_proj.weight", "v_proj.weight")):  # [kv_heads * head_dim, hidden] -> one copy per query head
+            per_head = values[name].reshape(2, 1, head_dim, 64)
+            values[name] = np.broadcast_to(per_head, (2, 2, head_dim, 64)).reshape(4 * head_dim, 64)
+    load(mha, values)
+    tokens = random_tokens()
+    np.testing.assert_allclose(logits_of(mha, tokens), logits_of(gqa, tokens), atol=1e-5)
+
+
+# -------------------------------------------------------------------------------- document boundaries
+
+
+def test_document_positions_restart_at_each_start():
+    positions, segments = document_positions([0, 5, 11], 16)
+    np.testing.assert_array_equal(positions, [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(segments, [0] * 5 + [1] * 6 + [2] * 5)
+    assert positions.dtype == segments.dtype == np.int32
+
+
+def test_document_positions_ignore_target_only_starts_and_treat_a_leading_tail_as_a_segment():
+    positions, segments = document_positions(np.array([3, 8], dtype=np.int32), 8)
+    np.testing.assert_array_equal(positions, [0, 1, 2, 0, 1, 2, 3, 4])
+    np.testing.assert_array_equal(segments, [0, 0, 0, 1, 1, 1, 1, 1])
+
+
+@pytest.mark.parametrize("bad", [[0, 5, 5], [4, 2], [-1, 3]])
+def test_document_positions_reject_unordered_or_negative_starts(bad):
+    with pytest.raises(ValueError, match="doc_starts"):
+        document_positions(bad, 16)
+
+
+def test_second_document_sees_only_itself_from_position_zero():
+    model, tokens = build(), random_tokens()
+    positions, segments = document_positions([0, 6], SEQ)
+    packed = logits_of(model, tokens, np.stack([positions] * 2), np.stack([segments] * 2))
+    alone = logits_of(model, tokens[:, 6:])
+    np.testing.assert_allclose(packed[:, 6:], alone, atol=1e-5)
+    np.testing.assert_allclose(packed[:, :6], logits_of(model, tokens)[:, :6], atol=1e-5)
+    assert np.abs(logits_of(model, tokens)[:, 6:] - alone).max() > 1e-3
+
+
+# ------------------------------------------------------------------------------ init, head, counting
+
+
+def test_init_is_normal_with_scaled_residual_outputs_and_unit_norms():
+    model = build(seed=3, init_std=0.05, num_layers=2)
+    values = weights(model)
+    scaled = 0.05 / math.sqrt(2 * 2)
+    for name, value in values.items():
+        if name.endswith("norm.weight"):
+            np.testing.assert_array_equal(value, 1.0)
+            continue
+        expected_std = scaled if name.endswith(("o_proj.weight", "down_proj.weight")) else 0.05
+        assert value.std() == pytest.approx(expected_std, rel=0.05), name
+        assert abs(value.mean()) < 0.1 * expected_std, name
+
+
+def test_same_seed_same_weights_other_seed_other_weights():
+    first, again, other = weights(build(seed=5)), weights(build(seed=5)), weights(build(seed=6))
+    for name in first:
+        np.testing.assert_array_equal(first[name], again[name])
+    assert not np.array_equal(first["layers.1.mlp.up_proj.weight"], other["layers.1.mlp.up_proj.weight"])
+
+
+def test_tied_head_is_the_embedding_and_untied_head_is_its_own_matrix():
+    tied, untied = build(tie_embeddings=True), build(tie_embeddings=False)
+    assert "lm_head.weight" not in weights(tied) and weights(untied)["lm_head.weight"].shape == (VOCAB, 64)
+    values = weights(tied)
+    load(untied, {**values, "lm_head.weight": values["embed_tokens.weight"]})
+    tokens = random_tokens()
+    np.testing.assert_allclose(logits_of(untied, tokens), logits_of(tied, tokens), atol=1e-6)
+    values["lm_head.weight"] = np.random.default_rng(0).standard_normal((VOCAB, 64)).astype(np.float32)
+    load(untied, values)
+    assert np.abs(logits_of(untied, tokens) - logits_of(tied, tokens)).max() > 1e-3
+
+
+def test_count_parameters_with_and_without_embeddings():
+    hidden, ffn, kv = 64, 96, 2 * 16
+    per_layer = hidden * (hidden + 2 * kv + hidden) + 3 * hidden * ffn + 2 * hidden
+    body = 2 * per_layer + hidden
+    tied, untied = build(tie_embeddings=True), build(tie_embeddings=False)
+    assert count_parameters(tied) == body + VOCAB * hidden
+    assert count_parameters(tied, include_embeddings=False) == body
+    assert count_parameters(untied) == body + 2 * VOCAB * hidden
+    assert count_parameters(untied, include_embeddings=False) == body + VOCAB * hidden
+
+
+# ---------------------------------------------------------------------------------------------- loss
+
+
+def test_loss_averages_over_counted_tokens_only():
+    rng = np.random.default_rng(4)
+    logits = rng.standard_normal((2, 5, 11)).astype(np.float32)
+    labels = rng.integers(0, 11, (2, 5)).astype(np.int32)
+    labels[0, 1] = labels[1, 4] = -100
+    loss_mask = np.ones((2, 5), dtype=np.float32)
+    loss_mask[1, 0] = 0
+    counted = (labels != -100) & (loss_mask != 0)
+
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    nll = -np.take_along_axis(log_probs, np.where(counted, labels, 0)[..., None], -1)[..., 0]
+    loss, count = token_cross_entropy(ms.Tensor(logits), ms.Tensor(labels), ms.Tensor(loss_mask))
+    assert int(count.asnumpy()) == counted.sum() == 7
+    assert float(loss.asnumpy()) == pytest.approx(nll[counted].mean(), rel=1e-5)
+
+    logits[~counted] = 100.0 * rng.standard_normal(logits[~counted].shape)
+    moved, _ = token_cross_entropy(ms.Tensor(logits), ms.Tensor(labels), ms.Tensor(loss_mask))
+    assert float(moved.asnumpy()) == pytest.approx(float(loss.asnumpy()), rel=1e-6)
+
+
+def test_loss_without_counted_tokens_is_zero():
+    logits = np.zeros((1, 3, 5), dtype=np.float32)
+    loss, count = token_cross_entropy(ms.Tensor(logits), ms.Tensor(np.full((1, 3), -100, dtype=np.int32)))
+    assert (float(loss.asnumpy()), float(count.asnumpy())) == (0.0, 0.0)
+
+
+# ------------------------------------------------------------------------------- graph mode, dtypes
+
+
+def test_forward_and_gradients_compile_under_jit_with_the_same_result():
+    model, tokens = build(), random_tokens()
+    positions, segments = (np.stack([a] * 2) for a in document_positions([0, 6], SEQ))
+    inputs = [ms.Tensor(a) for a in (tokens[:, :-1], positions[:, :-1], segments[:, :-1], tokens[:, 1:])]
+
+    def loss_fn(tokens, position_ids, segment_ids, labels):
+        return token_cross_entropy(model(tokens, position_ids, segment_ids), labels)[0]
+
+    grad_fn = ms.value_and_grad(loss_fn, None, model.trainable_params())
+    compiled = ms.jit(grad_fn)
+    eager_loss, eager_grads = grad_fn(*inputs)
+    graph_loss, graph_grads = compiled(*inputs)
+    assert float(graph_loss.asnumpy()) == pytest.approx(float(eager_loss.asnumpy()), rel=1e-5)
+    for eager, graph in zip(eager_grads, graph_grads, strict=True):
+        np.testing.assert_allclose(graph.asnumpy(), eager.asnumpy(), atol=1e-6)
+    assert all(np.abs(g.asnumpy()).max() > 0 for g in graph_grads)
+
+
+def test_fp16_compute_stays_close_to_fp32():
+    tokens = random_tokens()
+    half = build(compute_dtype="float16")
+    logits = half(ms.Tensor(tokens))
+    assert logits.dtype == ms.float32
+    np.testing.assert_allclose(logits.asnumpy(), logits_of(build(), tokens), atol=2e-2)
+
+
+# ------------------------------------------------------------------------------------ Hugging Face
+
+
+# Our parameter name -> Hugging Face LlamaForCausalLM name (per layer, `{i}` is the layer index).
+HF_NAMES = {
+    "embed_tokens.weight": "model.embed_tokens.weight",
+    "layers.{i}.input_layernorm.weight": "model.layers.{i}.input_layernorm.weight",
+    "layers.{i}.self_attn.q_proj.weight": "model.layers.{i}.self_attn.q_proj.weight",
+    "layers.{i}.self_attn.k_proj.weight": "model.layers.{i}.self_attn.k_proj.weight",
+    "layers.{i}.self_attn.v_proj.weight": "model.layers.{i}.self_attn.v_proj.weight",
+    "layers.{i}.self_attn.o_proj.weight": "model.layers.{i}.self_attn.o_proj.weight",
+    "layers.{i}.post_attention_layernorm.weight": "model.layers.{i}.post_attention_layernorm.weight",
+    "layers.{i}.mlp.gate_proj.weight": "model.layers.{i}.mlp.gate_proj.weight",
+    "layers.{i}.mlp.up_proj.weight": "model.layers.{i}.mlp.up_proj.weight",
+    "layers.{i}.mlp.down_proj.weight": "model.layers.{i}.mlp.down_proj.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+
+
+@pytest.mark.parametrize("tie_embeddings", [True, False])
+def test_logits_match_hugging_face_llama(tie_embeddings):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    params = tiny_params(num_layers=3, num_heads=4, num_kv_heads=2, tie_embeddings=tie_embeddings, rope_theta=500.0)
+    config = transformers.LlamaConfig(
+        vocab_size=params.vocab_size,
+        hidden_size=params.hidden_size,
+        intermediate_size=params.ffn_hidden_size,
+        num_hidden_layers=params.num_layers,
+        num_attention_heads=params.num_heads,
+        num_key_value_heads=params.num_kv_heads,
+        max_position_embeddings=params.seq_len,
+        rope_theta=params.rope_theta,
+        rms_norm_eps=params.norm_eps,
+        tie_word_embeddings=tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+    )
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # HF initialises norms to ones; randomise them so they are compared too
+        for name, tensor in reference.named_parameters():
+            if name.endswith("norm.weight"):
+                tensor.uniform_(0.5, 1.5)
+    hf_weights = {name: tensor.numpy() for name, tensor in reference.state_dict().items()}
+
+    ms.set_seed(1)
+    model = Llama(params)
+    ours = {}
+    for layer in range(params.num_layers):
+        ours.update({ms_name.format(i=layer): hf_name.format(i=layer) for ms_name, hf_name in HF_NAMES.items()})
+    mapped = {param.name: hf_weights[ours[param.name]] for param in model.get_parameters()}
+    load(model, mapped)
+    assert set(hf_weights) - {ours[name] for name in mapped} == ({"lm_head.weight"} if tie_embeddings else set())
+
+    tokens = random_tokens(seed=7)
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(tokens.astype(np.int64))).logits.numpy()
+    assert np.abs(logits_of(model, tokens) - expected).max() <= 1e-4
