@@ -1,0 +1,140 @@
+"""Training batches from prepared token shards: a deterministic per-epoch shuffle with an exact,
+resumable position.
+
+The position counts rows of the *global* sample stream (epoch, cursor), so it means the same thing
+whatever the number of data-parallel ranks: each global batch is cut into equal per-rank slices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from model_core.data import PackedRows, read_shards
+from model_core.model.documents import document_positions
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One micro-batch: inputs, next-token labels, a loss mask and optional document-reset positions."""
+
+    tokens: np.ndarray  # (B, T) int32
+    labels: np.ndarray  # (B, T) int32
+    loss_mask: np.ndarray  # (B, T) float32: 1 where the label is a real token
+    position_ids: np.ndarray | None  # (B, T) int32, restarting at document starts
+    segment_ids: np.ndarray | None  # (B, T) int32, document index within the row
+
+    @property
+    def counted_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+
+@dataclass
+class LoaderPosition:
+    epoch: int = 0
+    cursor: int = 0  # rows of this epoch's permutation already handed out
+
+
+def load_split(dataset_dir: str | Path, split: str) -> PackedRows:
+    """All rows of a split in manifest order, as one PackedRows."""
+    shards = list(read_shards(dataset_dir, split))
+    if not shards:
+        raise ValueError(f"{dataset_dir} has no rows in split {split!r}")
+    tokens = np.concatenate([shard.tokens for shard in shards])
+    values = np.concatenate([shard.doc_start_values for shard in shards])
+    row_offsets = [shards[0].doc_start_offsets]
+    for shard in shards[1:]:
+        row_offsets.append(shard.doc_start_offsets[1:] + row_offsets[-1][-1])
+    return PackedRows(tokens, values, np.concatenate(row_offsets))
+
+
+def make_batch(rows: PackedRows, pad_id: int, reset_at_documents: bool) -> Batch:
+    tokens = rows.tokens
+    inputs, labels = tokens[:, :-1], tokens[:, 1:]
+    loss_mask = (labels != pad_id).astype(np.float32)
+    if not reset_at_documents:
+        return Batch(inputs, labels, loss_mask, None, None)
+    length = inputs.shape[1]
+    pairs = [document_positions(rows.doc_starts(row), length) for row in range(len(rows))]
+    return Batch(
+        inputs, labels, loss_mask, np.stack([p for p, _ in pairs]), np.stack([s for _, s in pairs])
+    )
+
+
+class ShuffledBatches:
+    """Global batches in a seeded per-epoch order; this rank's slice of each, resumable exactly.
+
+    Epoch e visits the rows in `permutation(seed, e)`; a remainder smaller than a global batch is skipped,
+    so every batch is full and the stream is a pure function of (seed, position).
+    """
+
+    def __init__(
+        self,
+        rows: PackedRows,
+        global_batch_rows: int,
+        seed: int,
+        pad_id: int,
+        reset_at_documents: bool = False,
+        rank: int = 0,
+        world: int = 1,
+    ) -> None:
+        if len(rows) < global_batch_rows:
+            raise ValueError(
+                f"the split has {len(rows)} rows, fewer than one global batch of {global_batch_rows} rows; "
+                "prepare more data or lower train.micro_batch_size / grad_accum_steps"
+            )
+        if global_batch_rows % world:
+            raise ValueError(f"global batch of {global_batch_rows} rows does not split over {world} ranks")
+        self.rows = rows
+        self.global_batch_rows = global_batch_rows
+        self.seed = seed
+        self.pad_id = pad_id
+        self.reset_at_documents = reset_at_documents
+        self.rank = rank
+        self.world = world
+        self.position = LoaderPosition()
+        self._order_epoch = -1
+        self._order = np.empty(0, dtype=np.int64)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch != self._order_epoch:
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+            self._order_epoch = epoch
+        return self._order
+
+    def next_rows(self) -> PackedRows:
+        """This rank's rows of the next global batch."""
+        if self.position.cursor + self.global_batch_rows > len(self.rows):
+            self.position = LoaderPosition(self.position.epoch + 1, 0)
+        order = self._permutation(self.position.epoch)
+        start = self.position.cursor
+        batch = order[start : start + self.global_batch_rows]
+        self.position = LoaderPosition(self.position.epoch, start + self.global_batch_rows)
+        per_rank = self.global_batch_rows // self.world
+        return self.rows.take(batch[self.rank * per_rank : (self.rank + 1) * per_rank])
+
+    def next_batch(self) -> Batch:
+        return make_batch(self.next_rows(), self.pad_id, self.reset_at_documents)
+
+    def _identity(self) -> dict:
+        return {"seed": self.seed, "rows": len(self.rows), "global_batch_rows": self.global_batch_rows}
+
+    def state_dict(self) -> dict:
+        return {**asdict(self.position), **self._identity()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key, mine in self._identity().items():
+            if state[key] != mine:
+                raise ValueError(
+                    f"data-loader state was saved with {key}={state[key]} but this run has {key}={mine}; "
+                    "the saved position would point at different samples"
+                )
+        self.position = LoaderPosition(state["epoch"], state["cursor"])
+
+
+def sequential_batches(rows: PackedRows, batch_rows: int, count: int, pad_id: int, reset_at_documents: bool):
+    """The first `count` batches of a split in file order (validation: same batches every time)."""
+    for start in range(0, min(count * batch_rows, len(rows) - batch_rows + 1), batch_rows):
+        yield make_batch(rows.take(np.arange(start, start + batch_rows)), pad_id, reset_at_documents)

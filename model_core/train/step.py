@@ -1,0 +1,103 @@
+"""The compiled pieces of one optimizer step: accumulate a micro-batch's gradients, measure their norm,
+apply AdamW (or throw the gradients away).
+
+Each piece is a `nn.Cell` whose construct is compiled with `ms.jit`, so the process stays in PyNative
+mode (nothing global changes) while the heavy work runs as a graph. Inputs that change every step (the
+learning rate, the step number, the gradient scale) are Tensors, so they never trigger a recompile.
+
+Gradient accumulation is exact: the objective of a micro-batch is its *summed* token loss times
+`scale = loss_scale / tokens_in_the_whole_step`, so k micro-batches add up to the gradient of the mean
+loss over all their tokens, as one k-times-larger batch would.
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
+
+from model_core.model import token_cross_entropy
+
+
+class SummedTokenLoss(nn.Cell):
+    """(summed token loss x scale, summed token loss) of one micro-batch; the first is differentiated."""
+
+    def __init__(self, model: nn.Cell) -> None:
+        super().__init__()
+        self.model = model
+
+    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
+        logits = self.model(tokens, position_ids, segment_ids)
+        mean, count = token_cross_entropy(logits, labels, loss_mask)
+        summed = mean * count
+        return summed * scale, summed
+
+
+class AccumulateGradients(nn.Cell):
+    """Forward + backward of one micro-batch, adding its gradients into fp32 buffers."""
+
+    def __init__(self, model: nn.Cell) -> None:
+        super().__init__()
+        self.loss = SummedTokenLoss(model)
+        self.weights = ParameterTuple(model.trainable_params())
+        self.buffers = ParameterTuple(
+            Parameter(ops.zeros(w.shape, ms.float32), name=f"grad_accum.{w.name}", requires_grad=False)
+            for w in self.weights
+        )
+        self.value_and_grad = ops.value_and_grad(self.loss, None, self.weights, has_aux=True)
+
+    @ms.jit
+    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
+        (_, summed), grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale)
+        for buffer, grad in zip(self.buffers, grads):
+            ops.assign_add(buffer, grad)
+        return summed
+
+
+class GradientNorm(nn.Cell):
+    """Global L2 norm of the accumulated gradients times `grad_scale` (1 / loss scale)."""
+
+    def __init__(self, buffers: ParameterTuple) -> None:
+        super().__init__()
+        self.buffers = buffers
+
+    @ms.jit
+    def construct(self, grad_scale):
+        total = ops.zeros((), ms.float32)
+        for buffer in self.buffers:
+            total = total + mint.sum(buffer * buffer)
+        return mint.sqrt(total) * grad_scale
+
+
+class ApplyGradients(nn.Cell):
+    """optimizer(buffers x grad_scale), then zero the buffers for the next step."""
+
+    def __init__(self, buffers: ParameterTuple, optimizer: nn.Cell) -> None:
+        super().__init__()
+        self.buffers = buffers
+        self.optimizer = optimizer
+
+    @ms.jit
+    def construct(self, lr, step, grad_scale):
+        grads = tuple(buffer * grad_scale for buffer in self.buffers)
+        self.optimizer(grads, lr, step)
+        for buffer in self.buffers:
+            ops.assign(buffer, mint.zeros_like(buffer))
+        return grad_scale
+
+
+class ZeroGradients(nn.Cell):
+    """Throw the accumulated gradients away (a skipped, non-finite step)."""
+
+    def __init__(self, buffers: ParameterTuple) -> None:
+        super().__init__()
+        self.buffers = buffers
+
+    @ms.jit
+    def construct(self):
+        for buffer in self.buffers:
+            ops.assign(buffer, mint.zeros_like(buffer))
+        return True
+
+
+def scalar(value: float) -> Tensor:
+    return Tensor(value, ms.float32)
