@@ -1,0 +1,109 @@
+"""AdamW with PyTorch's exact update, built on MindSpore's fused CPU kernel, and global-norm gradient clipping.
+
+The update is torch.optim.AdamW's, bias correction included:
+    m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2
+    p = p (1 - lr wd) - lr m_hat / (sqrt(v_hat) + eps),  m_hat = m / (1 - b1^t),  v_hat = v / (1 - b2^t)
+`ops.AdamWeightDecay` (one fused pass per parameter: p = p - lr (m / (sqrt(v) + eps) + decay p)) has no bias
+correction, so it is folded into the kernel's scalar inputs, which is exact algebra:
+    lr_t = lr sqrt(1 - b2^t) / (1 - b1^t),  eps_t = eps sqrt(1 - b2^t),  decay_t = wd (1 - b1^t) / sqrt(1 - b2^t)
+(lr_t decay_t = lr wd, the decoupled decay). Measured on a 29.4M-parameter set (2-core CPU, shared): the fused
+kernel takes 65-120 ms a step in a graph-mode Cell against 190-210 ms for the same update written as ops +
+ops.assign, 110-160 ms against 610-1220 ms in PyNative, and compiles in ~0.9 s instead of ~4 s.
+
+Weight decay applies to a parameter iff it has two or more dimensions (weight matrices, embeddings, LoRA
+adapters); 1-D parameters, which are the norm weights and biases, are never decayed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+
+from params.schema import OptimizerParams
+
+
+def applies_weight_decay(parameter: Parameter) -> bool:
+    """Decay weight matrices and embeddings (ndim >= 2), never norms or biases (1-D)."""
+    return len(parameter.shape) >= 2
+
+
+class AdamW(nn.Cell):
+    """PyTorch-exact AdamW over `parameters`, updated in place; works in PyNative, jit and graph-mode Cells.
+
+    Call it as `optimizer(grads, lr, step)`: grads is a tuple in the order of `parameters`; lr and step are
+    scalar Tensors, so changing them never recompiles. step is the bias-correction count t of this update,
+    1-based like torch's state["step"]: 1 on the first update, so schedule step s (0-based) updates with
+    t = s + 1 (t = 0 divides by zero). The moments are Parameters named `adam_m.<name>` and
+    `adam_v.<name>`, so saving this cell checkpoints them; `state_dict`/`load_state_dict` move them as numpy.
+    Calling a graph-mode cell directly (not from inside another cell's construct) with a fresh grads tuple
+    recompiles unless the tuple is wrapped in `ms.mutable`.
+    """
+
+    def __init__(
+        self,
+        parameters: Sequence[Parameter],
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.1,
+    ):
+        super().__init__()
+        self.params = ParameterTuple(parameters)
+        self.exp_avg = self.params.clone(prefix="adam_m", init="zeros")
+        self.exp_avg_sq = self.params.clone(prefix="adam_v", init="zeros")
+        self.decays = tuple(applies_weight_decay(p) for p in self.params)
+        self.beta1, self.beta2 = float(betas[0]), float(betas[1])
+        self.eps, self.weight_decay = float(eps), float(weight_decay)
+        self._beta1 = Tensor(self.beta1, ms.float32)
+        self._beta2 = Tensor(self.beta2, ms.float32)
+        self._no_decay = Tensor(0.0, ms.float32)
+        self._fused_update = ops.AdamWeightDecay()
+
+    @classmethod
+    def from_params(cls, parameters: Sequence[Parameter], optimizer: OptimizerParams) -> AdamW:
+        """The AdamW an `OptimizerParams` describes (lr and clipping are the caller's, per step)."""
+        return cls(parameters, (optimizer.beta1, optimizer.beta2), optimizer.eps, optimizer.weight_decay)
+
+    def construct(self, grads: tuple[Tensor, ...], lr: Tensor, step: Tensor) -> None:
+        t = step.astype(ms.float32)
+        bias_correction1 = 1.0 - ops.pow(self._beta1, t)
+        sqrt_bias_correction2 = ops.sqrt(1.0 - ops.pow(self._beta2, t))
+        lr_t = lr * sqrt_bias_correction2 / bias_correction1
+        eps_t = self.eps * sqrt_bias_correction2
+        decay_t = self.weight_decay * bias_correction1 / sqrt_bias_correction2
+        for i in range(len(self.params)):
+            decay = decay_t if self.decays[i] else self._no_decay
+            self._fused_update(
+                self.params[i], self.exp_avg[i], self.exp_avg_sq[i],
+                lr_t, self.beta1, self.beta2, eps_t, decay, grads[i],
+            )
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Copies of the moments, keyed by their Parameter names (`adam_m.<name>`, `adam_v.<name>`)."""
+        return {m.name: m.asnumpy().copy() for m in (*self.exp_avg, *self.exp_avg_sq)}
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Set every moment from `state`, which must hold exactly this optimizer's keys and shapes."""
+        moments = {m.name: m for m in (*self.exp_avg, *self.exp_avg_sq)}
+        missing, unexpected = sorted(moments.keys() - state.keys()), sorted(state.keys() - moments.keys())
+        if missing or unexpected:
+            raise KeyError(f"optimizer state does not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for name, moment in moments.items():
+            value = np.asarray(state[name], dtype=np.float32)
+            if value.shape != tuple(moment.shape):
+                shape = tuple(moment.shape)
+                raise ValueError(f"{name}: saved shape {value.shape} differs from the parameter's {shape}")
+            moment.set_data(Tensor(value))
+
+
+def clip_by_global_norm(grads: tuple[Tensor, ...], max_norm: float) -> tuple[tuple[Tensor, ...], Tensor]:
+    """Scale grads so their joint L2 norm is at most max_norm, as torch.nn.utils.clip_grad_norm_ does.
+
+    Returns the scaled grads and the norm before clipping (inf or nan when a grad is not finite, which is
+    how a caller detects a step to skip). Usable inside a graph-mode construct.
+    """
+    norm = ops.sqrt(ops.addn([ops.sum(ops.square(g.astype(ms.float32))) for g in grads]))
+    scale = ops.clamp(max_norm / (norm + 1e-6), max=1.0)
+    return tuple([g * scale.astype(g.dtype) for g in grads]), norm
