@@ -59,6 +59,33 @@ def _cmd_prep(params: PipelineParams, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_train(params: PipelineParams, args: argparse.Namespace) -> int:
+    from model_core.data import prepare_dataset
+    from model_core.train.callbacks import fan_out, jsonl_writer
+    from model_core.train.checkpoint import run_directory
+    from model_core.train.trainer import Trainer
+    from params import params_hash
+    from tasks.progress import PhaseProgress, TrainingProgress
+
+    preparing = PhaseProgress("data prep")
+    dataset = prepare_dataset(params.data, params.tokenizer, params.model, progress=preparing)
+    preparing.close()
+    checkpoints = args.checkpoint_dir or run_directory(params.train.output_dir, params.name, params_hash(params), "pretrain")
+    trainer = Trainer(params, dataset.output_dir, checkpoints)
+    bar = TrainingProgress(trainer.steps)
+    jsonl = jsonl_writer(args.metrics_jsonl) if args.metrics_jsonl else None
+    try:
+        result = trainer.run(on_metrics=fan_out(bar, jsonl), resume=args.resume)
+    finally:
+        bar.close()
+    resumed = f" (resumed from {result.resumed_from})" if result.resumed_from else ""
+    print(
+        f"trained {result.steps} steps{resumed}: loss {result.initial_loss:.4f} -> {result.final_loss:.4f}, "
+        f"{result.skipped_steps} skipped; checkpoint {result.checkpoint}"
+    )
+    return 0
+
+
 def _cmd_params_show(params: PipelineParams, args: argparse.Namespace) -> int:
     if args.format == "json":
         print(params.model_dump_json(indent=2))
@@ -95,6 +122,28 @@ def build_parser() -> argparse.ArgumentParser:
     _add_params_arguments(prep)
     prep.set_defaults(handler=_cmd_prep)
 
+    train = commands.add_parser(
+        "train",
+        help="train the model on the prepared data (no Prefect/MLflow), with a progress bar",
+        description="Prepare (or reuse) the data, then train for train.steps optimizer steps, checkpointing "
+        "every train.checkpoint_interval steps.",
+    )
+    _add_params_arguments(train)
+    train.add_argument(
+        "--resume",
+        default="none",
+        metavar="auto|none|DIR",
+        help="auto: continue from the newest valid checkpoint of this run (corrupted ones are skipped); "
+        "none: start fresh (default); or a checkpoint directory",
+    )
+    train.add_argument("--metrics-jsonl", metavar="PATH", help="append every logged metrics record to PATH as JSON lines")
+    train.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        help="where checkpoints go (default: train.output_dir/<name>-<params hash>/pretrain)",
+    )
+    train.set_defaults(handler=_cmd_train)
+
     params_cmd = commands.add_parser("params", help="inspect params", description="Inspect params.")
     params_sub = params_cmd.add_subparsers(dest="params_command", required=True, metavar="ACTION")
     show = params_sub.add_parser(
@@ -124,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_prefect_defaults()
     try:
         return handler(params, args)
-    except ValueError as error:  # bad input found by a stage (DataPrepError and friends)
+    except (ValueError, ArithmeticError) as error:  # bad input or a diverged run, found by a stage
         if os.environ.get("LLMFLOW_DEBUG"):
             raise
         print(f"llmflow {args.command}: {error}", file=sys.stderr)

@@ -28,3 +28,17 @@ class PhaseProgress:
             self.bar.close()
         self.bar = None
         self.phase = None
+
+
+class TrainingProgress:
+    """Metrics callback drawing one bar over optimizer steps: loss, tokens/s and tqdm's ETA."""
+
+    def __init__(self, total_steps: int, description: str = "train") -> None:
+        self.bar = tqdm(total=total_steps, desc=description, unit="step", disable=None)
+
+    def __call__(self, record: dict[str, float]) -> None:
+        self.bar.update(int(record["step"]) - self.bar.n)
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}", tokens_per_s=f"{record['tokens_per_second']:,.0f}")
+
+    def close(self) -> None:
+        self.bar.close()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -119,8 +120,47 @@ class StageRun:
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
         self.client.log_artifact(self.run_id, str(path), artifact_path)
 
+    def log_artifacts(self, directory: str | Path, artifact_path: str | None = None) -> None:
+        self.client.log_artifacts(self.run_id, str(directory), artifact_path)
+
     def log_text(self, text: str, artifact_file: str) -> None:
         self.client.log_text(self.run_id, text, artifact_file)
+
+    def log_bytes(self, content: bytes, artifact_file: str) -> None:
+        with tempfile.TemporaryDirectory() as scratch:
+            path = Path(scratch) / Path(artifact_file).name
+            path.write_bytes(content)
+            parent = str(Path(artifact_file).parent)
+            self.log_artifact(path, None if parent == "." else parent)
+
+
+class MetricsBatcher:
+    """A trainer metrics callback that sends records to MLflow in batches (one call per `every` records).
+
+    Each record is a flat dict with a `step`; everything else in it becomes a metric at that step.
+    """
+
+    def __init__(self, run: StageRun, every: int = 50) -> None:
+        self.run = run
+        self.every = every
+        self.pending: list[tuple[int, dict[str, float]]] = []
+
+    def __call__(self, record: dict[str, float]) -> None:
+        values = {name: value for name, value in record.items() if name != "step"}
+        self.pending.append((int(record["step"]), values))
+        if len(self.pending) >= self.every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.run.log_metric_records(self.pending)
+            self.pending = []
+
+    def __enter__(self) -> MetricsBatcher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.flush()
 
 
 @contextmanager

@@ -54,13 +54,32 @@ def prefect_harness():
         yield
 
 
+SMALL_MODEL = [
+    "model.vocab_size=512",
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.ffn_hidden_size=128",
+    "model.seq_len=32",
+]
+
+
 def small_pipeline_overrides(corpus: Path, output_dir: Path, experiment: str) -> list[str]:
-    """The tiny preset shrunk to seconds: a small corpus, a 512-token vocabulary."""
+    """The tiny preset shrunk to seconds: a small corpus, a 512-token vocabulary, a 2-layer model, short runs."""
     return [
         f"data.sources=[{{kind: jsonl, paths: ['{corpus}']}}]",
         f"data.output_dir={output_dir}",
         "data.rows_per_shard=64",
-        "model.vocab_size=512",
-        "model.seq_len=64",
+        *SMALL_MODEL,
+        "optimizer.warmup_steps=5",
+        "smoke.steps=40",
+        "smoke.min_loss_drop=0.3",
+        "train.steps=20",
+        "train.log_interval=5",
+        "train.eval_interval=10",
+        "train.eval_batches=2",
+        "train.checkpoint_interval=10",
+        f"train.output_dir={output_dir.parent / 'train'}",
         f"tracking.experiment={experiment}",
     ]

@@ -27,10 +27,14 @@ def test_pretrain_flow_records_parent_and_stage_runs(corpus_jsonl, tmp_path, mlf
     result = pretrain_flow(params)
 
     assert result.data.manifest_path.is_file() and not result.data.reused
+    assert result.smoke.final_loss < result.smoke.initial_loss - params.smoke.min_loss_drop
+    assert result.pretrain.steps == params.train.steps and result.pretrain.checkpoint.is_dir()
     client = MlflowClient(mlflow_uri)
-    (parent,), (child,) = _runs(client, "flow-records")
+    (parent,), children = _runs(client, "flow-records")
+    assert [run.info.run_name for run in children] == ["data_prep", "smoke", "pretrain"]
     assert parent.info.run_id == result.mlflow_run_id
-    assert parent.info.status == "FINISHED" and child.info.status == "FINISHED"
+    assert {run.info.status for run in (parent, *children)} == {"FINISHED"}
+    assert {run.data.tags["mlflow.parentRunId"] for run in children} == {parent.info.run_id}
     tags = parent.data.tags
     assert tags["llmflow.params_hash"] == params_hash(params)
     assert tags["prefect.deployment"] == "none"
@@ -40,15 +44,35 @@ def test_pretrain_flow_records_parent_and_stage_runs(corpus_jsonl, tmp_path, mlf
     assert parent.data.params["train.steps"] == str(params.train.steps)
     assert "params.yaml" in [item.path for item in client.list_artifacts(parent.info.run_id)]
 
-    assert child.data.tags["mlflow.parentRunId"] == parent.info.run_id
-    assert child.info.run_name == "data_prep"
-    assert child.data.params["model.seq_len"] == "64"
-    assert child.data.metrics["seconds"] > 0
-    assert any(name.endswith("tokens") and value > 0 for name, value in child.data.metrics.items())
-    artifacts = {item.path for item in client.list_artifacts(child.info.run_id, "data")}
-    artifacts |= {item.path for item in client.list_artifacts(child.info.run_id, "tokenizer")}
+    data_run, smoke_run, pretrain_run = children
+    assert data_run.data.params["model.seq_len"] == "32"
+    assert data_run.data.metrics["seconds"] > 0
+    assert any(name.endswith("tokens") and value > 0 for name, value in data_run.data.metrics.items())
+    artifacts = {item.path for item in client.list_artifacts(data_run.info.run_id, "data")}
+    artifacts |= {item.path for item in client.list_artifacts(data_run.info.run_id, "tokenizer")}
     assert "data/manifest.json" in artifacts
     assert any(path.startswith("tokenizer/") and path.endswith(".model") for path in artifacts)
+
+    assert smoke_run.data.tags["llmflow.smoke_passed"] == "true"
+    for run, steps in ((smoke_run, params.smoke.steps), (pretrain_run, params.train.steps)):
+        history = client.get_metric_history(run.info.run_id, "loss")
+        assert [m.step for m in history] == list(range(params.train.log_interval, steps + 1, params.train.log_interval))
+        assert {"tokens_per_second", "grad_norm", "lr", "peak_memory_bytes", "validation_loss"} <= run.data.metrics.keys()
+        names = {item.path for item in client.list_artifacts(run.info.run_id)}
+        assert {"loss_curve.png", "checkpoint"} <= names
+        checkpoint_files = {item.path.rsplit("/", 1)[-1] for item in client.list_artifacts(run.info.run_id, f"checkpoint/step-{steps:08d}")}
+        assert {"model.safetensors", "optimizer.safetensors", "state.json", "manifest.json"} <= checkpoint_files
+
+
+def test_smoke_failure_stops_before_pretraining(corpus_jsonl, tmp_path, mlflow_uri):
+    overrides = small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "flow-smoke-fails")
+    params = load_params("tiny", [*overrides, "smoke.steps=5", "smoke.min_loss_drop=50"])
+    with pytest.raises(ValueError, match="smoke run failed: loss went from .* smoke.min_loss_drop=50.0"):
+        pretrain_flow(params)
+    (parent,), children = _runs(MlflowClient(mlflow_uri), "flow-smoke-fails")
+    assert [run.info.run_name for run in children] == ["data_prep", "smoke"]
+    assert parent.info.status == "FAILED" and children[1].info.status == "FAILED"
+    assert children[1].data.tags["llmflow.smoke_passed"] == "false"
 
 
 def test_same_params_reuse_the_dataset(corpus_jsonl, tmp_path, mlflow_uri):
@@ -85,7 +109,7 @@ def test_cli_run_and_exit_codes(corpus_jsonl, tmp_path, mlflow_uri, capsys):
     assert "pipeline finished: MLflow run" in capsys.readouterr().out
 
     assert main(["run", *args, "--set", "model.num_heads=3"]) == 2
-    assert "model.hidden_size=128 is not divisible by model.num_heads=3" in capsys.readouterr().err
+    assert "model.hidden_size=64 is not divisible by model.num_heads=3" in capsys.readouterr().err
 
     missing = small_pipeline_overrides(tmp_path / "nope.jsonl", tmp_path / "data", "flow-cli")
     assert main(["prep", *[arg for override in missing for arg in ("--set", override)]]) == 1

@@ -1,0 +1,304 @@
+"""The training loop: batches in, optimizer steps out, metrics to a callback, checkpoints to disk.
+
+`train(...)` builds the model, the compiled step pieces (model_core.train.step) and AdamW from params,
+optionally resumes from the newest valid checkpoint, and runs `steps` optimizer steps. It knows nothing of
+MLflow or Prefect: every `log_interval` steps it hands a metrics record (a flat dict) to `on_metrics`.
+A step whose loss or gradient norm is not finite is skipped and counted; `max_consecutive_nonfinite` of
+them in a row stop the run with `NonFiniteError`, leaving the last good checkpoint as it was.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+
+from model_core.model import Llama, count_parameters
+from model_core.train import checkpoint as ckpt
+from model_core.train.callbacks import MetricsCallback
+from model_core.train.flops import flops_per_token, mfu, peak_flops_for_current_device
+from model_core.train.loader import Batch, ShuffledBatches, load_split, sequential_batches
+from model_core.train.optim import AdamW
+from model_core.train.precision import LossScale, check_precision
+from model_core.train.schedule import learning_rate
+from model_core.train.step import AccumulateGradients, ApplyGradients, GradientNorm, SummedTokenLoss, ZeroGradients, scalar
+from model_core.train.system import device_target, peak_memory_bytes
+from params.schema import PipelineParams
+
+RESUME_CHOICES = ("auto", "none")
+
+
+class NonFiniteError(ArithmeticError):
+    """Too many non-finite steps in a row; the message names the step."""
+
+
+class ResumeError(ValueError):
+    """A checkpoint that cannot continue this run; the message says which field differs."""
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    initial_loss: float
+    final_loss: float
+    skipped_steps: int
+    nonfinite_steps: int
+    checkpoint: Path | None
+    resumed_from: Path | None
+    history: list[dict[str, float]] = field(default_factory=list)
+
+
+@dataclass
+class _Counters:
+    step: int = 0
+    skipped: int = 0
+    nonfinite: int = 0
+    consecutive_nonfinite: int = 0
+    initial_loss: float = math.nan
+    tokens_seen: int = 0
+
+
+class Trainer:
+    """One training run over a prepared dataset."""
+
+    def __init__(self, params: PipelineParams, dataset_dir: str | Path, checkpoint_dir: str | Path, steps: int | None = None):
+        device = device_target()
+        check_precision(params.precision, device)
+        self.params = params
+        self.steps = steps if steps is not None else params.train.steps
+        self.checkpoint_dir = Path(checkpoint_dir)
+        check_dataset(dataset_dir, params)
+        ms.set_seed(params.train.seed)
+        self.model = Llama(params.model, params.precision.compute_dtype)
+        apply_recompute(self.model, params)
+
+        train = params.train
+        self.micro_batches = params.parallel.micro_batches * train.grad_accum_steps
+        self.batches = ShuffledBatches(
+            load_split(dataset_dir, "train"),
+            global_batch_rows=train.micro_batch_size * self.micro_batches,
+            seed=train.seed,
+            pad_id=params.tokenizer.pad_id,
+            reset_at_documents=train.reset_at_document_boundaries,
+        )
+        self.validation = load_split(dataset_dir, "validation")
+
+        self.accumulate = AccumulateGradients(self.model)
+        self.optimizer = AdamW.from_params(self.accumulate.weights, params.optimizer)
+        self.norm = GradientNorm(self.accumulate.buffers)
+        self.apply = ApplyGradients(self.accumulate.buffers, self.optimizer)
+        self.zero = ZeroGradients(self.accumulate.buffers)
+        self.eval_loss = SummedTokenLoss(self.model)
+        self.loss_scale = LossScale.from_params(params.precision)
+        self.counters = _Counters()
+        self.last_lr = 0.0
+
+        self.flops_per_token = flops_per_token(params.model)
+        self.peak_flops = peak_flops_for_current_device(params.precision.compute_dtype)
+        self.num_parameters = count_parameters(self.model)
+
+    # ------------------------------------------------------------------------------------------ resume
+
+    def resume(self, how: str | Path) -> Path | None:
+        """`auto`: newest valid checkpoint in checkpoint_dir, if any; `none`: start fresh; or a path."""
+        if how == "none":
+            return None
+        found = ckpt.latest_valid(self.checkpoint_dir) if how == "auto" else ckpt.Checkpoint(Path(how), -1)
+        if found is None:
+            return None
+        if how != "auto" and (problem := ckpt.verify(found)):
+            raise ResumeError(f"checkpoint {found.path} is not usable: {problem}")
+        weights, moments, state = found.load()
+        self._check_compatible(state, found.path)
+        load_weights(self.model, weights)
+        self.optimizer.load_state_dict(moments)
+        self.batches.load_state_dict(state["data"])
+        self.loss_scale.load_state_dict(state["loss_scale"])
+        self.counters = _Counters(**state["counters"])
+        return found.path
+
+    def _check_compatible(self, state: dict, path: Path) -> None:
+        saved, ours = state["model"], self.params.model.model_dump(mode="json")
+        for key, value in ours.items():
+            if saved.get(key) != value:
+                raise ResumeError(
+                    f"checkpoint {path} was made with model.{key}={saved.get(key)}, this run has model.{key}={value}"
+                )
+
+    # --------------------------------------------------------------------------------------------- run
+
+    def run(self, on_metrics: MetricsCallback | None = None, resume: str | Path = "none") -> TrainResult:
+        resumed_from = self.resume(resume)
+        history: list[dict[str, float]] = []
+        train = self.params.train
+        last_checkpoint = resumed_from
+        window_tokens, window_start = 0, time.perf_counter()
+        while self.counters.step < self.steps:
+            loss, grad_norm, tokens = self._optimizer_step()
+            window_tokens += tokens
+            step = self.counters.step
+            if step % train.log_interval == 0 or step == self.steps:
+                elapsed = time.perf_counter() - window_start
+                record = self._record(loss, grad_norm, window_tokens / max(elapsed, 1e-9))
+                if step % train.eval_interval == 0 or step == self.steps:
+                    record["validation_loss"] = self.evaluate()
+                history.append(record)
+                if on_metrics is not None:
+                    on_metrics(record)
+                window_tokens, window_start = 0, time.perf_counter()
+            if step % train.checkpoint_interval == 0 or step == self.steps:
+                last_checkpoint = self.save().path
+        final_loss = history[-1]["loss"] if history else math.nan
+        return TrainResult(
+            steps=self.counters.step,
+            initial_loss=self.counters.initial_loss,
+            final_loss=final_loss,
+            skipped_steps=self.counters.skipped,
+            nonfinite_steps=self.counters.nonfinite,
+            checkpoint=last_checkpoint,
+            resumed_from=resumed_from,
+            history=history,
+        )
+
+    def _optimizer_step(self) -> tuple[float, float, int]:
+        """k micro-batches, one update (or a skip). Returns (mean loss, gradient norm, tokens processed)."""
+        micro = [self.batches.next_batch() for _ in range(self.micro_batches)]
+        counted = sum(batch.counted_tokens for batch in micro)
+        scale = scalar(self.loss_scale.scale / max(counted, 1))
+        summed = sum(float(self.accumulate(*_inputs(batch), scale).asnumpy()) for batch in micro)
+        loss = summed / max(counted, 1)
+        grad_norm = float(self.norm(scalar(1.0 / self.loss_scale.scale)).asnumpy())
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        self.loss_scale.update(finite)
+        counters = self.counters
+        step = counters.step
+        if finite:
+            clip = self.params.optimizer.grad_clip
+            coefficient = min(1.0, clip / (grad_norm + 1e-6)) if clip is not None else 1.0
+            lr = learning_rate(step, self.steps, self.params.optimizer)
+            self.last_lr = lr
+            self.apply(scalar(lr), scalar(step + 1), scalar(coefficient / self.loss_scale.scale))
+            counters.consecutive_nonfinite = 0
+            if math.isnan(counters.initial_loss):
+                counters.initial_loss = loss
+        else:
+            self.zero()
+            counters.skipped += 1
+            counters.nonfinite += 1
+            counters.consecutive_nonfinite += 1
+            if counters.consecutive_nonfinite >= self.params.train.max_consecutive_nonfinite:
+                raise NonFiniteError(
+                    f"step {step + 1}: loss {loss} / gradient norm {grad_norm} not finite for "
+                    f"{counters.consecutive_nonfinite} steps in a row (train.max_consecutive_nonfinite="
+                    f"{self.params.train.max_consecutive_nonfinite}); the last good checkpoint is kept"
+                )
+        counters.step += 1
+        tokens = sum(batch.tokens.size for batch in micro)
+        counters.tokens_seen += tokens
+        return loss, grad_norm, tokens
+
+    def _record(self, loss: float, grad_norm: float, tokens_per_second: float) -> dict[str, float]:
+        step = self.counters.step
+        record = {
+            "step": step,
+            "loss": loss,
+            "lr": self.last_lr,
+            "grad_norm": grad_norm,
+            "tokens_per_second": tokens_per_second,
+            "tokens_seen": self.counters.tokens_seen,
+            "peak_memory_bytes": peak_memory_bytes(),
+            "loss_scale": self.loss_scale.scale,
+            "skipped_steps": self.counters.skipped,
+        }
+        utilisation = mfu(tokens_per_second, self.flops_per_token, self.peak_flops)
+        if utilisation is not None:
+            record["mfu"] = utilisation
+        return record
+
+    def evaluate(self) -> float:
+        """Mean token loss over the first `train.eval_batches` validation micro-batches."""
+        train = self.params.train
+        total, counted = 0.0, 0
+        batches = sequential_batches(
+            self.validation, train.micro_batch_size, train.eval_batches, self.params.tokenizer.pad_id,
+            train.reset_at_document_boundaries,
+        )
+        for batch in batches:
+            _, summed = self.eval_loss(*_inputs(batch), scalar(1.0))
+            total += float(summed.asnumpy())
+            counted += batch.counted_tokens
+        return total / counted if counted else math.nan
+
+    # ------------------------------------------------------------------------------------- checkpoints
+
+    def save(self) -> ckpt.Checkpoint:
+        state = {
+            "step": self.counters.step,
+            "counters": vars(self.counters),
+            "data": self.batches.state_dict(),
+            "loss_scale": self.loss_scale.state_dict(),
+            "model": self.params.model.model_dump(mode="json"),
+            "rng": {"seed": self.params.train.seed},
+        }
+        return ckpt.save_checkpoint(
+            self.checkpoint_dir,
+            self.counters.step,
+            model_weights(self.model),
+            self.optimizer.state_dict(),
+            state,
+            keep=self.params.train.keep_checkpoints,
+        )
+
+
+def check_dataset(dataset_dir: str | Path, params: PipelineParams) -> None:
+    """The prepared data must have been made for this model's vocabulary and sequence length."""
+    manifest = json.loads((Path(dataset_dir) / "manifest.json").read_text())
+    for field in ("vocab_size", "seq_len"):
+        made_for, wanted = manifest[field], getattr(params.model, field)
+        if made_for != wanted:
+            raise ValueError(
+                f"dataset {dataset_dir} was prepared for {field}={made_for} but model.{field}={wanted}; "
+                "prepare the data again with these params"
+            )
+
+
+def _inputs(batch: Batch) -> tuple:
+    """The step's tensor inputs; the document-reset ones stay None unless the loader made them."""
+    positions = None if batch.position_ids is None else ms.Tensor(batch.position_ids)
+    segments = None if batch.segment_ids is None else ms.Tensor(batch.segment_ids)
+    return ms.Tensor(batch.tokens), ms.Tensor(batch.labels), ms.Tensor(batch.loss_mask), positions, segments
+
+
+def model_weights(model: ms.nn.Cell) -> dict[str, np.ndarray]:
+    return {param.name: param.asnumpy() for param in model.get_parameters()}
+
+
+def load_weights(model: ms.nn.Cell, weights: dict[str, np.ndarray]) -> None:
+    params = {param.name: param for param in model.get_parameters()}
+    missing, unexpected = set(params) - set(weights), set(weights) - set(params)
+    if missing or unexpected:
+        raise ResumeError(f"checkpoint weights do not fit the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
+    for name, param in params.items():
+        if weights[name].shape != param.shape:
+            raise ResumeError(f"{name}: checkpoint shape {weights[name].shape} != model shape {param.shape}")
+        param.set_data(ms.Tensor(weights[name]))
+
+
+def apply_recompute(model: Llama, params: PipelineParams) -> list[int]:
+    """Mark blocks for activation recomputation from outside the model; returns their indices."""
+    choice = params.recompute
+    layers = range(params.model.num_layers)
+    if choice.mode == "all":
+        chosen = list(layers)
+    elif choice.mode == "selected":
+        chosen = list(choice.layers) if choice.layers else [i for i in layers if i % choice.every_k == 0]
+    else:
+        chosen = []
+    for index in chosen:
+        model.layers[index].recompute()
+    return chosen
