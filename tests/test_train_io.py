@@ -39,12 +39,12 @@ def test_document_reset_positions_follow_doc_starts():
 
 def test_epoch_visits_every_row_once_in_a_seeded_order():
     rows = _rows(12)
-    loader = ShuffledBatches(rows, global_batch_rows=4, seed=7, pad_id=3)
+    loader = ShuffledBatches(rows, global_batch_rows=4, seed=7)
     seen = np.concatenate([loader.next_rows().tokens[:, 0] for _ in range(3)])
     assert sorted(seen.tolist()) == sorted(rows.tokens[:, 0].tolist())
-    again = ShuffledBatches(rows, global_batch_rows=4, seed=7, pad_id=3)
+    again = ShuffledBatches(rows, global_batch_rows=4, seed=7)
     np.testing.assert_array_equal(np.concatenate([again.next_rows().tokens[:, 0] for _ in range(3)]), seen)
-    other = ShuffledBatches(rows, global_batch_rows=4, seed=8, pad_id=3)
+    other = ShuffledBatches(rows, global_batch_rows=4, seed=8)
     assert not np.array_equal(np.concatenate([other.next_rows().tokens[:, 0] for _ in range(3)]), seen)
     next_epoch = np.concatenate([loader.next_rows().tokens[:, 0] for _ in range(3)])
     assert not np.array_equal(next_epoch, seen) and sorted(next_epoch.tolist()) == sorted(seen.tolist())
@@ -52,13 +52,13 @@ def test_epoch_visits_every_row_once_in_a_seeded_order():
 
 def test_resumed_loader_continues_exactly():
     rows = _rows(10)
-    straight = ShuffledBatches(rows, global_batch_rows=3, seed=1, pad_id=3)
+    straight = ShuffledBatches(rows, global_batch_rows=3, seed=1)
     expected = [straight.next_rows().tokens for _ in range(8)]
-    first = ShuffledBatches(rows, global_batch_rows=3, seed=1, pad_id=3)
+    first = ShuffledBatches(rows, global_batch_rows=3, seed=1)
     for _ in range(5):
         first.next_rows()
     state = json.loads(json.dumps(first.state_dict()))
-    resumed = ShuffledBatches(rows, global_batch_rows=3, seed=1, pad_id=3)
+    resumed = ShuffledBatches(rows, global_batch_rows=3, seed=1)
     resumed.load_state_dict(state)
     for want in expected[5:]:
         np.testing.assert_array_equal(resumed.next_rows().tokens, want)
@@ -66,17 +66,17 @@ def test_resumed_loader_continues_exactly():
 
 def test_ranks_split_each_global_batch():
     rows = _rows(8)
-    whole = ShuffledBatches(rows, global_batch_rows=4, seed=0, pad_id=3).next_rows().tokens
-    halves = [ShuffledBatches(rows, 4, 0, 3, rank=r, world=2).next_rows().tokens for r in range(2)]
+    whole = ShuffledBatches(rows, global_batch_rows=4, seed=0).next_rows().tokens
+    halves = [ShuffledBatches(rows, 4, 0, rank=r, world=2).next_rows().tokens for r in range(2)]
     np.testing.assert_array_equal(np.concatenate(halves), whole)
 
 
 def test_loader_refuses_mismatched_state_and_tiny_splits():
-    loader = ShuffledBatches(_rows(10), global_batch_rows=2, seed=1, pad_id=3)
+    loader = ShuffledBatches(_rows(10), global_batch_rows=2, seed=1)
     with pytest.raises(ValueError, match="global_batch_rows=2 but this run has global_batch_rows=4"):
-        ShuffledBatches(_rows(10), global_batch_rows=4, seed=1, pad_id=3).load_state_dict(loader.state_dict())
+        ShuffledBatches(_rows(10), global_batch_rows=4, seed=1).load_state_dict(loader.state_dict())
     with pytest.raises(ValueError, match="has 3 rows, fewer than one global batch of 4 rows"):
-        ShuffledBatches(_rows(3), global_batch_rows=4, seed=1, pad_id=3)
+        ShuffledBatches(_rows(3), global_batch_rows=4, seed=1)
 
 
 def test_validation_batches_are_fixed_and_bounded():

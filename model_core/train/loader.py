@@ -64,7 +64,7 @@ def make_batch(rows: PackedRows, pad_id: int, reset_at_documents: bool) -> Batch
 
 
 class ShuffledBatches:
-    """Global batches in a seeded per-epoch order; this rank's slice of each, resumable exactly.
+    """Rows of global batches in a seeded per-epoch order; this rank's slice of each, resumable exactly.
 
     Epoch e visits the rows in `permutation(seed, e)`; a remainder smaller than a global batch is skipped,
     so every batch is full and the stream is a pure function of (seed, position).
@@ -75,8 +75,6 @@ class ShuffledBatches:
         rows: PackedRows,
         global_batch_rows: int,
         seed: int,
-        pad_id: int,
-        reset_at_documents: bool = False,
         rank: int = 0,
         world: int = 1,
     ) -> None:
@@ -90,8 +88,6 @@ class ShuffledBatches:
         self.rows = rows
         self.global_batch_rows = global_batch_rows
         self.seed = seed
-        self.pad_id = pad_id
-        self.reset_at_documents = reset_at_documents
         self.rank = rank
         self.world = world
         self.position = LoaderPosition()
@@ -114,9 +110,6 @@ class ShuffledBatches:
         self.position = LoaderPosition(self.position.epoch, start + self.global_batch_rows)
         per_rank = self.global_batch_rows // self.world
         return self.rows.take(batch[self.rank * per_rank : (self.rank + 1) * per_rank])
-
-    def next_batch(self) -> Batch:
-        return make_batch(self.next_rows(), self.pad_id, self.reset_at_documents)
 
     def _identity(self) -> dict:
         return {"seed": self.seed, "rows": len(self.rows), "global_batch_rows": self.global_batch_rows}

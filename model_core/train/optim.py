@@ -48,9 +48,12 @@ class AdamW(nn.Cell):
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
         weight_decay: float = 0.1,
+        names: Sequence[str] | None = None,
     ):
         super().__init__()
         self.params = ParameterTuple(parameters)
+        # Parameter.name changes as cells nest; state keys use the names as given here, fixed once.
+        self.param_names = tuple(names) if names is not None else tuple(p.name for p in self.params)
         self.exp_avg = self.params.clone(prefix="adam_m", init="zeros")
         self.exp_avg_sq = self.params.clone(prefix="adam_v", init="zeros")
         self.decays = tuple(applies_weight_decay(p) for p in self.params)
@@ -62,9 +65,11 @@ class AdamW(nn.Cell):
         self._fused_update = ops.AdamWeightDecay()
 
     @classmethod
-    def from_params(cls, parameters: Sequence[Parameter], optimizer: OptimizerParams) -> AdamW:
+    def from_params(
+        cls, parameters: Sequence[Parameter], optimizer: OptimizerParams, names: Sequence[str] | None = None
+    ) -> AdamW:
         """The AdamW an `OptimizerParams` describes (lr and clipping are the caller's, per step)."""
-        return cls(parameters, (optimizer.beta1, optimizer.beta2), optimizer.eps, optimizer.weight_decay)
+        return cls(parameters, (optimizer.beta1, optimizer.beta2), optimizer.eps, optimizer.weight_decay, names)
 
     def construct(self, grads: tuple[Tensor, ...], lr: Tensor, step: Tensor) -> None:
         t = step.astype(ms.float32)
@@ -80,13 +85,19 @@ class AdamW(nn.Cell):
                 lr_t, self.beta1, self.beta2, eps_t, decay, grads[i],
             )
 
+    def _moments(self) -> dict[str, Parameter]:
+        return {
+            **{f"adam_m.{name}": m for name, m in zip(self.param_names, self.exp_avg)},
+            **{f"adam_v.{name}": v for name, v in zip(self.param_names, self.exp_avg_sq)},
+        }
+
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Copies of the moments, keyed by their Parameter names (`adam_m.<name>`, `adam_v.<name>`)."""
-        return {m.name: m.asnumpy().copy() for m in (*self.exp_avg, *self.exp_avg_sq)}
+        """Copies of the moments, keyed `adam_m.<name>` / `adam_v.<name>` by the parameter names given."""
+        return {key: moment.asnumpy().copy() for key, moment in self._moments().items()}
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         """Set every moment from `state`, which must hold exactly this optimizer's keys and shapes."""
-        moments = {m.name: m for m in (*self.exp_avg, *self.exp_avg_sq)}
+        moments = self._moments()
         missing, unexpected = sorted(moments.keys() - state.keys()), sorted(state.keys() - moments.keys())
         if missing or unexpected:
             raise KeyError(f"optimizer state does not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
@@ -95,7 +106,7 @@ class AdamW(nn.Cell):
             if value.shape != tuple(moment.shape):
                 shape = tuple(moment.shape)
                 raise ValueError(f"{name}: saved shape {value.shape} differs from the parameter's {shape}")
-            moment.set_data(Tensor(value))
+            ops.assign(moment, Tensor(value))  # in place: set_data would detach already-compiled graphs
 
 
 def clip_by_global_norm(grads: tuple[Tensor, ...], max_norm: float) -> tuple[tuple[Tensor, ...], Tensor]:

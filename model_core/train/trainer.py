@@ -17,12 +17,13 @@ from pathlib import Path
 
 import mindspore as ms
 import numpy as np
+from mindspore import ops
 
 from model_core.model import Llama, count_parameters
 from model_core.train import checkpoint as ckpt
 from model_core.train.callbacks import MetricsCallback
 from model_core.train.flops import flops_per_token, mfu, peak_flops_for_current_device
-from model_core.train.loader import Batch, ShuffledBatches, load_split, sequential_batches
+from model_core.train.loader import Batch, ShuffledBatches, load_split, make_batch, sequential_batches
 from model_core.train.optim import AdamW
 from model_core.train.precision import LossScale, check_precision
 from model_core.train.schedule import learning_rate
@@ -60,6 +61,7 @@ class _Counters:
     nonfinite: int = 0
     consecutive_nonfinite: int = 0
     initial_loss: float = math.nan
+    last_loss: float = math.nan
     tokens_seen: int = 0
 
 
@@ -83,13 +85,13 @@ class Trainer:
             load_split(dataset_dir, "train"),
             global_batch_rows=train.micro_batch_size * self.micro_batches,
             seed=train.seed,
-            pad_id=params.tokenizer.pad_id,
-            reset_at_documents=train.reset_at_document_boundaries,
         )
         self.validation = load_split(dataset_dir, "validation")
 
         self.accumulate = AccumulateGradients(self.model)
-        self.optimizer = AdamW.from_params(self.accumulate.weights, params.optimizer)
+        names = {id(param): name for name, param in self.model.parameters_and_names()}
+        weight_names = [names[id(param)] for param in self.accumulate.weights]
+        self.optimizer = AdamW.from_params(self.accumulate.weights, params.optimizer, weight_names)
         self.norm = GradientNorm(self.accumulate.buffers)
         self.apply = ApplyGradients(self.accumulate.buffers, self.optimizer)
         self.zero = ZeroGradients(self.accumulate.buffers)
@@ -151,13 +153,13 @@ class Trainer:
                 if on_metrics is not None:
                     on_metrics(record)
                 window_tokens, window_start = 0, time.perf_counter()
-            if step % train.checkpoint_interval == 0 or step == self.steps:
+            due = step % train.checkpoint_interval == 0 or step == self.steps
+            if due and self.counters.consecutive_nonfinite == 0:  # never replace good checkpoints with bad weights
                 last_checkpoint = self.save().path
-        final_loss = history[-1]["loss"] if history else math.nan
         return TrainResult(
             steps=self.counters.step,
             initial_loss=self.counters.initial_loss,
-            final_loss=final_loss,
+            final_loss=self.counters.last_loss,
             skipped_steps=self.counters.skipped,
             nonfinite_steps=self.counters.nonfinite,
             checkpoint=last_checkpoint,
@@ -167,7 +169,9 @@ class Trainer:
 
     def _optimizer_step(self) -> tuple[float, float, int]:
         """k micro-batches, one update (or a skip). Returns (mean loss, gradient norm, tokens processed)."""
-        micro = [self.batches.next_batch() for _ in range(self.micro_batches)]
+        rows = self.batches.next_rows()  # this step's global batch, cut into k micro-batches
+        size = self.params.train.micro_batch_size
+        micro = [self._batch(rows.take(np.arange(i, i + size))) for i in range(0, len(rows), size)]
         counted = sum(batch.counted_tokens for batch in micro)
         scale = scalar(self.loss_scale.scale / max(counted, 1))
         summed = sum(float(self.accumulate(*_inputs(batch), scale).asnumpy()) for batch in micro)
@@ -186,6 +190,7 @@ class Trainer:
             counters.consecutive_nonfinite = 0
             if math.isnan(counters.initial_loss):
                 counters.initial_loss = loss
+            counters.last_loss = loss
         else:
             self.zero()
             counters.skipped += 1
@@ -201,6 +206,9 @@ class Trainer:
         tokens = sum(batch.tokens.size for batch in micro)
         counters.tokens_seen += tokens
         return loss, grad_norm, tokens
+
+    def _batch(self, rows) -> Batch:
+        return make_batch(rows, self.params.tokenizer.pad_id, self.params.train.reset_at_document_boundaries)
 
     def _record(self, loss: float, grad_norm: float, tokens_per_second: float) -> dict[str, float]:
         step = self.counters.step
@@ -275,18 +283,19 @@ def _inputs(batch: Batch) -> tuple:
 
 
 def model_weights(model: ms.nn.Cell) -> dict[str, np.ndarray]:
-    return {param.name: param.asnumpy() for param in model.get_parameters()}
+    """Weights by their path in the model (`layers.0.self_attn.q_proj.weight`), stable however cells nest."""
+    return {name: param.asnumpy() for name, param in model.parameters_and_names()}
 
 
 def load_weights(model: ms.nn.Cell, weights: dict[str, np.ndarray]) -> None:
-    params = {param.name: param for param in model.get_parameters()}
+    params = dict(model.parameters_and_names())
     missing, unexpected = set(params) - set(weights), set(weights) - set(params)
     if missing or unexpected:
         raise ResumeError(f"checkpoint weights do not fit the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
     for name, param in params.items():
         if weights[name].shape != param.shape:
             raise ResumeError(f"{name}: checkpoint shape {weights[name].shape} != model shape {param.shape}")
-        param.set_data(ms.Tensor(weights[name]))
+        ops.assign(param, ms.Tensor(weights[name]))  # in place: set_data would detach compiled graphs
 
 
 def apply_recompute(model: Llama, params: PipelineParams) -> list[int]:
