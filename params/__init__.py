@@ -2,6 +2,7 @@
 
 from params.loading import ParamsError, flatten, load_params, params_hash, preset_names, to_yaml
 from params.schema import (
+    ConvertParams,
     DataParams,
     DataSource,
     EvalParams,
@@ -19,6 +20,7 @@ from params.schema import (
 )
 
 __all__ = [
+    "ConvertParams",
     "DataParams",
     "DataSource",
     "EvalParams",

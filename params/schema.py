@@ -294,6 +294,23 @@ class TrainParams(StrictModel):
     output_dir: str = Field("artifacts/train", description="Where checkpoints and run outputs go.")
 
 
+class ConvertParams(StrictModel):
+    """Starting from a Hugging Face Llama checkpoint on disk (never downloaded at run time)."""
+
+    hf_source: str | None = Field(
+        None,
+        description="A local Hugging Face model directory (config.json + model.safetensors, a sharded "
+        "safetensors index, or pytorch_model.bin). When set, pretraining and fine-tuning start from its "
+        "weights, and the model section must agree with its config.json.",
+    )
+    cache_dir: str = Field(
+        "artifacts/converted", description="Converted checkpoints, one directory per hash of the source files."
+    )
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="dtype of the converted weights on disk."
+    )
+
+
 class SmokeParams(StrictModel):
     """Short run that must show learning before the expensive pretraining run starts."""
 
@@ -368,6 +385,7 @@ class PipelineParams(StrictModel):
     parallel: ParallelParams = Field(default_factory=ParallelParams)
     precision: PrecisionParams = Field(default_factory=PrecisionParams)
     recompute: RecomputeParams = Field(default_factory=RecomputeParams)
+    convert: ConvertParams = Field(default_factory=ConvertParams)
     optimizer: OptimizerParams = Field(default_factory=OptimizerParams)
     train: TrainParams = Field(default_factory=TrainParams)
     smoke: SmokeParams = Field(default_factory=SmokeParams)
