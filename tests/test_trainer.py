@@ -189,3 +189,12 @@ def test_killed_cli_run_resumes_to_identical_weights(corpus_jsonl, tmp_path):
         np.testing.assert_array_equal(final[1][name], final[0][name], err_msg=name)
     logged = [json.loads(line) for line in (tmp_path / "killed.jsonl").read_text().splitlines()]
     assert logged[-1]["step"] == 12
+
+
+def test_initial_weights_replace_the_random_initialisation(dataset_dir, tmp_path):
+    first = Trainer(small(tmp_path, "train.steps=3"), dataset_dir, tmp_path / "a")
+    saved = first.run().checkpoint
+    fresh = Trainer(small(tmp_path, "train.steps=3", "train.seed=99"), dataset_dir, tmp_path / "b")
+    started = Trainer(small(tmp_path, "train.steps=3", "train.seed=99"), dataset_dir, tmp_path / "c", initial_weights=saved)
+    started.resume("none")
+    assert started.evaluate() == first.evaluate() != fresh.evaluate()

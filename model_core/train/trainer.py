@@ -18,6 +18,7 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 from mindspore import ops
+from safetensors.numpy import load_file
 
 from model_core.model import Llama, count_parameters
 from model_core.train import checkpoint as ckpt
@@ -68,12 +69,22 @@ class _Counters:
 class Trainer:
     """One training run over a prepared dataset."""
 
-    def __init__(self, params: PipelineParams, dataset_dir: str | Path, checkpoint_dir: str | Path, steps: int | None = None):
+    def __init__(
+        self,
+        params: PipelineParams,
+        dataset_dir: str | Path,
+        checkpoint_dir: str | Path,
+        steps: int | None = None,
+        initial_weights: str | Path | None = None,
+    ):
+        """`initial_weights`: a directory with `model.safetensors` (a converted or earlier checkpoint) to start
+        from instead of a random initialisation; a resumed checkpoint takes precedence over it."""
         device = device_target()
         check_precision(params.precision, device)
         self.params = params
         self.steps = steps if steps is not None else params.train.steps
         self.checkpoint_dir = Path(checkpoint_dir)
+        self.initial_weights = Path(initial_weights) if initial_weights is not None else None
         check_dataset(dataset_dir, params)
         ms.set_seed(params.train.seed)
         self.model = Llama(params.model, params.precision.compute_dtype)
@@ -107,14 +118,13 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ resume
 
     def resume(self, how: str | Path) -> Path | None:
-        """`auto`: newest valid checkpoint in checkpoint_dir, if any; `none`: start fresh; or a path."""
-        if how == "none":
-            return None
-        found = ckpt.latest_valid(self.checkpoint_dir) if how == "auto" else ckpt.Checkpoint(Path(how), -1)
+        """`auto`: newest valid checkpoint in checkpoint_dir, if any; `none`: start fresh; or a path.
+        Starting fresh begins from `initial_weights` when given."""
+        found = self._find_checkpoint(how)
         if found is None:
+            if self.initial_weights is not None:
+                load_weights(self.model, load_file(self.initial_weights / "model.safetensors"))
             return None
-        if how != "auto" and (problem := ckpt.verify(found)):
-            raise ResumeError(f"checkpoint {found.path} is not usable: {problem}")
         weights, moments, state = found.load()
         self._check_compatible(state, found.path)
         load_weights(self.model, weights)
@@ -123,6 +133,16 @@ class Trainer:
         self.loss_scale.load_state_dict(state["loss_scale"])
         self.counters = _Counters(**state["counters"])
         return found.path
+
+    def _find_checkpoint(self, how: str | Path) -> ckpt.Checkpoint | None:
+        if how == "none":
+            return None
+        found = ckpt.latest_valid(self.checkpoint_dir) if how == "auto" else ckpt.Checkpoint(Path(how), -1)
+        if found is None:
+            return None
+        if how != "auto" and (problem := ckpt.verify(found)):
+            raise ResumeError(f"checkpoint {found.path} is not usable: {problem}")
+        return found
 
     def _check_compatible(self, state: dict, path: Path) -> None:
         saved, ours = state["model"], self.params.model.model_dump(mode="json")
