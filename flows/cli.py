@@ -70,7 +70,9 @@ def _cmd_train(params: PipelineParams, args: argparse.Namespace) -> int:
     preparing = PhaseProgress("data prep")
     dataset = prepare_dataset(params.data, params.tokenizer, params.model, progress=preparing)
     preparing.close()
-    checkpoints = args.checkpoint_dir or run_directory(params.train.output_dir, params.name, params_hash(params), "pretrain")
+    checkpoints = args.checkpoint_dir or run_directory(
+        params.train.output_dir, params.name, params_hash(params), dataset.output_dir, "pretrain"
+    )
     trainer = Trainer(params, dataset.output_dir, checkpoints)
     bar = TrainingProgress(trainer.steps)
     jsonl = jsonl_writer(args.metrics_jsonl) if args.metrics_jsonl else None
@@ -140,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
-        help="where checkpoints go (default: train.output_dir/<name>-<params hash>/pretrain)",
+        help="where checkpoints go (default: train.output_dir/<name>-<params hash>-<dataset key>/pretrain, "
+        "the directory pretrain-flow's pretrain stage uses)",
     )
     train.set_defaults(handler=_cmd_train)
 

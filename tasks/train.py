@@ -38,7 +38,7 @@ class TrainStageResult(BaseModel):
 
 def train_stage(params: PipelineParams, data: DataResult, run: StageRun, stage: str, steps: int, resume: str) -> TrainResult:
     """Train and record: batched per-step metrics, a summary, the final checkpoint and a loss curve."""
-    directory = run_directory(params.train.output_dir, params.name, params_hash(params), stage)
+    directory = run_directory(params.train.output_dir, params.name, params_hash(params), data.dataset_dir, stage)
     run.log_params({"stage.steps": steps, "stage.checkpoint_dir": directory, "stage.resume": resume})
     trainer = Trainer(params, data.dataset_dir, directory, steps=steps)
     with MetricsBatcher(run) as metrics:

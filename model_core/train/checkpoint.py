@@ -122,6 +122,7 @@ def _fsync_dir(path: Path) -> None:
             os.fsync(handle.fileno())
 
 
-def run_directory(output_dir: str | Path, name: str, params_hash: str, stage: str) -> Path:
-    """`<output_dir>/<name>-<hash>/<stage>`: where one run's checkpoints live and `--resume auto` looks."""
-    return Path(output_dir) / f"{name}-{params_hash[:12]}" / stage
+def run_directory(output_dir: str | Path, name: str, params_hash: str, dataset_dir: str | Path, stage: str) -> Path:
+    """`<output_dir>/<name>-<params hash>-<dataset key>/<stage>`: one run's checkpoints, where `--resume auto`
+    looks. New data (a new prepared dataset directory) or new params start a new run instead of resuming."""
+    return Path(output_dir) / f"{name}-{params_hash[:12]}-{Path(dataset_dir).name[:12]}" / stage
