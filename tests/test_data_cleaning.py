@@ -1,8 +1,13 @@
-"""Each cleaning rule of data prep, one at a time."""
+"""Each cleaning rule of data prep, one at a time, and the batched cleaning that applies them all."""
+
+import random
+import re
+import sys
 
 import pytest
 
-from model_core.data.cleaning import clean_text
+from model_core.data import cleaning
+from model_core.data.cleaning import clean_text, clean_texts
 
 
 @pytest.mark.parametrize(
@@ -31,3 +36,24 @@ def test_unicode_normalisation_can_be_switched_off():
 @pytest.mark.parametrize("raw", ["", "   \n\t\n  ", "\x00\x01\x02"])
 def test_texts_of_only_whitespace_or_control_characters_become_empty(raw):
     assert clean_text(raw) == ""
+
+
+def test_batched_cleaning_equals_cleaning_each_document():
+    alphabet = list(" \t\n\r\x00\x07\x0b\x1c\x85\xa0\u1680\u2000\u2028\u3000\ufb01\u2460\uff21\u0301e\u00e9ab")
+    rng = random.Random(0)
+    for _ in range(2000):
+        docs = ["".join(rng.choices(alphabet, k=rng.randint(0, 12))) for _ in range(rng.randint(1, 6))]
+        for normalize in (True, False):
+            assert clean_texts(docs, normalize) == [clean_text(doc, normalize) for doc in docs]
+
+
+def test_a_document_holding_the_batch_separator_is_cleaned_on_its_own():
+    docs = ["a\x00b  c", "ﬁne", "plain  ascii"]
+    assert clean_texts(docs) == ["ab c", "fine", "plain ascii"]
+
+
+def test_the_other_horizontal_space_class_is_every_remaining_unicode_space():
+    spaces = {chr(code) for code in range(sys.maxunicode + 1) if chr(code).isspace()}
+    dropped = {c for c in spaces if re.fullmatch(cleaning._CONTROL_CHARACTERS, c)}
+    expected = spaces - dropped - {"\n", "\r", " ", "\t"}
+    assert {c for c in spaces if cleaning._OTHER_HORIZONTAL_SPACE.fullmatch(c)} == expected

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from model_core.data.packing import pack_documents
+from model_core.data.packing import pack_documents, select_documents
 
 BOS, EOS, PAD = 1, 2, 3
 
@@ -11,6 +11,11 @@ BOS, EOS, PAD = 1, 2, 3
 def documents(seed: int = 0, count: int = 40) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [rng.integers(10, 100, size=rng.integers(1, 30)).tolist() for _ in range(count)]
+
+
+def pack(docs: list[list[int]], row_len: int, bos_id: int | None, last_row: str):
+    ids = np.array([token for doc in docs for token in doc], dtype=np.int32)
+    return pack_documents(ids, np.array([len(doc) for doc in docs]), row_len, bos_id, EOS, PAD, last_row)
 
 
 def unpacked(stream: np.ndarray) -> list[list[int]]:
@@ -31,7 +36,7 @@ def unpacked(stream: np.ndarray) -> list[list[int]]:
 @pytest.mark.parametrize("last_row", ["drop", "pad"])
 def test_every_token_appears_once_in_order_in_rows_of_row_len(last_row):
     docs = documents()
-    rows = pack_documents(docs, 17, BOS, EOS, PAD, last_row)
+    rows = pack(docs, 17, BOS, last_row)
     assert rows.tokens.shape[1] == 17 and rows.tokens.dtype == np.int32
     stream = rows.tokens.reshape(-1).tolist()
     expected = [token for doc in docs for token in [BOS, *doc, EOS]]
@@ -45,7 +50,7 @@ def test_every_token_appears_once_in_order_in_rows_of_row_len(last_row):
 
 
 def test_doc_starts_are_row_offsets_of_each_bos_plus_zero():
-    rows = pack_documents(documents(1), 13, BOS, EOS, PAD, "pad")
+    rows = pack(documents(1), 13, BOS, "pad")
     for row in range(len(rows)):
         starts = rows.doc_starts(row).tolist()
         expected = sorted({0} | set(np.flatnonzero(rows.tokens[row] == BOS).tolist()))
@@ -54,7 +59,7 @@ def test_doc_starts_are_row_offsets_of_each_bos_plus_zero():
 
 def test_without_bos_documents_are_eos_separated_and_starts_follow_each_eos():
     docs = documents(2)
-    rows = pack_documents(docs, 11, None, EOS, PAD, "pad")
+    rows = pack(docs, 11, None, "pad")
     stream = rows.tokens.reshape(-1)
     total = sum(len(doc) + 1 for doc in docs)
     pieces = np.split(stream[:total], np.flatnonzero(stream[:total] == EOS) + 1)[:-1]
@@ -66,16 +71,24 @@ def test_without_bos_documents_are_eos_separated_and_starts_follow_each_eos():
 
 
 def test_a_corpus_shorter_than_a_row_gives_no_row_when_dropping_and_one_when_padding():
-    assert len(pack_documents([[5, 6]], 10, BOS, EOS, PAD, "drop")) == 0
-    padded = pack_documents([[5, 6]], 10, BOS, EOS, PAD, "pad")
+    assert len(pack([[5, 6]], 10, BOS, "drop")) == 0
+    padded = pack([[5, 6]], 10, BOS, "pad")
     assert padded.tokens.tolist() == [[BOS, 5, 6, EOS] + [PAD] * 6]
     assert padded.doc_starts(0).tolist() == [0]
 
 
 def test_take_reorders_tokens_and_doc_starts_together():
-    rows = pack_documents(documents(3), 9, BOS, EOS, PAD, "drop")
+    rows = pack(documents(3), 9, BOS, "drop")
     order = np.random.default_rng(0).permutation(len(rows))
     shuffled = rows.take(order)
     for new, old in enumerate(order):
         assert shuffled.tokens[new].tolist() == rows.tokens[old].tolist()
         assert shuffled.doc_starts(new).tolist() == rows.doc_starts(old).tolist()
+
+
+def test_select_documents_gathers_ids_and_lengths_in_the_given_order():
+    docs = documents(4, count=6)
+    ids = np.array([token for doc in docs for token in doc], dtype=np.int32)
+    chosen_ids, lengths = select_documents(ids, np.array([len(doc) for doc in docs]), np.array([4, 0, 2]))
+    assert chosen_ids.tolist() == docs[4] + docs[0] + docs[2]
+    assert lengths.tolist() == [len(docs[4]), len(docs[0]), len(docs[2])]

@@ -2,16 +2,19 @@
 
 import json
 import logging
+import multiprocessing
+import re
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 import sentencepiece as spm
 
-from model_core.data import DataPrepError, prepare_dataset, read_shards
+from model_core.data import DataPrepError, prepare, prepare_dataset, read_shards
 from model_core.data.cleaning import clean_text
 from model_core.data.shards import file_sha256
-from model_core.data.sources import InputFile, read_input, stdlib_files
+from model_core.data.docstrings import stdlib_files
+from model_core.data.sources import InputFile, read_input
 from params.schema import DataParams, DataSource, ModelParams, TokenizerParams
 
 MODEL = ModelParams(vocab_size=512, seq_len=256)
@@ -42,6 +45,18 @@ def params(tmp_path, corpus, **overrides):
         near_dup_threshold=None,
     )
     return DataParams(**{**values, **overrides})
+
+
+class SpyContexts:
+    """Stands in for multiprocessing.get_context and records which start methods were asked for."""
+
+    def __init__(self):
+        self.methods = []
+        self.real = multiprocessing.get_context
+
+    def __call__(self, method):
+        self.methods.append(method)
+        return self.real(method)
 
 
 def complete_documents(result, split):
@@ -175,8 +190,10 @@ def test_a_missing_input_stops_the_run(tmp_path):
 
 def test_filters_and_dedup_are_counted_per_reason(tmp_path, documents):
     long_doc = documents[0] * 30
-    long_words = documents[9].split()  # 354 words: one changed word keeps the shingle Jaccard near 0.97
-    near_copy = " ".join(long_words[:100] + ["changed"] + long_words[101:])
+    # 354 words: one word changed in place keeps the token-shingle Jaccard near 0.97.
+    word = re.compile(r"\S+")
+    hundredth = list(word.finditer(documents[9]))[100]
+    near_copy = documents[9][: hundredth.start()] + "changed" + documents[9][hundredth.end() :]
     texts = [documents[1], documents[1], "short", "\x00\x01", long_doc, documents[9], near_copy] + documents[10:60]
     corpus = tmp_path / "c.jsonl"
     corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
@@ -196,5 +213,19 @@ def test_progress_is_reported_per_stage(tmp_path, corpus):
     calls = []
     prepare_dataset(params(tmp_path, corpus), TOKENIZER, MODEL, progress=lambda *call: calls.append(call))
     last_call = {stage: (done, total) for stage, done, total in calls}
-    assert {"read", "filter and dedup", "tokenize train", "tokenize validation"} <= set(last_call)
+    assert {"read", "filter and dedup", "tokenize", "write train", "write validation"} <= set(last_call)
     assert all(done == total for done, total in last_call.values())
+
+
+def test_several_large_files_are_read_in_spawned_workers_with_the_same_result(tmp_path, documents, monkeypatch):
+    halves = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for path, part in zip(halves, (documents[::2], documents[1::2])):
+        path.write_text("".join(json.dumps({"text": text}) + "\n" for text in part))
+    data = params(tmp_path, halves[0], sources=[DataSource(kind="jsonl", paths=[str(path) for path in halves])])
+    serial = prepare_dataset(data.model_copy(update={"output_dir": str(tmp_path / "serial")}), TOKENIZER, MODEL)
+    monkeypatch.setattr(prepare, "_PARALLEL_READ_BYTES", 0)
+    contexts = SpyContexts()
+    monkeypatch.setattr(prepare.multiprocessing, "get_context", contexts)
+    parallel = prepare_dataset(data.model_copy(update={"num_workers": 2}), TOKENIZER, MODEL)
+    assert contexts.methods == ["spawn"]
+    assert parallel.manifest["splits"] == serial.manifest["splits"]

@@ -1,13 +1,17 @@
-"""Reading the corpus inputs: formats, globs, the stdlib docstrings, and bad records."""
+"""Reading the corpus inputs: formats, globs, the stdlib docstrings and their cache, bad records, and
+change detection."""
 
 import json
+import os
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from model_core.data.errors import DataPrepError
-from model_core.data.sources import InputFile, fingerprint, list_inputs, read_input, stdlib_files
+from model_core.data import docstrings
+from model_core.data.docstrings import stdlib_docstrings, stdlib_files
+from model_core.data.sources import InputFile, fingerprint, list_inputs, read_input
 from params.schema import DataSource
 
 
@@ -112,3 +116,37 @@ def test_fingerprint_changes_with_content_and_not_without(tmp_path):
     assert fingerprint(inputs) == first
     path.write_text("one two")
     assert fingerprint(inputs) != first
+
+
+def test_an_edit_that_keeps_size_and_mtime_still_changes_the_fingerprint(tmp_path):
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"text": "one"}\n')
+    stat = path.stat()
+    first = fingerprint([InputFile(path, "jsonl")])
+    path.write_text('{"text": "two"}\n')
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
+    assert fingerprint([InputFile(path, "jsonl")]) != first
+
+
+def test_the_standard_library_is_one_input_read_through_the_cache(tmp_path, monkeypatch):
+    (item,) = list_inputs([DataSource()])
+    assert item.kind == "python_docstrings" and item.path.is_dir()
+    few = [path for path in stdlib_files() if path.name in {"csv.py", "textwrap.py"}]
+    monkeypatch.setattr(docstrings, "stdlib_files", lambda: few)
+    texts, report = read_input(item, cache_dir=tmp_path)
+    assert texts and report.records == len(texts)
+    (cache,) = tmp_path.iterdir()
+    assert cache.suffix == ".parquet"
+    monkeypatch.setattr(docstrings, "file_docstrings", lambda path: pytest.fail("parsed despite the cache"))
+    assert stdlib_docstrings(tmp_path) == texts
+
+
+def test_a_damaged_docstring_cache_is_rebuilt(tmp_path, monkeypatch, caplog):
+    few = [path for path in stdlib_files() if path.name == "csv.py"]
+    monkeypatch.setattr(docstrings, "stdlib_files", lambda: few)
+    texts = stdlib_docstrings(tmp_path)
+    (cache,) = tmp_path.iterdir()
+    cache.write_bytes(b"not parquet")
+    assert stdlib_docstrings(tmp_path) == texts and "unreadable" in caplog.text
+    assert [path.name for path in tmp_path.iterdir()] == [cache.name]

@@ -9,7 +9,6 @@ positions there. The last partial row is dropped or padded with pad_id; padding 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
 from typing import Literal
 
 import numpy as np
@@ -38,15 +37,17 @@ class PackedRows:
 
 
 def pack_documents(
-    token_ids: list[list[int]],
+    token_ids: np.ndarray,
+    lengths: np.ndarray,
     row_len: int,
     bos_id: int | None,
     eos_id: int,
     pad_id: int,
     last_row: Literal["drop", "pad"],
 ) -> PackedRows:
-    lengths = np.fromiter(map(len, token_ids), dtype=np.int64, count=len(token_ids))
-    body = np.fromiter(chain.from_iterable(token_ids), dtype=np.int32, count=int(lengths.sum()))
+    """Pack documents given as their token ids concatenated and the number of tokens of each."""
+    body = np.asarray(token_ids, dtype=np.int32)
+    lengths = np.asarray(lengths, dtype=np.int64)
     doc_lengths = lengths + 1 + (bos_id is not None)
     doc_starts = np.cumsum(doc_lengths) - doc_lengths
     total = int(doc_lengths.sum())
@@ -69,3 +70,12 @@ def pack_documents(
     starts = np.union1d(row_starts, doc_starts[doc_starts < rows * row_len])
     offsets = np.searchsorted(starts, np.append(row_starts, rows * row_len))
     return PackedRows(stream.reshape(rows, row_len), (starts % row_len).astype(np.int32), offsets.astype(np.int64))
+
+
+def select_documents(token_ids: np.ndarray, lengths: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The token ids and lengths of the documents at `order` (indices into `lengths`), in that order."""
+    starts = np.cumsum(lengths) - lengths
+    chosen = lengths[order]
+    offsets = np.cumsum(chosen) - chosen
+    gather = np.repeat(starts[order] - offsets, chosen) + np.arange(int(chosen.sum()))
+    return token_ids[gather], chosen

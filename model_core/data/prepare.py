@@ -2,10 +2,13 @@
 shuffled train/validation shards plus a manifest, in a directory named by the hash of the inputs and
 params, so an unchanged request reuses what is already there.
 
-The steps run in this order: read (parallel over files) and clean; drop empty, too short and too long
-documents; drop exact then near duplicates; shuffle and split documents; train or load the tokenizer
-on the training documents; encode (native, multi-threaded); pack; shuffle rows; write shards. Length
-filters run before deduplication so a document that is dropped anyway never hides a near-copy of itself.
+The steps run in this order: read and clean (batched; in "spawn" worker processes only for several
+large files); drop empty, too short and too long documents, then exact duplicates; shuffle and split
+documents; train or load the tokenizer on the training documents; encode every document (native,
+multi-threaded, straight into numpy); drop near duplicates, found on token shingles, from both splits;
+pack; shuffle rows; write shards. Length filters run before deduplication so a document that is dropped
+anyway never hides a near-copy of itself. Near-deduplication follows the split, so `validation_fraction`
+is the held-out share before it; it needs the token ids, and encoding has to happen anyway.
 The dataset is built in a temporary sibling directory and renamed into place, so a failure never
 leaves a final directory behind.
 """
@@ -21,27 +24,30 @@ import os
 import shutil
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
 
 from model_core.data import dedup
-from model_core.data.cleaning import clean_text
+from model_core.data.cleaning import clean_texts
 from model_core.data.errors import DataPrepError
-from model_core.data.packing import pack_documents
+from model_core.data.packing import pack_documents, select_documents
 from model_core.data.shards import MANIFEST_NAME, file_sha256, write_shards
 from model_core.data.sources import FileReport, InputFile, fingerprint, list_inputs, read_input
-from model_core.data.tokenizer import load_tokenizer, open_tokenizer, train_tokenizer
+from model_core.data.tokenizer import encode_documents, load_tokenizer, open_tokenizer, train_tokenizer
 from params.schema import DataParams, ModelParams, TokenizerParams
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: near duplicates are found on token shingles
 TOKENIZER_NAME = "tokenizer.model"
+CACHE_DIR = ".cache"  # under data.output_dir: the extracted standard-library docstrings
 MAX_REPORTED_RECORDS = 20
-_ENCODE_BATCH_DOCS = 16384
+_ENCODE_BATCH_DOCS = 1024  # small enough that minhashing one batch overlaps encoding the next
+# Reading in worker processes pays for their start (about a second) only on several large files.
+_PARALLEL_READ_BYTES = 64 << 20
 # Params that change where or how fast the data is made, not what it is.
 _NON_DATA_PARAMS = {"output_dir", "num_workers"}
 
@@ -138,34 +144,52 @@ def _build(
         timings[stage] = round(now - clock, 4)
         clock = now
 
-    texts, reports = _read_and_clean(inputs, data.normalize_unicode, workers, progress)
+    cache_dir = Path(data.output_dir) / CACHE_DIR
+    texts, reports = _read_and_clean(inputs, data.normalize_unicode, workers, cache_dir, progress)
     read_counts = _check_bad_records(reports, data.max_bad_record_fraction)
     bad_records = read_counts.pop("examples")
     lap("read_and_clean")
     texts, dropped, steps = _select_documents(texts, data, progress)
-    lap("filter_and_dedup")
-    train_docs, validation_docs = _split_documents(texts, data.validation_fraction, data.shuffle_seed)
+    lap("filter_and_exact_dedup")
+    train_order, validation_order = _split_documents(len(texts), data.validation_fraction, data.shuffle_seed)
 
-    tokenizer_info = _write_tokenizer(build_dir, train_docs, tokenizer, model, data.shuffle_seed, workers)
+    train_texts = [texts[i] for i in train_order]
+    tokenizer_info = _write_tokenizer(build_dir, train_texts, tokenizer, model, data.shuffle_seed, workers)
     processor = open_tokenizer(
         (build_dir / TOKENIZER_NAME).read_bytes(), tokenizer, model.vocab_size, tokenizer_info["origin"]
     )
     lap("tokenizer")
 
+    token_ids, lengths, signatures = _encode(texts, processor, workers, data, progress)
+    lap("encode_and_minhash")
+    near_copies = np.zeros(len(texts), dtype=bool)
+    if signatures is not None:
+        progress("near dedup", 0, 1)
+        near_copies = dedup.near_duplicate_mask(signatures, data.near_dup_threshold)
+        progress("near dedup", 1, 1)
+        dropped["near_duplicate"] = int(near_copies.sum())
+        steps.append({"step": "near_duplicate", "in": len(texts), "out": len(texts) - dropped["near_duplicate"]})
+    lap("near_dedup")
+
     splits = {}
-    for split, docs in (("train", train_docs), ("validation", validation_docs)):
-        splits[split] = _encode_pack_write(build_dir, split, docs, processor, data, tokenizer, model, workers, progress)
-    lap("encode_pack_write")
+    for split, order in (("train", train_order), ("validation", validation_order)):
+        split_ids, split_lengths = select_documents(token_ids, lengths, order[~near_copies[order]])
+        splits[split] = _pack_and_write(build_dir, split, split_ids, split_lengths, data, tokenizer, model, progress)
+    lap("pack_and_write")
     if splits["train"]["rows"] == 0:
         raise DataPrepError(
-            f"the {len(train_docs)} training documents make {splits['train']['tokens']} tokens, "
+            f"the {splits['train']['documents']} training documents make {splits['train']['tokens']} tokens, "
             f"less than one row of model.seq_len + 1 = {model.seq_len + 1}"
         )
     return {
         "format_version": FORMAT_VERSION,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "counts": {**read_counts, "dropped": dropped, "kept_documents": len(texts)},
+        "counts": {**read_counts, "dropped": dropped, "kept_documents": len(texts) - int(near_copies.sum())},
         "steps": steps,
+        "near_dedup": {
+            "shingle": f"{data.shingle_words} consecutive token ids (data.shingle_words counts tokens)",
+            "signature": f"one-permutation MinHash, {data.minhash_permutations} positions, optimal densification",
+        },
         "bad_records": bad_records,
         "tokenizer": tokenizer_info,
         "vocab_size": model.vocab_size,
@@ -176,34 +200,37 @@ def _build(
 
 
 def _read_and_clean(
-    inputs: list[InputFile], normalize_unicode: bool, workers: int, progress: Progress
+    inputs: list[InputFile], normalize_unicode: bool, workers: int, cache_dir: Path, progress: Progress
 ) -> tuple[list[str], list[FileReport]]:
-    """Read and clean every input file, in parallel processes when there are several files."""
-    texts: list[str] = []
-    reports: list[FileReport] = []
-    jobs = [(item, normalize_unicode) for item in inputs]
+    """Read and clean every input, in "spawn" worker processes when there are several large files.
+
+    Never "fork": this runs inside Prefect flows, whose process has threads, and a child forked while
+    another thread holds a lock (logging's, say) can hang on it forever.
+    """
+    file_bytes = sum(item.path.stat().st_size for item in inputs if item.path.is_file())
+    parallel = workers > 1 and len(inputs) > 1 and file_bytes > _PARALLEL_READ_BYTES
+    jobs = [(item, normalize_unicode, cache_dir) for item in inputs]
     progress("read", 0, len(jobs))
-    if workers > 1 and len(jobs) > 1:
-        # fork: workers inherit the imported modules, so they start in milliseconds.
-        with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork")) as pool:
-            results = pool.map(_read_and_clean_file, jobs, chunksize=max(1, len(jobs) // (8 * workers)))
-            for done, (file_texts, report) in enumerate(results, 1):
-                texts += file_texts
-                reports.append(report)
-                progress("read", done, len(jobs))
+    if parallel:
+        pool = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn"))
+        with pool:
+            results = list(_with_progress(pool.map(_read_and_clean_input, jobs), len(jobs), progress))
     else:
-        for done, job in enumerate(jobs, 1):
-            file_texts, report = _read_and_clean_file(job)
-            texts += file_texts
-            reports.append(report)
-            progress("read", done, len(jobs))
-    return texts, reports
+        results = list(_with_progress(map(_read_and_clean_input, jobs), len(jobs), progress))
+    texts = list(chain.from_iterable(file_texts for file_texts, _ in results))
+    return texts, [report for _, report in results]
 
 
-def _read_and_clean_file(job: tuple[InputFile, bool]) -> tuple[list[str], FileReport]:
-    item, normalize_unicode = job
-    texts, report = read_input(item)
-    return [clean_text(text, normalize_unicode) for text in texts], report
+def _with_progress(results, total: int, progress: Progress):
+    for done, result in enumerate(results, 1):
+        yield result
+        progress("read", done, total)
+
+
+def _read_and_clean_input(job: tuple[InputFile, bool, Path]) -> tuple[list[str], FileReport]:
+    item, normalize_unicode, cache_dir = job
+    texts, report = read_input(item, cache_dir)
+    return clean_texts(texts, normalize_unicode), report
 
 
 def _check_bad_records(reports: list[FileReport], max_fraction: float) -> dict:
@@ -233,7 +260,7 @@ def _check_bad_records(reports: list[FileReport], max_fraction: float) -> dict:
 
 
 def _select_documents(texts: list[str], data: DataParams, progress: Progress) -> tuple[list[str], dict, list]:
-    """Drop empty, too short, too long and duplicate documents.
+    """Drop empty, too short, too long and exactly duplicated documents.
 
     Returns the kept documents, the count dropped per reason and each step's documents in and out.
     """
@@ -245,10 +272,6 @@ def _select_documents(texts: list[str], data: DataParams, progress: Progress) ->
     }
     if data.dedup_exact:
         masks["exact_duplicate"] = dedup.exact_duplicate_mask
-    if data.near_dup_threshold is not None:
-        masks["near_duplicate"] = lambda kept: dedup.near_duplicate_mask(
-            kept, data.shingle_words, data.minhash_permutations, data.near_dup_threshold
-        )
     dropped = dict.fromkeys(["empty", "too_short", "too_long", "exact_duplicate", "near_duplicate"], 0)
     steps = []
     keep = np.ones(len(texts), dtype=bool)
@@ -271,16 +294,17 @@ def _select_documents(texts: list[str], data: DataParams, progress: Progress) ->
     return [texts[i] for i in np.flatnonzero(keep)], dropped, steps
 
 
-def _split_documents(texts: list[str], validation_fraction: float, seed: int) -> tuple[list[str], list[str]]:
-    """Shuffle the documents and hold out a share for validation (at least one when the share is > 0)."""
-    order = _rng(seed, "documents").permutation(len(texts))
-    held_out = max(1, round(len(texts) * validation_fraction)) if validation_fraction > 0 else 0
-    if held_out >= len(texts):
+def _split_documents(documents: int, validation_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Shuffled document indices of the training and validation documents (at least one held out when
+    the share is > 0)."""
+    order = _rng(seed, "documents").permutation(documents)
+    held_out = max(1, round(documents * validation_fraction)) if validation_fraction > 0 else 0
+    if held_out >= documents:
         raise DataPrepError(
-            f"{len(texts)} documents cannot be split with data.validation_fraction={validation_fraction}: "
+            f"{documents} documents cannot be split with data.validation_fraction={validation_fraction}: "
             "no training document would be left"
         )
-    return [texts[i] for i in order[held_out:]], [texts[i] for i in order[:held_out]]
+    return order[held_out:], order[:held_out]
 
 
 def _write_tokenizer(
@@ -304,24 +328,46 @@ def _write_tokenizer(
     }
 
 
-def _encode_pack_write(
+def _encode(
+    texts: list[str], processor, workers: int, data: DataParams, progress: Progress
+) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """The token ids of all documents concatenated (int32), the number of tokens of each, and (when
+    near-dedup is on) their MinHash signatures.
+
+    Batches are encoded on a background thread (SentencePiece drops the GIL and runs `workers` native
+    threads) while this thread computes the signatures of the batch before, so that work fills the
+    encoder's idle moments instead of following it.
+    """
+    batches = [texts[first : first + _ENCODE_BATCH_DOCS] for first in range(0, len(texts), _ENCODE_BATCH_DOCS)]
+    token_ids, lengths, signatures = [np.zeros(0, dtype=np.int32)], [np.zeros(0, dtype=np.int64)], []
+    progress("tokenize", 0, len(texts))
+    with ThreadPoolExecutor(1, thread_name_prefix="encode") as encoder:
+        for encoded in [encoder.submit(encode_documents, processor, batch, workers) for batch in batches]:
+            pieces = encoded.result()
+            lengths.append(np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces)))
+            token_ids.append(np.concatenate([np.zeros(0, dtype=np.int32), *pieces]))
+            if data.near_dup_threshold is not None:
+                signatures.append(
+                    dedup.minhash_signatures(token_ids[-1], lengths[-1], data.shingle_words, data.minhash_permutations)
+                )
+            progress("tokenize", sum(map(len, lengths)), len(texts))
+    return np.concatenate(token_ids), np.concatenate(lengths), np.concatenate(signatures) if signatures else None
+
+
+def _pack_and_write(
     build_dir: Path,
     split: str,
-    docs: list[str],
-    processor,
+    token_ids: np.ndarray,
+    lengths: np.ndarray,
     data: DataParams,
     tokenizer: TokenizerParams,
     model: ModelParams,
-    workers: int,
     progress: Progress,
 ) -> dict:
-    token_ids: list[list[int]] = []
-    progress(f"tokenize {split}", 0, len(docs))
-    for first in range(0, len(docs), _ENCODE_BATCH_DOCS):
-        token_ids += processor.encode(docs[first : first + _ENCODE_BATCH_DOCS], num_threads=workers)
-        progress(f"tokenize {split}", len(token_ids), len(docs))
+    progress(f"write {split}", 0, 1)
     rows = pack_documents(
         token_ids,
+        lengths,
         model.seq_len + 1,
         tokenizer.bos_id if data.add_bos else None,
         tokenizer.eos_id,
@@ -330,10 +376,10 @@ def _encode_pack_write(
     )
     rows = rows.take(_rng(data.shuffle_seed, split).permutation(len(rows)))
     shards = write_shards(rows, build_dir, split, data.rows_per_shard, tokenizer.pad_id)
-    document_tokens = sum(map(len, token_ids)) + len(token_ids) * (1 + data.add_bos)
+    progress(f"write {split}", 1, 1)
     return {
-        "documents": len(docs),
-        "tokens": document_tokens,
+        "documents": len(lengths),
+        "tokens": int(lengths.sum()) + len(lengths) * (1 + data.add_bos),
         "rows": len(rows),
         "packed_tokens": sum(shard["tokens"] for shard in shards),
         "shards": shards,

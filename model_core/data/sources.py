@@ -1,41 +1,39 @@
 """Reading raw documents out of the corpus inputs: JSONL, Parquet, text files and the docstrings of the
 Python standard library.
 
-`list_inputs` expands the sources into one `InputFile` per file (globs matched, order kept);
-`read_input` turns one file into its documents plus a `FileReport` of malformed records (skipped) and
-undecodable lines (decoded with replacement characters and kept). `fingerprint` identifies the inputs
-by path, size and mtime so that prepared data can be reused while they are unchanged.
+`list_inputs` expands the sources into one `InputFile` per file (globs matched, order kept; the
+standard library is one input); `read_input` turns one input into its documents plus a `FileReport` of
+malformed records (skipped) and undecodable lines (decoded with replacement characters and kept).
+`fingerprint` identifies the inputs by the sha256 of their content (the standard library by its
+`stdlib_fingerprint`) so that prepared data is reused exactly while they are unchanged.
 """
 
 from __future__ import annotations
 
-import ast
+import codecs
 import glob
 import hashlib
-import inspect
 import json
-import os
-import platform
 import re
-import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.json as pa_json
 import pyarrow.parquet as pq
 
+from model_core.data.docstrings import file_docstrings, stdlib_dir, stdlib_docstrings, stdlib_fingerprint
 from model_core.data.errors import DataPrepError
+from model_core.data.shards import file_sha256
 from params.schema import DataSource
 
-# Directories of the standard library that hold tests, fixtures or third-party packages, not its docs.
-_STDLIB_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
-_DOCSTRING_NODES = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
 _PARAGRAPH_BREAK = re.compile(r"\n(?:[^\S\n]*\n)+")
 
 
 @dataclass(frozen=True)
 class InputFile:
-    """One file to read, with how to read it."""
+    """One file to read, with how to read it (for python_docstrings: the standard library directory, or
+    one of its files)."""
 
     path: Path
     kind: str
@@ -57,7 +55,7 @@ def list_inputs(sources: list[DataSource]) -> list[InputFile]:
     inputs: list[InputFile] = []
     for source in sources:
         if source.kind == "python_docstrings":
-            inputs += [InputFile(path, source.kind) for path in stdlib_files()]
+            inputs.append(InputFile(stdlib_dir(), source.kind))
             continue
         for pattern in source.paths:
             matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
@@ -69,35 +67,29 @@ def list_inputs(sources: list[DataSource]) -> list[InputFile]:
     return inputs
 
 
-def stdlib_files() -> list[Path]:
-    """The standard library's own .py files in a fixed order, without tests and installed packages."""
-    files = []
-    for directory, subdirectories, names in os.walk(sysconfig.get_paths()["stdlib"]):
-        subdirectories[:] = [name for name in subdirectories if name not in _STDLIB_SKIPPED_DIRS]
-        files += [Path(directory, name) for name in names if name.endswith(".py")]
-    return sorted(files)
-
-
 def fingerprint(inputs: list[InputFile]) -> str:
-    """Hash of every input's identity, size and mtime (plus the Python version for stdlib docstrings)."""
+    """Hash of every input's identity and content (for the standard library, its `stdlib_fingerprint`)."""
     digest = hashlib.sha256()
-    if any(item.kind == "python_docstrings" for item in inputs):
-        digest.update(f"python {platform.python_version()}\n".encode())
     for item in inputs:
-        stat = item.path.stat()
-        line = f"{item.kind}\t{item.text_field}\t{item.text_unit}\t{item.path}\t{stat.st_size}\t{stat.st_mtime_ns}\n"
-        digest.update(line.encode())
+        content = stdlib_fingerprint() if item.path.is_dir() else file_sha256(item.path)
+        digest.update(f"{item.kind}\t{item.text_field}\t{item.text_unit}\t{item.path}\t{content}\n".encode())
     return digest.hexdigest()
 
 
-def read_input(item: InputFile) -> tuple[list[str], FileReport]:
+def read_input(item: InputFile, cache_dir: Path | None = None) -> tuple[list[str], FileReport]:
+    """The documents of one input; `cache_dir` holds the extracted standard-library docstrings."""
     report = FileReport(item.path)
     if item.kind == "parquet":
         return _read_parquet(item.path, item.text_field, report), report
     if item.kind == "jsonl":
-        return _read_jsonl(_decode(item.path.read_bytes(), report), item.text_field, report), report
+        data = item.path.read_bytes()
+        texts = _read_wellformed_jsonl(data, item.text_field)
+        if texts is not None:
+            report.records = len(texts)
+            return texts, report
+        return _read_jsonl(_decode(data, report), item.text_field, report), report
     if item.kind == "python_docstrings":
-        texts = _read_docstrings(item.path)
+        texts = stdlib_docstrings(cache_dir) if item.path.is_dir() else file_docstrings(item.path)
     else:
         texts = _split_text(_decode(item.path.read_bytes(), report), item.text_unit)
     report.records = len(texts)
@@ -117,6 +109,31 @@ def _decode(data: bytes, report: FileReport) -> str:
         except UnicodeDecodeError:
             report.undecodable_lines.append(number)
     return data.decode("utf-8", errors="replace")
+
+
+def _read_wellformed_jsonl(data: bytes, text_field: str) -> list[str] | None:
+    """The texts of a JSONL file whose every non-blank line is one object with a string `text_field`,
+    parsed by Arrow's native reader; None for any other file, which `_read_jsonl` then reads line by
+    line and reports on.
+
+    Arrow is stricter than Python's json module (raw control characters, duplicate keys, lone
+    surrogates, invalid UTF-8 all fail) except on a leading BOM and on several values in one line,
+    which are checked here, so whenever this returns texts the line-by-line reader would return the
+    same ones and report nothing.
+    """
+    if data.startswith(codecs.BOM_UTF8):
+        return None
+    try:
+        lines = sum(1 for line in data.decode("utf-8").split("\n") if line.strip())
+        options = pa_json.ParseOptions(
+            explicit_schema=pa.schema([(text_field, pa.string())]), unexpected_field_behavior="ignore"
+        )
+        column = pa_json.read_json(pa.BufferReader(data), parse_options=options).column(text_field)
+    except (UnicodeDecodeError, pa.ArrowException):
+        return None
+    if len(column) != lines or column.null_count:
+        return None
+    return column.to_pylist()
 
 
 def _read_jsonl(text: str, text_field: str, report: FileReport) -> list[str]:
@@ -165,18 +182,3 @@ def _split_text(text: str, unit: str) -> list[str]:
     else:
         parts = text.split("\n")
     return [part for part in parts if part.strip()]
-
-
-def _read_docstrings(path: Path) -> list[str]:
-    """Module, class and function docstrings of one source file, in ast.walk order."""
-    try:
-        tree = ast.parse(path.read_bytes(), filename=str(path))
-    except (SyntaxError, ValueError):
-        return []  # a few stdlib files are deliberately invalid (lib2to3 fixtures, bad encodings)
-    texts = []
-    for node in ast.walk(tree):
-        if isinstance(node, _DOCSTRING_NODES):
-            docstring = ast.get_docstring(node, clean=False)
-            if docstring:
-                texts.append(inspect.cleandoc(docstring))
-    return texts

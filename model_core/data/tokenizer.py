@@ -9,6 +9,7 @@ model, so the same sentences give the same .model bytes on any machine.
 
 from __future__ import annotations
 
+import inspect
 import io
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from model_core.data.errors import DataPrepError
 from params.schema import TokenizerParams
 
 _SPECIAL_IDS = ("unk_id", "bos_id", "eos_id", "pad_id")
+# Newer sentencepiece releases hand each document's ids back as an int32 array, skipping a Python int
+# per token; older ones only have lists.
+_RETURNS_NUMPY = "return_type" in inspect.signature(spm.SentencePieceProcessor.Encode).parameters
 
 
 def train_tokenizer(
@@ -82,3 +86,10 @@ def open_tokenizer(model: bytes, params: TokenizerParams, vocab_size: int, origi
         if actual != expected:
             raise DataPrepError(f"{origin} has {name}={actual} but tokenizer.{name}={expected}")
     return processor
+
+
+def encode_documents(processor: spm.SentencePieceProcessor, texts: list[str], num_threads: int) -> list[np.ndarray]:
+    """The int32 token ids of each text, encoded on `num_threads` native threads."""
+    if _RETURNS_NUMPY:
+        return processor.encode(texts, num_threads=num_threads, return_type="numpy")
+    return [np.array(ids, dtype=np.int32) for ids in processor.encode(texts, num_threads=num_threads)]
