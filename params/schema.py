@@ -65,10 +65,11 @@ class DataParams(StrictModel):
         0.8,
         gt=0.0,
         le=1.0,
-        description="Estimated Jaccard similarity (MinHash over word shingles) at or above which a "
-        "document is dropped as a near-duplicate of an earlier one. null disables near-dedup.",
+        description="Estimated Jaccard similarity (MinHash over token shingles, after tokenization) at or "
+        "above which a document is dropped as a near-duplicate of an earlier one, in either split. "
+        "null disables near-dedup.",
     )
-    shingle_words: int = Field(5, ge=1, description="Words per shingle for near-duplicate detection.")
+    shingle_words: int = Field(5, ge=1, description="Tokens per shingle for near-duplicate detection.")
     minhash_permutations: int = Field(
         64, ge=8, description="MinHash signature length; more is more exact and slower."
     )
