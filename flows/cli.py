@@ -1,6 +1,7 @@
-"""The `llmflow` command line: run the pipeline or one stage from a params preset or file.
+"""The `llmflow` command line: run the pipeline or one stage from a params preset or file, and the
+conversion and tokenizer tools.
 
-Every command takes `--params NAME_OR_FILE` (default: the `tiny` preset) and any number of
+The pipeline commands take `--params NAME_OR_FILE` (default: the `tiny` preset) and any number of
 `--set section.field=value` overrides. Bad params exit with status 2 and a message naming the
 file, line and field; a failed stage exits with status 1 and its reason (LLMFLOW_DEBUG=1 shows
 the traceback too).
@@ -13,6 +14,7 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from params import ParamsError, PipelineParams, load_params, preset_names, to_yaml
 
@@ -39,9 +41,14 @@ def _add_params_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _cmd_run(params: PipelineParams, args: argparse.Namespace) -> int:
+def _params(args: argparse.Namespace) -> PipelineParams:
+    return load_params(args.params, args.overrides)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
     from flows.pretrain import pretrain_flow
 
+    params = _params(args)
     result = pretrain_flow(params)
     print(f"pipeline finished: MLflow run {result.mlflow_run_id}, dataset {result.data.dataset_dir}")
     from tasks.tracking import tracking_uri
@@ -50,16 +57,18 @@ def _cmd_run(params: PipelineParams, args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_prep(params: PipelineParams, args: argparse.Namespace) -> int:
+def _cmd_prep(args: argparse.Namespace) -> int:
     from flows.data_prep import data_prep_flow
 
+    params = _params(args)
     result = data_prep_flow(params)
     state = "reused" if result.reused else "prepared"
     print(f"{state} dataset {result.dataset_dir} (manifest {result.manifest_path})")
     return 0
 
 
-def _cmd_train(params: PipelineParams, args: argparse.Namespace) -> int:
+def _cmd_train(args: argparse.Namespace) -> int:
+    from model_core.convert import convert_for_run
     from model_core.data import prepare_dataset
     from model_core.train.callbacks import fan_out, jsonl_writer
     from model_core.train.checkpoint import run_directory
@@ -67,13 +76,15 @@ def _cmd_train(params: PipelineParams, args: argparse.Namespace) -> int:
     from params import params_hash
     from tasks.progress import PhaseProgress, TrainingProgress
 
+    params = _params(args)
     preparing = PhaseProgress("data prep")
     dataset = prepare_dataset(params.data, params.tokenizer, params.model, progress=preparing)
     preparing.close()
     checkpoints = args.checkpoint_dir or run_directory(
         params.train.output_dir, params.name, params_hash(params), dataset.output_dir, "pretrain"
     )
-    trainer = Trainer(params, dataset.output_dir, checkpoints)
+    converted = convert_for_run(params.convert, params.model, params.parallel.tensor_parallel) if params.convert.hf_source else None
+    trainer = Trainer(params, dataset.output_dir, checkpoints, initial_weights=converted.path if converted else None)
     bar = TrainingProgress(trainer.steps)
     jsonl = jsonl_writer(args.metrics_jsonl) if args.metrics_jsonl else None
     try:
@@ -88,7 +99,8 @@ def _cmd_train(params: PipelineParams, args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_params_show(params: PipelineParams, args: argparse.Namespace) -> int:
+def _cmd_params_show(args: argparse.Namespace) -> int:
+    params = _params(args)
     if args.format == "json":
         print(params.model_dump_json(indent=2))
     elif args.format == "deployment":  # the --params value of `prefect deployment run`
@@ -98,6 +110,73 @@ def _cmd_params_show(params: PipelineParams, args: argparse.Namespace) -> int:
     else:
         print(to_yaml(params), end="")
     return 0
+
+
+def _cmd_convert_hf_to_ms(args: argparse.Namespace) -> int:
+    from model_core.convert import hf_to_ms
+
+    result = hf_to_ms(args.src, args.dst, dtype=args.dtype, tensor_parallel=args.tensor_parallel)
+    print(f"converted {args.src} -> {result.path} (vocab {result.vocab_size}, padded to {result.params.vocab_size})")
+    print(f"model params for this checkpoint: {result.params_path}")
+    return 0
+
+
+def _cmd_convert_ms_to_hf(args: argparse.Namespace) -> int:
+    from model_core.convert import ms_to_hf
+
+    result = ms_to_hf(args.src, args.dst, tokenizer=args.tokenizer, dtype=args.dtype)
+    print(f"exported {args.src} -> {result.path} (loads with transformers.AutoModelForCausalLM)")
+    return 0
+
+
+def _cmd_tokenizer_check(args: argparse.Namespace) -> int:
+    from model_core.convert import check_tokenizers
+
+    text = args.text_file.read_text(encoding="utf-8") if args.text_file else None
+    report = check_tokenizers(args.ours, args.reference, text)
+    print(report.format())
+    return 0 if report.aligned else 1
+
+
+def _add_convert_commands(commands: argparse._SubParsersAction) -> None:
+    convert = commands.add_parser(
+        "convert", help="convert weights between Hugging Face Llama and llmflow", description="Convert weights."
+    )
+    directions = convert.add_subparsers(dest="direction", required=True, metavar="DIRECTION")
+    to_ms = directions.add_parser(
+        "hf-to-ms",
+        help="a Hugging Face Llama directory -> an llmflow checkpoint (+ its model params)",
+        description="Read config.json and model.safetensors (or a sharded index, or pytorch_model.bin, "
+        "read without running pickled code) and write model.safetensors + params for llmflow.",
+    )
+    to_ms.add_argument("--src", required=True, type=Path, help="Hugging Face model directory")
+    to_ms.add_argument("--dst", required=True, type=Path, help="output checkpoint directory (must not exist)")
+    to_ms.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    to_ms.add_argument("--tensor-parallel", type=int, default=1, help="pad the vocabulary to a multiple of this")
+    to_ms.set_defaults(handler=_cmd_convert_hf_to_ms)
+    to_hf = directions.add_parser(
+        "ms-to-hf",
+        help="an llmflow checkpoint -> a directory transformers loads",
+        description="Write config.json, model.safetensors and (with --tokenizer) the tokenizer files.",
+    )
+    to_hf.add_argument("--src", required=True, type=Path, help="llmflow checkpoint (converted or training step-*)")
+    to_hf.add_argument("--dst", required=True, type=Path, help="output Hugging Face directory")
+    to_hf.add_argument("--tokenizer", type=Path, help="SentencePiece .model to ship with the export")
+    to_hf.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    to_hf.set_defaults(handler=_cmd_convert_ms_to_hf)
+
+    tokenizer = commands.add_parser("tokenizer", help="tokenizer tools", description="Tokenizer tools.")
+    actions = tokenizer.add_subparsers(dest="tokenizer_command", required=True, metavar="ACTION")
+    check = actions.add_parser(
+        "check",
+        help="compare two tokenizers on a sample and report the first divergence",
+        description="Encode a sample with both tokenizers; report vocab sizes, special-token ids and the first "
+        "place their ids differ. Exit status 1 when they diverge.",
+    )
+    check.add_argument("--ours", required=True, type=Path, help="our SentencePiece .model")
+    check.add_argument("--reference", required=True, type=Path, help="a SentencePiece .model or a Hugging Face tokenizer directory")
+    check.add_argument("--text-file", type=Path, help="sample text to encode (default: a built-in sample)")
+    check.set_defaults(handler=_cmd_tokenizer_check)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -162,20 +241,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="yaml or json params; deployment: JSON for `prefect deployment run --params`; schema: JSON schema",
     )
     show.set_defaults(handler=_cmd_params_show)
+    _add_convert_commands(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handler: Callable[[PipelineParams, argparse.Namespace], int] = args.handler
+    handler: Callable[[argparse.Namespace], int] = args.handler
+    _quiet_prefect_defaults()
     try:
-        params = load_params(args.params, args.overrides)
+        return handler(args)
     except ParamsError as error:
         print(f"llmflow: {error}", file=sys.stderr)
         return 2
-    _quiet_prefect_defaults()
-    try:
-        return handler(params, args)
     except (ValueError, ArithmeticError) as error:  # bad input or a diverged run, found by a stage
         if os.environ.get("LLMFLOW_DEBUG"):
             raise

@@ -1,6 +1,7 @@
 """pretrain-flow: the whole pipeline, stage after stage, tracked as one MLflow parent run.
 
-    data prep -> smoke run -> pretraining -> (weight conversion, LoRA fine-tune, evaluation: issues #5, #6)
+    data prep -> weight conversion (when convert.hf_source is set) -> smoke run -> pretraining
+    -> (LoRA fine-tune, evaluation: issue #6)
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from prefect import flow
 from pydantic import BaseModel
 
 from params import PipelineParams
+from tasks.convert import ConvertResult, convert_hf
 from tasks.data import DataResult, prepare_data
 from tasks.tracking import pipeline_run
 from tasks.train import TrainStageResult, pretrain, smoke_run
@@ -17,6 +19,7 @@ from tasks.train import TrainStageResult, pretrain, smoke_run
 class PipelineResult(BaseModel):
     mlflow_run_id: str
     data: DataResult
+    converted: ConvertResult | None
     smoke: TrainStageResult | None
     pretrain: TrainStageResult
 
@@ -25,6 +28,10 @@ class PipelineResult(BaseModel):
 def pretrain_flow(params: PipelineParams = PipelineParams()) -> PipelineResult:  # noqa: B008 (Prefect reads the default)
     with pipeline_run(params) as tracking:
         data = prepare_data(params, tracking)
+        converted = convert_hf(params, tracking) if params.convert.hf_source else None
         smoke = smoke_run(params, data, tracking) if params.smoke.enabled else None
-        trained = pretrain(params, data, tracking)
-        return PipelineResult(mlflow_run_id=tracking.parent_run_id, data=data, smoke=smoke, pretrain=trained)
+        start_from = converted.checkpoint_dir if converted else None
+        trained = pretrain(params, data, tracking, start_from)
+        return PipelineResult(
+            mlflow_run_id=tracking.parent_run_id, data=data, converted=converted, smoke=smoke, pretrain=trained
+        )

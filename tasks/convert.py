@@ -11,7 +11,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from model_core.convert import ConversionError, check_model_agrees, hf_to_ms_cached, locate_hf
+from model_core.convert import convert_for_run
 from model_core.convert.tensors import tensor_shapes
 from params import PipelineParams, flatten
 from tasks.retry import retry_on_transient_io
@@ -35,9 +35,6 @@ class ConvertResult(BaseModel):
     cache_policy=NO_CACHE,  # reuse is decided by the conversion cache, keyed by the source files' content
 )
 def convert_hf(params: PipelineParams, tracking: Tracking) -> ConvertResult:
-    source = params.convert.hf_source
-    if source is None:
-        raise ConversionError("convert.hf_source is not set; there is no Hugging Face checkpoint to convert")
     with stage_run(tracking, "convert") as run:
         run.log_params(
             {
@@ -47,15 +44,7 @@ def convert_hf(params: PipelineParams, tracking: Tracking) -> ConvertResult:
             }
         )
         started = time.perf_counter()
-        config = locate_hf(source).config
-        check_model_agrees(params.model, config, params.parallel.tensor_parallel, origin=f"{source}/config.json")
-        result = hf_to_ms_cached(
-            source,
-            params.convert.cache_dir,
-            dtype=params.convert.dtype,
-            tensor_parallel=params.parallel.tensor_parallel,
-            seq_len=params.model.seq_len,
-        )
+        result = convert_for_run(params.convert, params.model, params.parallel.tensor_parallel)
         run.log_metrics(
             {
                 "seconds": time.perf_counter() - started,

@@ -36,11 +36,26 @@ class TrainStageResult(BaseModel):
     nonfinite_steps: int
 
 
-def train_stage(params: PipelineParams, data: DataResult, run: StageRun, stage: str, steps: int, resume: str) -> TrainResult:
+def train_stage(
+    params: PipelineParams,
+    data: DataResult,
+    run: StageRun,
+    stage: str,
+    steps: int,
+    resume: str,
+    initial_weights: Path | None = None,
+) -> TrainResult:
     """Train and record: batched per-step metrics, a summary, the final checkpoint and a loss curve."""
     directory = run_directory(params.train.output_dir, params.name, params_hash(params), data.dataset_dir, stage)
-    run.log_params({"stage.steps": steps, "stage.checkpoint_dir": directory, "stage.resume": resume})
-    trainer = Trainer(params, data.dataset_dir, directory, steps=steps)
+    run.log_params(
+        {
+            "stage.steps": steps,
+            "stage.checkpoint_dir": directory,
+            "stage.resume": resume,
+            "stage.initial_weights": initial_weights or "random init",
+        }
+    )
+    trainer = Trainer(params, data.dataset_dir, directory, steps=steps, initial_weights=initial_weights)
     with MetricsBatcher(run) as metrics:
         result = trainer.run(on_metrics=metrics, resume=resume)
     run.log_metrics(
@@ -72,6 +87,7 @@ def _summary(result: TrainResult) -> TrainStageResult:
 
 @task(name="smoke-run", cache_policy=NO_CACHE)
 def smoke_run(params: PipelineParams, data: DataResult, tracking: Tracking) -> TrainStageResult:
+    """Always from a random initialisation: it checks that this model, data and optimizer can learn."""
     with stage_run(tracking, "smoke") as run:
         result = train_stage(params, data, run, "smoke", params.smoke.steps, resume="none")
         drop = result.initial_loss - result.final_loss
@@ -87,8 +103,11 @@ def smoke_run(params: PipelineParams, data: DataResult, tracking: Tracking) -> T
 
 
 @task(name="pretrain", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_on_transient_io)
-def pretrain(params: PipelineParams, data: DataResult, tracking: Tracking) -> TrainStageResult:
-    """The full run; `resume auto` continues from this params' newest valid checkpoint (a retry or a rerun)."""
+def pretrain(
+    params: PipelineParams, data: DataResult, tracking: Tracking, initial_weights: Path | None = None
+) -> TrainStageResult:
+    """The full run, from `initial_weights` (a converted checkpoint) or a random initialisation; `resume auto`
+    continues from this run's newest valid checkpoint (a retry or a rerun)."""
     with stage_run(tracking, "pretrain") as run:
-        result = train_stage(params, data, run, "pretrain", params.train.steps, resume="auto")
+        result = train_stage(params, data, run, "pretrain", params.train.steps, "auto", initial_weights)
     return _summary(result)

@@ -114,3 +114,32 @@ def test_cli_run_and_exit_codes(corpus_jsonl, tmp_path, mlflow_uri, capsys):
     missing = small_pipeline_overrides(tmp_path / "nope.jsonl", tmp_path / "data", "flow-cli")
     assert main(["prep", *[arg for override in missing for arg in ("--set", override)]]) == 1
     assert "nope.jsonl" in capsys.readouterr().err
+
+
+def test_hugging_face_source_adds_a_convert_stage_that_pretraining_starts_from(corpus_jsonl, tmp_path, mlflow_uri):
+    from test_convert import small_hf_model_for_pipeline
+
+    small_hf_model_for_pipeline(tmp_path / "hf")
+    overrides = [
+        *small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "flow-convert"),
+        f"convert.hf_source={tmp_path / 'hf'}",
+        f"convert.cache_dir={tmp_path / 'converted'}",
+        "smoke.enabled=false",
+        "train.steps=5",
+    ]
+    result = pretrain_flow(load_params("tiny", overrides))
+    assert result.converted is not None and result.smoke is None
+    (parent,), children = _runs(MlflowClient(mlflow_uri), "flow-convert")
+    assert [run.info.run_name for run in children] == ["data_prep", "convert", "pretrain"]
+    assert children[2].data.params["stage.initial_weights"] == str(result.converted.checkpoint_dir)
+
+
+def test_cli_convert_round_trip_and_tokenizer_check(tmp_path, capsys):
+    from test_convert import small_hf_model_for_pipeline
+
+    small_hf_model_for_pipeline(tmp_path / "hf")
+    assert main(["convert", "hf-to-ms", "--src", str(tmp_path / "hf"), "--dst", str(tmp_path / "ours")]) == 0
+    assert main(["convert", "ms-to-hf", "--src", str(tmp_path / "ours"), "--dst", str(tmp_path / "back")]) == 0
+    assert (tmp_path / "back" / "config.json").is_file()
+    assert main(["convert", "hf-to-ms", "--src", str(tmp_path / "missing"), "--dst", str(tmp_path / "x")]) == 1
+    assert "missing" in capsys.readouterr().err and not (tmp_path / "x").exists()

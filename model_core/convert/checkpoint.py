@@ -33,7 +33,7 @@ from model_core.convert.tokenizer_check import check_vocab
 from model_core.convert.torch_pickle import load_torch_state_dict
 from model_core.data.shards import file_sha256
 from model_core.train import checkpoint as training_checkpoint
-from params.schema import ModelParams
+from params.schema import ConvertParams, ModelParams
 
 WEIGHTS, PARAMS, RECORD = "model.safetensors", "params.json", "conversion.json"
 HF_WEIGHT_FILES = (
@@ -207,6 +207,18 @@ def hf_to_ms_cached(
     if _is_valid(dst, plan.key):
         return _result(dst, reused=True)
     return _convert_into(dst, plan)
+
+
+def convert_for_run(convert: ConvertParams, model: ModelParams, tensor_parallel: int) -> ConvertedCheckpoint:
+    """The conversion a run's params ask for: check the model section against config.json, then convert
+    into (or reuse from) `convert.cache_dir`. Shared by the convert stage and `llmflow train`."""
+    if convert.hf_source is None:
+        raise ConversionError("convert.hf_source is not set; there is no Hugging Face checkpoint to convert")
+    config = locate_hf(convert.hf_source).config
+    check_model_agrees(model, config, tensor_parallel, origin=f"{convert.hf_source}/config.json")
+    return hf_to_ms_cached(
+        convert.hf_source, convert.cache_dir, dtype=convert.dtype, tensor_parallel=tensor_parallel, seq_len=model.seq_len
+    )
 
 
 def read_converted(path: str | Path) -> tuple[dict[str, np.ndarray], ModelParams, int]:
