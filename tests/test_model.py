@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 
 from model_core.convert.llama import from_hf
-from model_core.model import Llama, attention, count_parameters, document_positions, token_cross_entropy
-from model_core.model.llama import apply_rotary, rope_tables
+from model_core.model import Attention, Llama, count_parameters, document_positions, token_cross_entropy
+from model_core.model import fused
+from model_core.model.fused import apply_rotary
+from model_core.model.llama import rope_tables
 from params.schema import ModelParams
 
 VOCAB, SEQ = 256, 16
@@ -97,7 +99,7 @@ def reference_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, allowed: np
 def test_attention_with_all_kv_heads_is_plain_multi_head_attention():
     q, k, v = np.random.default_rng(1).standard_normal((3, 2, 4, 8, 16)).astype(np.float32)
     causal = np.tril(np.ones((8, 8), dtype=bool))
-    out = attention(ms.Tensor(q), ms.Tensor(k), ms.Tensor(v), ms.Tensor(causal)).asnumpy()
+    out = Attention(16)(ms.Tensor(q), ms.Tensor(k), ms.Tensor(v), ms.Tensor(causal)).asnumpy()
     np.testing.assert_allclose(out, reference_attention(q, k, v, causal), atol=1e-5)
 
 
@@ -106,7 +108,7 @@ def test_grouped_query_attention_shares_each_kv_head_with_consecutive_query_head
     q = rng.standard_normal((2, 4, 8, 16)).astype(np.float32)
     k, v = rng.standard_normal((2, 2, 2, 8, 16)).astype(np.float32)
     causal = np.tril(np.ones((8, 8), dtype=bool))
-    out = attention(ms.Tensor(q), ms.Tensor(k), ms.Tensor(v), ms.Tensor(causal)).asnumpy()
+    out = Attention(16)(ms.Tensor(q), ms.Tensor(k), ms.Tensor(v), ms.Tensor(causal)).asnumpy()
     expected = reference_attention(q, np.repeat(k, 2, axis=1), np.repeat(v, 2, axis=1), causal)
     np.testing.assert_allclose(out, expected, atol=1e-5)
 
@@ -258,6 +260,57 @@ def test_fp16_compute_stays_close_to_fp32():
     logits = half(ms.Tensor(tokens))
     assert logits.dtype == ms.float32
     np.testing.assert_allclose(logits.asnumpy(), logits_of(build(), tokens), atol=2e-2)
+
+
+# ------------------------------------------------------------------------------ hand-written backward
+
+
+def _plain_rms_norm(x, weight):
+    return x * ms.mint.rsqrt(ms.mint.mean(x * x, dim=-1, keepdim=True) + 1e-5) * weight
+
+
+def _plain_attention(q, k, v, bias):
+    scores = ms.mint.matmul(q, k.swapaxes(-1, -2)) / math.sqrt(q.shape[-1]) + bias
+    return ms.mint.matmul(ms.mint.softmax(scores, dim=-1), v)
+
+
+def _plain_nll(logits, labels):
+    return -ms.ops.gather_d(ms.ops.log_softmax(logits, -1), 1, labels.reshape(-1, 1)).reshape(-1)
+
+
+def _fused_cases():
+    rng = np.random.default_rng(11)
+
+    def tensor(*shape):
+        return ms.Tensor(rng.standard_normal(shape).astype(np.float32))
+
+    causal = np.tril(np.ones((6, 6), dtype=bool))
+    bias = ms.Tensor(np.where(causal, 0.0, np.finfo(np.float32).min).astype(np.float32))
+    cos, sin = (t[:6] for t in rope_tables(8, 16, theta=10_000.0))
+    labels = ms.Tensor(rng.integers(0, 11, 10).astype(np.int32))
+    return [
+        (fused.LinearFunction(), lambda x, w: ms.mint.matmul(x, w.T), (tensor(2, 5, 7), tensor(3, 7)), 2),
+        (fused.RMSNormFunction(1e-5), _plain_rms_norm, (tensor(2, 5, 8), tensor(8)), 2),
+        (fused.RotaryFunction(), lambda x, c, s: x * c + ms.mint.cat((-x[..., 4:], x[..., :4]), dim=-1) * s, (tensor(2, 3, 6, 8), cos, sin), 1),
+        (fused.SoftmaxAttentionFunction(1 / math.sqrt(8)), _plain_attention, (tensor(2, 3, 6, 8), tensor(2, 3, 6, 8), tensor(2, 3, 6, 8), bias), 3),
+        (fused.TokenNLLFunction(), _plain_nll, (tensor(10, 11), labels), 1),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5), ids=["linear", "rms_norm", "rotary", "attention", "nll"])
+def test_hand_written_backward_matches_automatic_differentiation(case):
+    function, plain, inputs, differentiable = _fused_cases()[case]
+    weights = ms.Tensor(np.random.default_rng(case).standard_normal(plain(*inputs).shape).astype(np.float32))
+    positions = tuple(range(differentiable))
+
+    def objective(f):
+        return lambda *args: (f(*args) * weights).sum()
+
+    np.testing.assert_allclose(function(*inputs).asnumpy(), plain(*inputs).asnumpy(), atol=1e-5)
+    ours = ms.grad(objective(function), positions)(*inputs)
+    reference = ms.grad(objective(plain), positions)(*inputs)
+    for mine, expected in zip(ours if differentiable > 1 else (ours,), reference if differentiable > 1 else (reference,)):
+        np.testing.assert_allclose(mine.asnumpy(), expected.asnumpy(), atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------ Hugging Face

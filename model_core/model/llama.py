@@ -18,7 +18,8 @@ import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
-from model_core.model.attention import attention, fused_attention_available
+from model_core.model.attention import Attention, fused_attention_available
+from model_core.model.fused import LinearFunction, RMSNormFunction, RotaryFunction
 from params.schema import ModelParams
 
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
@@ -31,9 +32,10 @@ class Linear(nn.Cell):
     def __init__(self, in_features: int, out_features: int, init_std: float):
         super().__init__()
         self.weight = Parameter(initializer(Normal(init_std), (out_features, in_features), ms.float32))
+        self.linear = LinearFunction()
 
     def construct(self, x: Tensor) -> Tensor:
-        return mint.nn.functional.linear(x, self.weight.astype(x.dtype))
+        return self.linear(x, self.weight.astype(x.dtype))
 
 
 class Embedding(nn.Cell):
@@ -53,12 +55,10 @@ class RMSNorm(nn.Cell):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.weight = Parameter(initializer("ones", (hidden_size,), ms.float32))
-        self.eps = eps
+        self.rms_norm = RMSNormFunction(eps)
 
     def construct(self, x: Tensor) -> Tensor:
-        x32 = x.astype(ms.float32)
-        normed = x32 * mint.rsqrt(mint.mean(x32 * x32, dim=-1, keepdim=True) + self.eps)
-        return (normed * self.weight).astype(x.dtype)
+        return self.rms_norm(x.astype(ms.float32), self.weight).astype(x.dtype)
 
 
 def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[Tensor, Tensor]:
@@ -67,13 +67,6 @@ def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[Tensor
     angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)  # [P, D/2]
     angles = np.concatenate([angles, angles], axis=-1)  # [P, D]: the two halves share frequencies
     return Tensor(np.cos(angles), ms.float32), Tensor(np.sin(angles), ms.float32)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate each (x[i], x[i + D/2]) pair by its angle. x: [B, H, T, D]; cos, sin broadcast to it."""
-    half = x.shape[-1] // 2
-    rotated_half = mint.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated_half * sin
 
 
 class SelfAttention(nn.Cell):
@@ -87,14 +80,15 @@ class SelfAttention(nn.Cell):
         self.k_proj = Linear(hidden, params.num_kv_heads * head_dim, params.init_std)
         self.v_proj = Linear(hidden, params.num_kv_heads * head_dim, params.init_std)
         self.o_proj = Linear(params.num_heads * head_dim, hidden, output_std)
-        self.fused = fused_attention_available()
+        self.rotary = RotaryFunction()
+        self.attention = Attention(head_dim, fused_attention_available())
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         batch, seq, _ = x.shape
         q = self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim).swapaxes(1, 2)  # [B, H, T, D]
         k = self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim).swapaxes(1, 2)  # [B, Hkv, T, D]
         v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim).swapaxes(1, 2)
-        out = attention(apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v, mask, self.fused)
+        out = self.attention(self.rotary(q, cos, sin), self.rotary(k, cos, sin), v, mask)
         return self.o_proj(out.swapaxes(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
@@ -144,6 +138,7 @@ class Llama(nn.Cell):
         self.norm = RMSNorm(params.hidden_size, params.norm_eps)
         if not params.tie_embeddings:
             self.lm_head = Linear(params.hidden_size, params.vocab_size, params.init_std)
+        self.head = LinearFunction()
         self.rope_cos, self.rope_sin = rope_tables(params.head_dim, params.seq_len, params.rope_theta)
         self.causal_mask = Tensor(np.tril(np.ones((params.seq_len, params.seq_len), dtype=bool)))
 
@@ -156,7 +151,7 @@ class Llama(nn.Cell):
             x = layer(x, cos, sin, mask)
         x = self.norm(x)
         head = self.embed_tokens.weight if self.tie_embeddings else self.lm_head.weight
-        return mint.nn.functional.linear(x, head.astype(x.dtype)).astype(ms.float32)
+        return self.head(x, head.astype(x.dtype)).astype(ms.float32)
 
     def _rotary_angles(self, seq: int, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         """cos, sin broadcastable to [B, H, T, head_dim], in the compute dtype."""

@@ -5,6 +5,10 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import mint, ops
 
+from model_core.model.fused import TokenNLLFunction
+
+_token_nll = TokenNLLFunction()
+
 
 def token_cross_entropy(
     logits: ms.Tensor, labels: ms.Tensor, loss_mask: ms.Tensor | None = None, ignore_index: int = -100
@@ -17,12 +21,13 @@ def token_cross_entropy(
     """
     vocab_size = logits.shape[-1]
     flat_labels = labels.reshape(-1)
-    per_token = ops.cross_entropy(
-        logits.reshape(-1, vocab_size).astype(ms.float32), flat_labels, reduction="none", ignore_index=ignore_index
-    )
-    counted = (flat_labels != ignore_index).astype(ms.float32)
+    ignored = flat_labels == ignore_index
+    counted = mint.logical_not(ignored).astype(ms.float32)
     if loss_mask is not None:
         counted = counted * (loss_mask.reshape(-1) != 0).astype(ms.float32)
+    # Ignored tokens still need a valid class id to look up; their loss is multiplied by 0 below.
+    safe_labels = mint.where(ignored, ops.zeros_like(flat_labels), flat_labels)
+    per_token = _token_nll(logits.reshape(-1, vocab_size).astype(ms.float32), safe_labels)
     count = counted.sum()
     loss = (per_token * counted).sum() / mint.maximum(count, ms.Tensor(1.0, ms.float32))
     return loss, count

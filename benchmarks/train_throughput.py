@@ -1,0 +1,281 @@
+"""Train-step throughput and peak memory: our MindSpore step against PyTorch eager, same model, side by side.
+
+One full optimizer step is forward, backward and AdamW on one micro-batch. Ours runs the compiled pieces of
+model_core.train.step (AccumulateGradients, GradientNorm, ApplyGradients with model_core.train.optim.AdamW),
+as the trainer does; PyTorch runs a compact Llama of the same architecture and init with torch.optim.AdamW.
+Every variant runs in its own subprocess, so its peak RSS (ru_maxrss of that child) is its own.
+
+    python benchmarks/train_throughput.py                 # every variant, reference size
+    python benchmarks/train_throughput.py --only fp32     # just the fp32 pair
+    python benchmarks/train_throughput.py --variant ours-fp32   # one variant in this process (JSON line)
+
+The last line printed is one JSON object for the fp32 reference size: ours_tokens_per_s, torch_tokens_per_s,
+ours_peak_rss_mb, torch_peak_rss_mb and their ratios. Timings are medians of the timed steps after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+REFERENCE = dict(
+    vocab_size=8000, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=8, ffn_hidden_size=1376,
+    seq_len=256, tie_embeddings=True, init_std=0.02,
+)
+MICRO_BATCH = 8
+BETAS, EPS, WEIGHT_DECAY, LR = (0.9, 0.95), 1e-8, 0.1, 3e-4
+FP16_LOSS_SCALE = 1024.0
+
+# name -> (framework, compute dtype, recompute every block)
+VARIANTS = {
+    "torch-fp32": ("torch", "float32", False),
+    "ours-fp32": ("ours", "float32", False),
+    "torch-fp32-recompute": ("torch", "float32", True),
+    "ours-fp32-recompute": ("ours", "float32", True),
+    "torch-bf16": ("torch", "bfloat16", False),
+    "ours-bf16": ("ours", "bfloat16", False),
+    "ours-fp16": ("ours", "float16", False),
+}
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+
+
+def random_batch(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    tokens = np.random.default_rng(seed).integers(0, REFERENCE["vocab_size"], (MICRO_BATCH, REFERENCE["seq_len"] + 1))
+    return tokens[:, :-1].astype(np.int32), tokens[:, 1:].astype(np.int32)
+
+
+def time_steps(step, warmup: int, steps: int) -> dict:
+    """Run `step(i) -> loss` warmup + steps times; seconds and losses of the timed ones."""
+    for i in range(warmup):
+        step(i)
+    seconds, losses = [], []
+    for i in range(warmup, warmup + steps):
+        start = time.perf_counter()
+        losses.append(step(i))
+        seconds.append(time.perf_counter() - start)
+    tokens = MICRO_BATCH * REFERENCE["seq_len"]
+    return {
+        "tokens_per_s": tokens / statistics.median(seconds),
+        "step_seconds": [round(s, 3) for s in seconds],
+        "last_loss": losses[-1],
+    }
+
+
+# ----------------------------------------------------------------------------------------------- ours
+
+
+def run_ours(dtype: str, recompute: bool, warmup: int, steps: int) -> dict:
+    sys.path.insert(0, str(REPO))
+    import mindspore as ms
+
+    from model_core.model import Llama
+    from model_core.train.optim import AdamW
+    from model_core.train.precision import PrecisionError, check_precision
+    from model_core.train.step import AccumulateGradients, ApplyGradients, GradientNorm, scalar
+    from params.schema import ModelParams, PrecisionParams
+
+    try:
+        check_precision(PrecisionParams(compute_dtype=dtype), ms.get_context("device_target"))
+    except PrecisionError as error:
+        return {"unsupported": str(error)}
+    ms.set_seed(0)
+    model = Llama(ModelParams(**REFERENCE), dtype)
+    if recompute:
+        for block in model.layers:
+            block.recompute()
+    accumulate = AccumulateGradients(model)
+    norm = GradientNorm(accumulate.buffers)
+    apply = ApplyGradients(accumulate.buffers, AdamW(accumulate.weights, BETAS, EPS, WEIGHT_DECAY))
+    loss_scale = FP16_LOSS_SCALE if dtype == "float16" else 1.0
+    tokens_per_step = MICRO_BATCH * REFERENCE["seq_len"]
+
+    def step(i: int) -> float:
+        inputs, labels = random_batch(i)
+        loss_mask = ms.Tensor(np.ones(labels.shape, np.float32))
+        summed = accumulate(ms.Tensor(inputs), ms.Tensor(labels), loss_mask, None, None, scalar(loss_scale / tokens_per_step))
+        grad_norm = float(norm(scalar(1.0 / loss_scale)).asnumpy())
+        apply(scalar(LR), scalar(i + 1), scalar(min(1.0, 1.0 / (grad_norm + 1e-6)) / loss_scale))
+        return float(summed.asnumpy()) / tokens_per_step
+
+    return time_steps(step, warmup, steps)
+
+
+# ---------------------------------------------------------------------------------------------- torch
+
+
+def torch_llama(torch, config: dict):
+    """A compact Llama with the architecture and init of model_core.model.Llama (tied head, no biases)."""
+    nn, functional = torch.nn, torch.nn.functional
+
+    class RMSNorm(nn.Module):
+        def __init__(self, size: int):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(size))
+
+        def forward(self, x):
+            x32 = x.float()
+            return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5) * self.weight).to(x.dtype)
+
+    def rotate(x, cos, sin):
+        half = x.shape[-1] // 2
+        return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+    def linear(fan_in: int, fan_out: int, std: float):
+        layer = nn.Linear(fan_in, fan_out, bias=False)
+        nn.init.normal_(layer.weight, std=std)
+        return layer
+
+    hidden, heads, layers = config["hidden_size"], config["num_heads"], config["num_layers"]
+    std, output_std = config["init_std"], config["init_std"] / math.sqrt(2 * layers)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.input_norm, self.post_norm = RMSNorm(hidden), RMSNorm(hidden)
+            self.q, self.k, self.v = (linear(hidden, hidden, std) for _ in range(3))
+            self.o = linear(hidden, hidden, output_std)
+            self.gate, self.up = linear(hidden, config["ffn_hidden_size"], std), linear(hidden, config["ffn_hidden_size"], std)
+            self.down = linear(config["ffn_hidden_size"], hidden, output_std)
+
+        def forward(self, x, cos, sin):
+            batch, seq, _ = x.shape
+            h = self.input_norm(x)
+            q, k, v = (p(h).view(batch, seq, heads, hidden // heads).transpose(1, 2) for p in (self.q, self.k, self.v))
+            attended = functional.scaled_dot_product_attention(rotate(q, cos, sin), rotate(k, cos, sin), v, is_causal=True)
+            x = x + self.o(attended.transpose(1, 2).reshape(batch, seq, hidden))
+            h = self.post_norm(x)
+            return x + self.down(functional.silu(self.gate(h)) * self.up(h))
+
+    class Llama(nn.Module):
+        def __init__(self, recompute: bool):
+            super().__init__()
+            self.recompute = recompute
+            self.embed = nn.Embedding(config["vocab_size"], hidden)
+            nn.init.normal_(self.embed.weight, std=std)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.norm = RMSNorm(hidden)
+            head_dim = hidden // heads
+            inv_freq = 1.0 / 10_000 ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+            angles = torch.outer(torch.arange(config["seq_len"], dtype=torch.float64), inv_freq)
+            angles = torch.cat([angles, angles], -1)
+            self.register_buffer("cos", angles.cos().float())
+            self.register_buffer("sin", angles.sin().float())
+
+        def forward(self, tokens):
+            x = self.embed(tokens)
+            cos, sin = self.cos[: tokens.shape[1]].to(x.dtype), self.sin[: tokens.shape[1]].to(x.dtype)
+            for block in self.blocks:
+                if self.recompute:
+                    x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
+                else:
+                    x = block(x, cos, sin)
+            return functional.linear(self.norm(x), self.embed.weight).float()
+
+    return Llama
+
+
+def run_torch(dtype: str, recompute: bool, warmup: int, steps: int) -> dict:
+    import torch
+    import torch.utils.checkpoint  # noqa: F401  (registers torch.utils.checkpoint)
+
+    torch.manual_seed(0)
+    model = torch_llama(torch, REFERENCE)(recompute)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    vocab = REFERENCE["vocab_size"]
+
+    def step(i: int) -> float:
+        inputs, labels = (torch.from_numpy(a.astype(np.int64)) for a in random_batch(i))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bfloat16"):
+            logits = model(inputs)
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, vocab), labels.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return time_steps(step, warmup, steps)
+
+
+# --------------------------------------------------------------------------------------------- driver
+
+
+def run_variant(name: str, warmup: int, steps: int) -> dict:
+    framework, dtype, recompute = VARIANTS[name]
+    runner = run_ours if framework == "ours" else run_torch
+    result = runner(dtype, recompute, warmup, steps)
+    return {"variant": name, **result, "peak_rss_mb": round(peak_rss_mb())}
+
+
+def run_in_child(name: str, warmup: int, steps: int) -> dict:
+    command = [sys.executable, __file__, "--variant", name, "--warmup", str(warmup), "--steps", str(steps)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"variant": name, "error": (done.stderr or done.stdout).strip().splitlines()[-1:]}
+    return json.loads(lines[-1])
+
+
+def describe(result: dict, torch_fp32: dict | None) -> str:
+    name = result["variant"]
+    if "unsupported" in result:
+        return f"| {name} | not run: {result['unsupported']} | | |"
+    if "error" in result:
+        return f"| {name} | failed: {result['error']} | | |"
+    ratio = ""
+    if torch_fp32 and "tokens_per_s" in torch_fp32:
+        ratio = (
+            f"{result['tokens_per_s'] / torch_fp32['tokens_per_s']:.2f}x tokens/s, "
+            f"{result['peak_rss_mb'] / torch_fp32['peak_rss_mb']:.2f}x RSS"
+        )
+    return f"| {name} | {result['tokens_per_s']:,.0f} | {result['peak_rss_mb']:,.0f} MB | {ratio} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), help="run one variant here and print its JSON")
+    parser.add_argument("--only", help="run only the variants whose name contains this")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    if args.variant:
+        print(json.dumps(run_variant(args.variant, args.warmup, args.steps)), flush=True)
+        return
+
+    names = [name for name in VARIANTS if args.only is None or args.only in name]
+    results = {}
+    for name in names:
+        results[name] = run_in_child(name, args.warmup, args.steps)
+        print(json.dumps(results[name]), flush=True)
+    torch_fp32 = results.get("torch-fp32")
+    print("| variant | tokens/s | peak RSS | vs torch-fp32 |\n|---|---|---|---|")
+    for name in names:
+        print(describe(results[name], torch_fp32))
+    ours, theirs = results.get("ours-fp32", {}), torch_fp32 or {}
+    summary = {
+        "ours_tokens_per_s": ours.get("tokens_per_s"),
+        "torch_tokens_per_s": theirs.get("tokens_per_s"),
+        "ours_peak_rss_mb": ours.get("peak_rss_mb"),
+        "torch_peak_rss_mb": theirs.get("peak_rss_mb"),
+    }
+    if all(summary.values()):
+        summary["tokens_per_s_ratio"] = round(summary["ours_tokens_per_s"] / summary["torch_tokens_per_s"], 3)
+        summary["peak_rss_ratio"] = round(summary["ours_peak_rss_mb"] / summary["torch_peak_rss_mb"], 3)
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
