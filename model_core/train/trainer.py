@@ -5,6 +5,11 @@ optionally resumes from the newest valid checkpoint, and runs `steps` optimizer 
 MLflow or Prefect: every `log_interval` steps it hands a metrics record (a flat dict) to `on_metrics`.
 A step whose loss or gradient norm is not finite is skipped and counted; `max_consecutive_nonfinite` of
 them in a row stop the run with `NonFiniteError`, leaving the last good checkpoint as it was.
+
+Under msrun (params.parallel world size > 1) every data-parallel rank builds the same model from the same
+seed, trains on its slice of each global batch, and sums gradients over its dp group once per optimizer
+step (model_core.parallel); token counts and summed losses are summed too, so the update is the one a
+single process makes on the whole global batch. Only rank 0 reports metrics and writes checkpoints.
 """
 
 from __future__ import annotations
@@ -21,6 +26,10 @@ from mindspore import ops
 from safetensors.numpy import load_file
 
 from model_core.model import Llama, count_parameters
+from model_core.parallel import comm
+from model_core.parallel.data_parallel import GradientAllReduce, broadcast_parameters, sum_over
+from model_core.parallel.layout import Layout, check_implemented
+from model_core.parallel.zero import ShardedAdamW
 from model_core.train import checkpoint as ckpt
 from model_core.train.callbacks import MetricsCallback
 from model_core.train.flops import flops_per_token, mfu, peak_flops_for_current_device
@@ -86,6 +95,9 @@ class Trainer:
         self.checkpoint_dir = Path(checkpoint_dir)
         self.initial_weights = Path(initial_weights) if initial_weights is not None else None
         check_dataset(dataset_dir, params)
+        self.layout, self.rank = _join_layout(params)
+        self.dp_group = comm.group(self.layout.dp_group(self.rank))
+        self.is_reporting = self.rank == 0
         ms.set_seed(params.train.seed)
         self.model = Llama(params.model, params.precision.compute_dtype)
         apply_recompute(self.model, params)
@@ -94,15 +106,23 @@ class Trainer:
         self.micro_batches = params.parallel.micro_batches * train.grad_accum_steps
         self.batches = ShuffledBatches(
             load_split(dataset_dir, "train"),
-            global_batch_rows=train.micro_batch_size * self.micro_batches,
+            global_batch_rows=self.layout.global_batch_rows(
+                train.micro_batch_size, params.parallel.micro_batches, train.grad_accum_steps
+            ),
             seed=train.seed,
+            rank=self.dp_group.index,
+            world=self.dp_group.size,
         )
         self.validation = load_split(dataset_dir, "validation")
 
         self.accumulate = AccumulateGradients(self.model)
         names = {id(param): name for name, param in self.model.parameters_and_names()}
         weight_names = [names[id(param)] for param in self.accumulate.weights]
-        self.optimizer = AdamW.from_params(self.accumulate.weights, params.optimizer, weight_names)
+        if params.parallel.zero_stage == 1 and self.dp_group.size > 1:
+            self.optimizer = ShardedAdamW(self.accumulate.weights, params.optimizer, weight_names, self.dp_group)
+        else:
+            self.optimizer = AdamW.from_params(self.accumulate.weights, params.optimizer, weight_names)
+        self.sum_gradients = GradientAllReduce(self.accumulate.buffers, self.dp_group) if self.dp_group.size > 1 else None
         self.norm = GradientNorm(self.accumulate.buffers)
         self.apply = ApplyGradients(self.accumulate.buffers, self.optimizer)
         self.zero = ZeroGradients(self.accumulate.buffers)
@@ -156,6 +176,7 @@ class Trainer:
 
     def run(self, on_metrics: MetricsCallback | None = None, resume: str | Path = "none") -> TrainResult:
         resumed_from = self.resume(resume)
+        broadcast_parameters(self.accumulate.weights, self.dp_group, root=self.dp_group.ranks[0])
         history: list[dict[str, float]] = []
         train = self.params.train
         last_checkpoint = resumed_from
@@ -167,15 +188,17 @@ class Trainer:
             if step % train.log_interval == 0 or step == self.steps:
                 elapsed = time.perf_counter() - window_start
                 record = self._record(loss, grad_norm, window_tokens / max(elapsed, 1e-9))
-                if step % train.eval_interval == 0 or step == self.steps:
+                if self.is_reporting and (step % train.eval_interval == 0 or step == self.steps):
                     record["validation_loss"] = self.evaluate()
                 history.append(record)
-                if on_metrics is not None:
+                if on_metrics is not None and self.is_reporting:
                     on_metrics(record)
                 window_tokens, window_start = 0, time.perf_counter()
             due = step % train.checkpoint_interval == 0 or step == self.steps
             if due and self.counters.consecutive_nonfinite == 0:  # never replace good checkpoints with bad weights
-                last_checkpoint = self.save().path
+                saved = self.save()
+                last_checkpoint = saved.path if saved is not None else None
+        comm.barrier()  # ranks leave together, so a launcher can treat an early exit as a failure
         return TrainResult(
             steps=self.counters.step,
             initial_loss=self.counters.initial_loss,
@@ -192,9 +215,12 @@ class Trainer:
         rows = self.batches.next_rows()  # this step's global batch, cut into k micro-batches
         size = self.params.train.micro_batch_size
         micro = [self._batch(rows.take(np.arange(i, i + size))) for i in range(0, len(rows), size)]
-        counted = sum(batch.counted_tokens for batch in micro)
+        [counted] = sum_over(self.dp_group, [sum(batch.counted_tokens for batch in micro)])
         scale = scalar(self.loss_scale.scale / max(counted, 1))
         summed = sum(float(self.accumulate(*_inputs(batch), scale).asnumpy()) for batch in micro)
+        if self.sum_gradients is not None:
+            self.sum_gradients()  # once per optimizer step, not per micro-batch
+        [summed] = sum_over(self.dp_group, [summed])
         loss = summed / max(counted, 1)
         grad_norm = float(self.norm(scalar(1.0 / self.loss_scale.scale)).asnumpy())
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
@@ -223,7 +249,7 @@ class Trainer:
                     f"{self.params.train.max_consecutive_nonfinite}); the last good checkpoint is kept"
                 )
         counters.step += 1
-        tokens = sum(batch.tokens.size for batch in micro)
+        tokens = sum(batch.tokens.size for batch in micro) * self.dp_group.size
         counters.tokens_seen += tokens
         return loss, grad_norm, tokens
 
@@ -264,7 +290,11 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------- checkpoints
 
-    def save(self) -> ckpt.Checkpoint:
+    def save(self) -> ckpt.Checkpoint | None:
+        """Every rank calls it (gathering sharded optimizer state is collective); rank 0 alone writes."""
+        moments = self.optimizer.state_dict()
+        if not self.is_reporting:
+            return None
         state = {
             "step": self.counters.step,
             "counters": vars(self.counters),
@@ -277,10 +307,23 @@ class Trainer:
             self.checkpoint_dir,
             self.counters.step,
             model_weights(self.model),
-            self.optimizer.state_dict(),
+            moments,
             state,
             keep=self.params.train.keep_checkpoints,
         )
+
+
+def _join_layout(params: PipelineParams) -> tuple[Layout, int]:
+    """(layout, this rank): joins the msrun job when params ask for more than one rank."""
+    check_implemented(params)
+    if params.parallel.world_size > 1:
+        if not comm.launched_by_msrun():
+            raise ValueError(
+                f"params.parallel asks for {params.parallel.world_size} ranks; start them with `llmflow train` "
+                "(which launches msrun) or model_core.parallel.launch, not as one process"
+            )
+        comm.init()
+    return Layout.from_params(params, comm.world_size()), comm.rank()
 
 
 def check_dataset(dataset_dir: str | Path, params: PipelineParams) -> None:

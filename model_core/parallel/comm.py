@@ -1,0 +1,212 @@
+"""The one communication module of the parallel code: collectives over any group of ranks.
+
+`group(ranks)` gives a `Group` (a Cell, so its methods can be called from a jit-compiled construct) with
+all-reduce (sum or mean), all-gather, reduce-scatter, broadcast and point-to-point. Each uses the backend's
+native operator where the backend has it for that group, and otherwise is built from an all-reduce sum,
+the one collective that works on every group of MindSpore's CPU backend (MCCL):
+  all-gather      all-reduce of a zero-filled buffer with this rank's block written in;
+  reduce-scatter  all-reduce, then keep this rank's block;
+  broadcast       all-reduce where every rank but the root sends zeros;
+  point-to-point  all-reduce in the 2-rank group {source, destination} where the destination sends zeros.
+The fallbacks cost more bandwidth (an all-gather moves size x the data) but are exact: adding zeros changes
+no bit. Whether this rank is the root is read from a Parameter at run time, not decided in Python: in a jit
+graph the root's `AllReduce(x)` would otherwise be merged with any other `AllReduce(x)` (common
+subexpression elimination) on the root alone, and the ranks would then disagree on how many collectives
+to run. Blocks are along axis 0, in group order. A group of one rank needs no communication and no
+`mindspore.communication.init()`, so single-process code can call the same methods.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from functools import lru_cache
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, mint, nn, ops
+
+# Which collectives each backend offers natively on a group other than the world group. On CPU (MCCL)
+# AllGather and Broadcast work on the world group only; ReduceScatter and Send/Receive not at all.
+_NATIVE_ON_SUBGROUPS = {"hccl": True, "nccl": True, "mccl": False}
+_NATIVE_ON_WORLD = {
+    "hccl": {"all_gather", "reduce_scatter", "broadcast", "p2p"},
+    "nccl": {"all_gather", "reduce_scatter", "broadcast", "p2p"},
+    "mccl": {"all_gather", "broadcast"},
+}
+_BACKEND_OF_DEVICE = {"Ascend": "hccl", "GPU": "nccl", "CPU": "mccl"}
+
+
+def backend() -> str:
+    return _BACKEND_OF_DEVICE[ms.get_context("device_target")]
+
+
+def world_size() -> int:
+    """Ranks in the job: 1 unless this process was started by msrun (and comm was initialised)."""
+    from mindspore.communication import get_group_size
+
+    return get_group_size() if is_initialised() else 1
+
+
+def rank() -> int:
+    from mindspore.communication import get_rank
+
+    return get_rank() if is_initialised() else 0
+
+
+def is_initialised() -> bool:
+    from mindspore.communication import GlobalComm
+
+    return bool(GlobalComm.INITED)
+
+
+def init() -> None:
+    """Join the msrun job (idempotent)."""
+    if not is_initialised():
+        from mindspore.communication import init as init_communication
+
+        init_communication()
+
+
+@lru_cache(maxsize=None)
+def _group_name(ranks: tuple[int, ...]) -> str:
+    """The backend's name for the group of `ranks`, created once; every member must ask for it."""
+    from mindspore.communication import GlobalComm, create_group
+
+    if ranks == tuple(range(world_size())):
+        return GlobalComm.WORLD_COMM_GROUP
+    name = "llmflow_" + "_".join(map(str, ranks))
+    create_group(name, list(ranks))
+    return name
+
+
+@lru_cache(maxsize=None)
+def group(ranks: Sequence[int]) -> Group:
+    """The (cached) collectives over `ranks`, which must include this rank. Call with a tuple."""
+    return Group(tuple(ranks), rank())
+
+
+class Group(nn.Cell):
+    """Collectives over one ordered group of ranks; `index` is this rank's place in it."""
+
+    def __init__(self, ranks: tuple[int, ...], my_rank: int, use_native: bool = True) -> None:
+        """`use_native=False` takes the all-reduce fallbacks even where native operators exist (tests)."""
+        super().__init__()
+        if len(set(ranks)) != len(ranks) or my_rank not in ranks:
+            raise ValueError(f"group {list(ranks)} must list distinct ranks including this rank {my_rank}")
+        self.ranks = ranks
+        self.size = len(ranks)
+        self.index = ranks.index(my_rank)
+        self.my_rank = my_rank
+        if self.size == 1:
+            return
+        kind = backend()
+        name = _group_name(ranks)
+        is_world = ranks == tuple(range(world_size()))
+        native = _NATIVE_ON_WORLD[kind] if use_native and (is_world or _NATIVE_ON_SUBGROUPS[kind]) else set()
+        self.native_all_gather = "all_gather" in native
+        self.native_reduce_scatter = "reduce_scatter" in native
+        self.native_broadcast = "broadcast" in native
+        self.native_p2p = "p2p" in native
+        self._sum = ops.AllReduce(ops.ReduceOp.SUM, name)
+        self._is_me = Parameter(  # one-hot over members: the fallbacks' root test, read at run time
+            Tensor(np.eye(self.size, dtype=np.int32)[self.index]), name=f"{name}.is_me", requires_grad=False
+        )
+        if self.native_all_gather:
+            self._gather = ops.AllGather(name)
+        if self.native_reduce_scatter:
+            self._scatter = ops.ReduceScatter(ops.ReduceOp.SUM, name)
+        if self.native_broadcast:  # root_rank is fixed per primitive: one per possible root
+            self._broadcasts = tuple(ops.Broadcast(root, name) for root in ranks)
+
+    def all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
+        """Sum (or mean, op="mean") of x over the group, on every member."""
+        if self.size == 1:
+            return x
+        total = self._sum(x)
+        return total / self.size if op == "mean" else total
+
+    def all_gather(self, x: Tensor) -> Tensor:
+        """Every member's x concatenated along axis 0 in group order, on every member."""
+        if self.size == 1:
+            return x
+        if self.native_all_gather:
+            return self._gather(x)
+        return self._sum(gather_contribution(x, self.index, self.size))
+
+    def reduce_scatter(self, x: Tensor) -> Tensor:
+        """Block `index` (of `size` equal blocks along axis 0) of the group's sum of x."""
+        if self.size == 1:
+            return x
+        if self.native_reduce_scatter:
+            return self._scatter(x)
+        return own_block(self._sum(x), self.index, self.size)
+
+    def broadcast(self, x: Tensor, root: int) -> Tensor:
+        """The x of global rank `root` (a member), on every member."""
+        if self.size == 1:
+            return x
+        root_index = self.ranks.index(root)
+        if self.native_broadcast:
+            return self._broadcasts[root_index]((x,))[0]
+        return self._sum(broadcast_contribution(x, self._is_me[root_index]))
+
+
+def send_receive(x: Tensor, source: int, destination: int) -> Tensor:
+    """Point-to-point: `destination` returns `source`'s x (same shape and dtype on both); `source` gets x back.
+
+    Both ranks call it; no other rank may. Built from a 2-rank all-reduce unless the backend has Send/Receive.
+    """
+    pair = group(tuple(sorted((source, destination))))
+    me = pair.my_rank
+    if me not in (source, destination) or source == destination:
+        raise ValueError(f"rank {me} cannot take part in a transfer from rank {source} to rank {destination}")
+    if pair.native_p2p:
+        return _native_send_receive(x, source, destination, me)
+    return pair.broadcast(x, source)
+
+
+def _native_send_receive(x: Tensor, source: int, destination: int, me: int) -> Tensor:
+    if me == source:
+        ops.Send(sr_tag=0, dest_rank=destination)(x)
+        return x
+    return ops.Receive(sr_tag=0, src_rank=source, shape=tuple(x.shape), dtype=x.dtype)()
+
+
+# The fallbacks' arithmetic, kept apart from the collective so it can be checked in one process.
+
+
+def gather_contribution(x: Tensor, index: int, size: int) -> Tensor:
+    """A buffer of `size` blocks the shape of x: zeros, except block `index`, which is x."""
+    rest = tuple(x.shape[1:])
+    before, after = index * x.shape[0], (size - 1 - index) * x.shape[0]
+    parts = []
+    if before:
+        parts.append(ops.zeros((before,) + rest, x.dtype))
+    parts.append(x)
+    if after:
+        parts.append(ops.zeros((after,) + rest, x.dtype))
+    return ops.cat(parts) if len(parts) > 1 else x
+
+
+def own_block(x: Tensor, index: int, size: int) -> Tensor:
+    """Block `index` of `size` equal blocks of x along axis 0."""
+    rows = x.shape[0] // size
+    return x[index * rows : (index + 1) * rows]
+
+
+def broadcast_contribution(x: Tensor, is_root: Tensor) -> Tensor:
+    """x where `is_root` (a scalar Tensor, 1 or 0) is 1, zeros elsewhere; inf and nan are not spread."""
+    return mint.where(is_root == 1, x, ops.zeros_like(x))
+
+
+def launched_by_msrun() -> bool:
+    """True in a process msrun started: a worker, or the scheduler, which runs the same program and serves
+    the job from inside `init()` until the workers finish."""
+    return os.environ.get("MS_ROLE") in ("MS_WORKER", "MS_SCHED")
+
+
+def barrier() -> None:
+    """Wait for every rank (a one-element all-reduce over the world)."""
+    if world_size() > 1:
+        group(tuple(range(world_size()))).all_reduce(Tensor(np.zeros(1, np.float32))).asnumpy()

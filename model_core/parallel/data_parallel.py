@@ -1,0 +1,80 @@
+"""Data parallelism, applied from outside the model: every dp rank runs the whole model on its slice of the
+global batch, and the accumulated gradients are summed over the dp group once per optimizer step.
+
+The gradients are *summed*, not averaged: the trainer scales each micro-batch's summed token loss by
+1 / (tokens counted in the whole global batch, over all ranks), so the sum over ranks is exactly the
+gradient of the mean loss over the global batch, as one process training on all of it would compute.
+The sum runs over a few flat buckets (`bucket_bytes` each, parameters in model order) rather than one
+all-reduce per parameter: each collective has a fixed latency (~1 ms between two CPU workers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+
+from model_core.parallel.comm import Group
+
+DEFAULT_BUCKET_BYTES = 32 * 2**20
+
+
+def bucket_indices(sizes_in_bytes: Sequence[int], bucket_bytes: int) -> list[list[int]]:
+    """Consecutive indices grouped so each group holds at most `bucket_bytes` (a larger item stands alone)."""
+    buckets: list[list[int]] = []
+    filled = bucket_bytes
+    for index, size in enumerate(sizes_in_bytes):
+        if filled + size > bucket_bytes:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(index)
+        filled += size
+    return buckets
+
+
+class GradientAllReduce(nn.Cell):
+    """Sum the gradient buffers over the group, in place, one flat all-reduce per bucket."""
+
+    def __init__(self, buffers: ParameterTuple, group: Group, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        super().__init__()
+        self.buffers = buffers
+        self.group = group
+        self.shapes = tuple(tuple(b.shape) for b in buffers)
+        self.sizes = tuple(int(np.prod(shape)) for shape in self.shapes)
+        nbytes = [size * b.itemsize for size, b in zip(self.sizes, buffers)]
+        self.buckets = tuple(tuple(bucket) for bucket in bucket_indices(nbytes, bucket_bytes))
+
+    @ms.jit
+    def construct(self):
+        for bucket in self.buckets:
+            flat = ops.cat([self.buffers[i].reshape(-1) for i in bucket])
+            total = self.group.all_reduce(flat)
+            offset = 0
+            for i in bucket:
+                ops.assign(self.buffers[i], total[offset : offset + self.sizes[i]].reshape(self.shapes[i]))
+                offset += self.sizes[i]
+        return True
+
+
+def sum_over(group: Group, values: Sequence[float]) -> list[float]:
+    """Python numbers summed over the group (token counts, summed losses): one small all-reduce.
+
+    The CPU all-reduce has no float64, so each value travels as a float32 pair (high part, remainder),
+    which keeps about 48 bits of the sum instead of float32's 24."""
+    if group.size == 1:
+        return list(values)
+    exact = np.asarray(values, dtype=np.float64)
+    high = exact.astype(np.float32)
+    low = (exact - high).astype(np.float32)
+    total = group.all_reduce(Tensor(np.stack([high, low]))).asnumpy().astype(np.float64)
+    return [float(v) for v in total[0] + total[1]]
+
+
+def broadcast_parameters(parameters: Sequence[Parameter], group: Group, root: int) -> None:
+    """Give every member `root`'s values (in place, so compiled graphs keep seeing them)."""
+    if group.size == 1:
+        return
+    for parameter in parameters:
+        ops.assign(parameter, group.broadcast(parameter.value(), root))

@@ -1,0 +1,108 @@
+"""The parallel layout: how the world of ranks splits into data-, tensor- and pipeline-parallel groups.
+
+`Layout` is the one object that knows it. Ranks are numbered with tensor parallelism innermost, then data,
+then pipeline outermost (Megatron's order), so a tp group is consecutive ranks and stays inside one node:
+
+    rank = (pp_index * dp + dp_index) * tp + tp_index
+
+It is pure Python: it validates degrees against the world size and the model, and lists group members;
+`model_core.parallel.comm.group(ranks)` turns a member list into collectives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from params.schema import PipelineParams
+
+
+class ParallelConfigError(ValueError):
+    """A layout that cannot run; the message names the numbers that disagree."""
+
+
+@dataclass(frozen=True)
+class Coordinates:
+    dp: int
+    tp: int
+    pp: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @classmethod
+    def from_params(cls, params: PipelineParams, world_size: int | None = None) -> Layout:
+        """The layout params.parallel describes, checked against the model and (when given) the world size."""
+        parallel, model = params.parallel, params.model
+        layout = cls(parallel.data_parallel, parallel.tensor_parallel, parallel.pipeline_parallel)
+        if world_size is not None and world_size != layout.world_size:
+            raise ParallelConfigError(
+                f"parallel.data_parallel={layout.dp} x tensor_parallel={layout.tp} x pipeline_parallel={layout.pp} "
+                f"= {layout.world_size} ranks, but the world has {world_size}"
+            )
+        if model.num_layers % layout.pp:
+            raise ParallelConfigError(
+                f"parallel.pipeline_parallel={layout.pp} does not divide model.num_layers={model.num_layers} "
+                "into equal stages"
+            )
+        return layout
+
+    def coordinates(self, rank: int) -> Coordinates:
+        if not 0 <= rank < self.world_size:
+            raise ParallelConfigError(f"rank {rank} is outside a world of {self.world_size} ranks")
+        tp = rank % self.tp
+        dp = rank // self.tp % self.dp
+        pp = rank // (self.tp * self.dp)
+        return Coordinates(dp=dp, tp=tp, pp=pp)
+
+    def rank(self, dp: int, tp: int, pp: int) -> int:
+        return (pp * self.dp + dp) * self.tp + tp
+
+    def dp_group(self, rank: int) -> tuple[int, ...]:
+        """Ranks holding the same model shard as `rank` (same tp and pp), in dp order."""
+        at = self.coordinates(rank)
+        return tuple(self.rank(d, at.tp, at.pp) for d in range(self.dp))
+
+    def tp_group(self, rank: int) -> tuple[int, ...]:
+        at = self.coordinates(rank)
+        return tuple(self.rank(at.dp, t, at.pp) for t in range(self.tp))
+
+    def pp_group(self, rank: int) -> tuple[int, ...]:
+        """The pipeline through `rank`'s (dp, tp) position, first stage first."""
+        at = self.coordinates(rank)
+        return tuple(self.rank(at.dp, at.tp, p) for p in range(self.pp))
+
+    def all_groups(self, kind: str) -> list[tuple[int, ...]]:
+        """Every distinct group of one kind ("dp", "tp" or "pp"), by their first rank."""
+        of = {"dp": self.dp_group, "tp": self.tp_group, "pp": self.pp_group}[kind]
+        return sorted({of(rank) for rank in range(self.world_size)})
+
+    def global_batch_rows(self, micro_batch_size: int, micro_batches: int, accumulation: int) -> int:
+        """Sequences per optimizer step over the world: micro-batch x micro_batches x accumulation x dp."""
+        return micro_batch_size * micro_batches * accumulation * self.dp
+
+    def __str__(self) -> str:
+        return f"dp{self.dp} tp{self.tp} pp{self.pp}"
+
+
+def check_implemented(params: PipelineParams) -> None:
+    """Stop before launch on the parts of the layout that this version cannot run yet (issue #4)."""
+    parallel = params.parallel
+    pending = {
+        "parallel.tensor_parallel": (parallel.tensor_parallel, 1),
+        "parallel.pipeline_parallel": (parallel.pipeline_parallel, 1),
+    }
+    for field, (value, supported) in pending.items():
+        if value != supported:
+            raise ParallelConfigError(f"{field}={value} is not implemented yet (issue #4); use {supported}")
+    if parallel.zero_stage > 1:
+        raise ParallelConfigError(
+            f"parallel.zero_stage={parallel.zero_stage} is not implemented yet (issue #4); use 0 or 1"
+        )

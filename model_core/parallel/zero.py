@@ -1,0 +1,117 @@
+"""ZeRO stage 1: AdamW whose moments are sharded over the data-parallel group.
+
+All parameters, flattened and concatenated in order, are cut into `dp` equal shards (the last one padded).
+A rank keeps Adam moments only for its shard, which falls into pieces, one per parameter it touches. A step
+copies its pieces of the parameters, updates them with the full (already summed) gradient's matching
+pieces through the same fused AdamW as unsharded training, and all-gathers the updated shards into every
+parameter. The arithmetic is element-wise, so the result is the unsharded update, bit for bit up to the
+gradient sum. `state_dict`/`load_state_dict` speak the unsharded format (full moments keyed by parameter
+path), so checkpoints stay independent of the layout; `state_dict` is a collective: every rank calls it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+
+from model_core.parallel.comm import Group
+from model_core.train.optim import AdamW, applies_weight_decay
+from params.schema import OptimizerParams
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, end) of parameter `index`, flattened: part of one rank's shard."""
+
+    index: int
+    start: int
+    end: int
+
+
+def shard_pieces(sizes: Sequence[int], shards: int, shard: int) -> tuple[list[Piece], int]:
+    """The pieces of shard `shard` of `shards` over parameters of these sizes, and the shard length."""
+    total = sum(sizes)
+    length = -(-total // shards)
+    first, last = shard * length, min(total, (shard + 1) * length)
+    pieces, offset = [], 0
+    for index, size in enumerate(sizes):
+        start, end = max(first, offset), min(last, offset + size)
+        if start < end:
+            pieces.append(Piece(index, start - offset, end - offset))
+        offset += size
+    return pieces, length
+
+
+class ShardedAdamW(nn.Cell):
+    """AdamW over `parameters` with this rank's 1/dp of the moments; called like AdamW: (grads, lr, step)."""
+
+    def __init__(
+        self, parameters: Sequence[Parameter], optimizer: OptimizerParams, names: Sequence[str], group: Group
+    ) -> None:
+        super().__init__()
+        self.params = ParameterTuple(parameters)
+        self.param_names = tuple(names)
+        self.group = group
+        self.shapes = tuple(tuple(p.shape) for p in parameters)
+        self.sizes = tuple(int(np.prod(shape)) for shape in self.shapes)
+        pieces, self.shard_length = shard_pieces(self.sizes, group.size, group.index)
+        if not pieces:
+            raise ValueError(f"{sum(self.sizes)} parameters are too few to shard over {group.size} ranks")
+        self.pieces = tuple((p.index, p.start, p.end) for p in pieces)
+        self.padding = self.shard_length - sum(end - start for _, start, end in self.pieces)
+        copies = [
+            Parameter(ops.zeros((end - start,), ms.float32), name=f"zero1.{names[i]}.{start}", requires_grad=False)
+            for i, start, end in self.pieces
+        ]
+        self.inner = AdamW.from_params(copies, optimizer, [f"{names[i]}[{start}:{end}]" for i, start, end in self.pieces])
+        # The pieces are flat; decay follows the parameter they come from (matrices yes, norms no).
+        self.inner.decays = tuple(applies_weight_decay(parameters[i]) for i, _, _ in self.pieces)
+
+    def construct(self, grads, lr, step):
+        for k, (i, start, end) in enumerate(self.pieces):
+            ops.assign(self.inner.params[k], self.params[i].reshape(-1)[start:end])
+        self.inner(tuple(grads[i].reshape(-1)[start:end] for i, start, end in self.pieces), lr, step)
+        full = self.group.all_gather(self._padded([self.inner.params[k] for k in range(len(self.pieces))]))
+        offset = 0
+        for i in range(len(self.params)):
+            ops.assign(self.params[i], full[offset : offset + self.sizes[i]].reshape(self.shapes[i]))
+            offset += self.sizes[i]
+
+    def _padded(self, parts):
+        if self.padding:
+            parts = parts + [ops.zeros((self.padding,), ms.float32)]
+        return ops.cat(parts)
+
+    def moment_bytes(self) -> int:
+        return moment_bytes(self.inner)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Full moments keyed `adam_m.<name>` / `adam_v.<name>`, as unsharded AdamW writes them. Collective."""
+        state = {}
+        for prefix, moments in (("adam_m", self.inner.exp_avg), ("adam_v", self.inner.exp_avg_sq)):
+            full = self.group.all_gather(self._padded(list(moments))).asnumpy()
+            offset = 0
+            for name, size, shape in zip(self.param_names, self.sizes, self.shapes):
+                state[f"{prefix}.{name}"] = full[offset : offset + size].reshape(shape).copy()
+                offset += size
+        return state
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        """Take this rank's pieces of full (unsharded) moments."""
+        expected = {f"{prefix}.{name}" for prefix in ("adam_m", "adam_v") for name in self.param_names}
+        missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
+        if missing or unexpected:
+            raise KeyError(f"optimizer state does not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        for prefix, moments in (("adam_m", self.inner.exp_avg), ("adam_v", self.inner.exp_avg_sq)):
+            for moment, (i, start, end) in zip(moments, self.pieces):
+                value = np.asarray(state[f"{prefix}.{self.param_names[i]}"], dtype=np.float32).reshape(-1)
+                ops.assign(moment, Tensor(value[start:end]))
+
+
+def moment_bytes(optimizer: AdamW) -> int:
+    """Bytes of Adam moments this process actually holds (read back from the arrays, not computed)."""
+    return sum(moment.asnumpy().nbytes for moment in (*optimizer.exp_avg, *optimizer.exp_avg_sq))
