@@ -101,12 +101,13 @@ def test_deployment_run_completes_and_is_tracked(corpus_jsonl, tmp_path):
 
         client = MlflowClient(mlflow_uri)
         experiment = client.get_experiment_by_name("deployed")
-        runs = client.search_runs([experiment.experiment_id])
+        runs = client.search_runs([experiment.experiment_id], order_by=["attributes.start_time ASC"])
         parents = [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
         assert len(parents) == 1 and parents[0].info.status == "FINISHED"
         assert parents[0].data.tags["prefect.deployment"] == "nightly"
         stages = [run.info.run_name for run in runs if "mlflow.parentRunId" in run.data.tags]
-        assert stages == ["data_prep"]
+        assert stages == ["data_prep", "smoke", "pretrain"]
+        assert all(run.info.status == "FINISHED" for run in runs)
 
         schedules = _prefect(["deployment", "inspect", "pretrain-flow/nightly"], env, timeout=60).stdout
         assert "'active': False" in schedules and "0 2 * * *" in schedules
