@@ -6,7 +6,7 @@ as the trainer does; PyTorch runs a compact Llama of the same architecture and i
 Every variant runs in its own subprocess, so its peak RSS (ru_maxrss of that child) is its own.
 
     python benchmarks/train_throughput.py                 # every variant, reference size
-    python benchmarks/train_throughput.py --only fp32     # just the fp32 pair
+    python benchmarks/train_throughput.py --variants torch-fp32,ours-fp32   # just the fp32 pair
     python benchmarks/train_throughput.py --variant ours-fp32   # one variant in this process (JSON line)
 
 The last line printed is one JSON object for the fp32 reference size: ours_tokens_per_s, torch_tokens_per_s,
@@ -61,14 +61,17 @@ def time_steps(step, warmup: int, steps: int) -> dict:
     """Run `step(i) -> loss` warmup + steps times; seconds and losses of the timed ones."""
     for i in range(warmup):
         step(i)
-    seconds, losses = [], []
+    seconds, cpu_seconds, losses = [], [], []
     for i in range(warmup, warmup + steps):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         losses.append(step(i))
         seconds.append(time.perf_counter() - start)
+        cpu_seconds.append(time.process_time() - cpu_start)
     tokens = MICRO_BATCH * REFERENCE["seq_len"]
     return {
         "tokens_per_s": tokens / statistics.median(seconds),
+        # CPU time of all the process's threads: steadier than wall time on a shared machine.
+        "cpu_seconds_per_step": round(statistics.median(cpu_seconds), 3),
         "step_seconds": [round(s, 3) for s in seconds],
         "last_loss": losses[-1],
     }
@@ -247,7 +250,7 @@ def describe(result: dict, torch_fp32: dict | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", choices=sorted(VARIANTS), help="run one variant here and print its JSON")
-    parser.add_argument("--only", help="run only the variants whose name contains this")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variant names to run")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     args = parser.parse_args()
@@ -255,7 +258,10 @@ def main() -> None:
         print(json.dumps(run_variant(args.variant, args.warmup, args.steps)), flush=True)
         return
 
-    names = [name for name in VARIANTS if args.only is None or args.only in name]
+    names = args.variants.split(",")
+    unknown = sorted(set(names) - set(VARIANTS))
+    if unknown:
+        parser.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
     results = {}
     for name in names:
         results[name] = run_in_child(name, args.warmup, args.steps)

@@ -294,10 +294,15 @@ def _fused_cases():
         (fused.RotaryFunction(), lambda x, c, s: x * c + ms.mint.cat((-x[..., 4:], x[..., :4]), dim=-1) * s, (tensor(2, 3, 6, 8), cos, sin), 1),
         (fused.SoftmaxAttentionFunction(1 / math.sqrt(8)), _plain_attention, (tensor(2, 3, 6, 8), tensor(2, 3, 6, 8), tensor(2, 3, 6, 8), bias), 3),
         (fused.TokenNLLFunction(), _plain_nll, (tensor(10, 11), labels), 1),
+        (fused.SwiGLUFunction(), lambda g, u: ms.mint.nn.functional.silu(g) * u, (tensor(2, 5, 7), tensor(2, 5, 7)), 2),
+        (fused.HeadsFirst(), lambda x: x.swapaxes(1, 2), (tensor(2, 5, 3, 4),), 1),
+        (fused.HeadsLast(), lambda x: x.swapaxes(1, 2), (tensor(2, 3, 5, 4),), 1),
     ]
 
 
-@pytest.mark.parametrize("case", range(5), ids=["linear", "rms_norm", "rotary", "attention", "nll"])
+@pytest.mark.parametrize(
+    "case", range(8), ids=["linear", "rms_norm", "rotary", "attention", "nll", "swiglu", "heads_first", "heads_last"]
+)
 def test_hand_written_backward_matches_automatic_differentiation(case):
     function, plain, inputs, differentiable = _fused_cases()[case]
     weights = ms.Tensor(np.random.default_rng(case).standard_normal(plain(*inputs).shape).astype(np.float32))

@@ -11,7 +11,9 @@ parts (the softmax of the scores, the log-sum-exp of the logits) instead of stor
 A second CPU trap shapes the code: an elementwise op whose operands broadcast (x * w with w [D], x - m
 with m [N, 1]) keeps two int64 index arrays of the output's size alive for the life of the compiled graph,
 16 bytes per element, per op (measured: 128 MB for one 32 MB product). `expand` materialises the small
-operand first, which costs one write and keeps nothing. A scalar operand is free either way.
+operand first, which costs one write and keeps nothing. A scalar operand is free either way. The Transpose
+kernel does the same (8 bytes per element), so the head axis is moved by slicing and concatenating
+(`HeadsFirst`, `HeadsLast`) rather than by swapaxes.
 
 The forward of every Cell is the same arithmetic as the plain formulation; tests compare both directions.
 """
@@ -71,6 +73,38 @@ class RMSNormFunction(nn.Cell):
         return expand(mint.rsqrt(mint.mean(x * x, dim=-1, keepdim=True) + self.eps), x)
 
 
+def heads_first(x):
+    """[B, T, H, D] -> [B, H, T, D], one slice per head."""
+    batch, seq, heads, head_dim = x.shape
+    return mint.cat([x[:, :, h : h + 1].reshape(batch, 1, seq, head_dim) for h in range(heads)], dim=1)
+
+
+def heads_last(x):
+    """[B, H, T, D] -> [B, T, H, D], one slice per head."""
+    batch, heads, seq, head_dim = x.shape
+    return mint.cat([x[:, h : h + 1].reshape(batch, seq, 1, head_dim) for h in range(heads)], dim=2)
+
+
+class HeadsFirst(nn.Cell):
+    """`heads_first`, whose gradient is `heads_last` of dout."""
+
+    def construct(self, x):
+        return heads_first(x)
+
+    def bprop(self, x, out, dout):
+        return (heads_last(dout),)
+
+
+class HeadsLast(nn.Cell):
+    """`heads_last`, whose gradient is `heads_first` of dout."""
+
+    def construct(self, x):
+        return heads_last(x)
+
+    def bprop(self, x, out, dout):
+        return (heads_first(dout),)
+
+
 def apply_rotary(x, cos, sin):
     """RoPE: rotate each (x[i], x[i + D/2]) pair by its angle. x: [B, H, T, D]; cos, sin broadcast to it."""
     half = x.shape[-1] // 2
@@ -88,6 +122,19 @@ class RotaryFunction(nn.Cell):
         by_sin = dout * expand(sin, dout)
         dx = dout * expand(cos, dout) + mint.cat((by_sin[..., half:], -by_sin[..., :half]), dim=-1)  # rotate_half^T
         return dx, ops.zeros_like(cos), ops.zeros_like(sin)
+
+
+class SwiGLUFunction(nn.Cell):
+    """silu(gate) * up, keeping only its two inputs for the backward."""
+
+    def construct(self, gate, up):
+        return mint.nn.functional.silu(gate) * up
+
+    def bprop(self, gate, up, out, dout):
+        sigmoid = ops.sigmoid(gate)
+        silu = gate * sigmoid
+        dgate = dout * up * (sigmoid + silu * (1.0 - sigmoid))  # d silu / d gate = s + gate s (1 - s)
+        return dgate, dout * silu
 
 
 class SoftmaxAttentionFunction(nn.Cell):

@@ -15,11 +15,18 @@ from typing import Literal
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, Tensor, mint, nn, ops
+from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from model_core.model.attention import Attention, fused_attention_available
-from model_core.model.fused import LinearFunction, RMSNormFunction, RotaryFunction
+from model_core.model.fused import (
+    HeadsFirst,
+    HeadsLast,
+    LinearFunction,
+    RMSNormFunction,
+    RotaryFunction,
+    SwiGLUFunction,
+)
 from params.schema import ModelParams
 
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
@@ -80,16 +87,17 @@ class SelfAttention(nn.Cell):
         self.k_proj = Linear(hidden, params.num_kv_heads * head_dim, params.init_std)
         self.v_proj = Linear(hidden, params.num_kv_heads * head_dim, params.init_std)
         self.o_proj = Linear(params.num_heads * head_dim, hidden, output_std)
+        self.heads_first, self.heads_last = HeadsFirst(), HeadsLast()
         self.rotary = RotaryFunction()
         self.attention = Attention(head_dim, fused_attention_available())
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
         batch, seq, _ = x.shape
-        q = self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim).swapaxes(1, 2)  # [B, H, T, D]
-        k = self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim).swapaxes(1, 2)  # [B, Hkv, T, D]
-        v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim).swapaxes(1, 2)
+        q = self.heads_first(self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim))  # [B, H, T, D]
+        k = self.heads_first(self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim))  # [B, Hkv, T, D]
+        v = self.heads_first(self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim))
         out = self.attention(self.rotary(q, cos, sin), self.rotary(k, cos, sin), v, mask)
-        return self.o_proj(out.swapaxes(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+        return self.o_proj(self.heads_last(out).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
 class SwiGLU(nn.Cell):
@@ -100,9 +108,10 @@ class SwiGLU(nn.Cell):
         self.gate_proj = Linear(params.hidden_size, params.ffn_hidden_size, params.init_std)
         self.up_proj = Linear(params.hidden_size, params.ffn_hidden_size, params.init_std)
         self.down_proj = Linear(params.ffn_hidden_size, params.hidden_size, output_std)
+        self.swiglu = SwiGLUFunction()
 
     def construct(self, x: Tensor) -> Tensor:
-        return self.down_proj(mint.nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Cell):
