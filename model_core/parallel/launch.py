@@ -1,0 +1,213 @@
+"""Start a multi-process job under msrun and watch it until it ends: success, or a failure that names the
+rank that died and shows the end of its log, within a bounded time. Nothing is left running.
+
+msrun (with --join=True) already kills the other workers when one exits with an error, but then waits for
+its scheduler, which only notices lost workers after a heartbeat timeout, and a dead scheduler leaves the
+workers retrying for up to --cluster_time_out. So the watcher gives the job `grace_s` seconds to finish
+after the first of its processes exits (the trainer ends with a barrier, so healthy ranks leave together)
+and then kills every process msrun started: its own process group and each worker's (msrun starts every
+worker in a session of its own).
+
+Multi-node: run the same `launch` on every node with `nodes`, that node's `node_rank` and the same
+`master_addr`/`master_port` (node 0's address); the world size is the total over all nodes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+import psutil
+
+from model_core.parallel.layout import Layout, ParallelConfigError, check_implemented
+from params.schema import PipelineParams
+
+LOG_TAIL_LINES = 40
+_WORKER_FAILED = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
+
+
+class LaunchError(RuntimeError):
+    """The distributed job failed; the message names the rank and ends with its log tail."""
+
+
+def launch_training(params: PipelineParams, cli_args: Sequence[str], log_dir: str | Path, **cluster) -> None:
+    """Run `python -m flows.cli train <cli_args>` on params.parallel.world_size ranks (what `llmflow train`
+    does when that is more than 1). The layout is checked first, so a bad one fails before anything starts.
+    `cluster`: launch's nodes, node_rank, master_addr, master_port, grace_s."""
+    world_size = params.parallel.world_size
+    Layout.from_params(params, world_size)
+    check_implemented(params)
+    launch(["-m", "flows.cli", "train", *cli_args], world_size, log_dir, **cluster)
+
+
+@dataclass
+class _Process:
+    role: str  # "rank N" or "scheduler"
+    log: Path | None
+    started: float  # psutil create_time: a reused pid is never mistaken for this process
+    exited_at: float | None = None
+
+
+@dataclass
+class _Watch:
+    processes: dict[int, _Process] = field(default_factory=dict)
+    first_exit: float | None = None
+
+
+def launch(
+    python_args: Sequence[str],
+    world_size: int,
+    log_dir: str | Path,
+    *,
+    nodes: int = 1,
+    node_rank: int = 0,
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    grace_s: float = 15.0,
+    cluster_timeout_s: int = 120,
+    echo: TextIO | None = None,
+) -> None:
+    """Run `python <python_args>` as `world_size / nodes` local ranks of a `world_size`-rank msrun job.
+
+    This node's first rank's log streams to `echo` (stdout by default). Returns when every rank succeeded;
+    raises LaunchError otherwise. Logs: `log_dir/worker_<rank>.log`, msrun's own in `log_dir/msrun.log`."""
+    if world_size < 1 or nodes < 1 or world_size % nodes:
+        raise ParallelConfigError(f"world size {world_size} does not split evenly over {nodes} nodes")
+    if not 0 <= node_rank < nodes:
+        raise ParallelConfigError(f"node rank {node_rank} is outside 0..{nodes - 1}")
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    local = world_size // nodes
+    command = [
+        sys.executable, "-c", "import sys; from mindspore.parallel.cluster.run import main; sys.exit(main())",
+        f"--worker_num={world_size}", f"--local_worker_num={local}", f"--node_rank={node_rank}",
+        f"--master_addr={master_addr}", f"--master_port={master_port or free_port()}",
+        f"--log_dir={log_dir}", "--join=True", f"--cluster_time_out={cluster_timeout_s}", "--tail_worker_log=-1",
+        "python", *python_args,
+    ]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    msrun_log = log_dir / "msrun.log"
+    with msrun_log.open("w") as sink:
+        msrun = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    watch = _Watch()
+    try:
+        finished = _supervise(msrun, watch, log_dir / f"worker_{node_rank * local}.log", grace_s, echo or sys.stdout)
+    finally:
+        _kill_all(msrun, watch)
+    if not finished:
+        raise LaunchError(f"{_failed_process(msrun_log, watch)}\n(the job was killed {grace_s:.0f} s after that exit)")
+    if msrun.returncode != 0:
+        raise LaunchError(_failed_process(msrun_log, watch))
+
+
+def _supervise(msrun: subprocess.Popen, watch: _Watch, streamed: Path, grace_s: float, echo: TextIO) -> bool:
+    """Stream the log and track processes until msrun exits (True) or the grace after a first exit runs out."""
+    offset = 0
+    while True:
+        done = msrun.poll() is not None
+        offset = _copy_new_text(streamed, offset, echo)
+        if done:
+            return True
+        _track(msrun.pid, watch, streamed.parent)
+        if watch.first_exit is not None and time.monotonic() - watch.first_exit > grace_s:
+            return False
+        time.sleep(0.2)
+
+
+def _track(msrun_pid: int, watch: _Watch, log_dir: Path) -> None:
+    try:
+        children = psutil.Process(msrun_pid).children()  # workers and scheduler; not their own helpers
+    except psutil.NoSuchProcess:
+        return
+    for child in children:
+        if child.pid in watch.processes:
+            continue
+        try:
+            environ = child.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if environ.get("MS_ROLE") == "MS_WORKER" and "RANK_ID" in environ:
+            rank = environ["RANK_ID"]
+            watch.processes[child.pid] = _Process(f"rank {rank}", log_dir / f"worker_{rank}.log", child.create_time())
+        elif environ.get("MS_ROLE") == "MS_SCHED":
+            watch.processes[child.pid] = _Process("scheduler", log_dir / "scheduler.log", child.create_time())
+    now = time.monotonic()
+    for pid, process in watch.processes.items():
+        if process.exited_at is None and not _alive(pid, process):
+            process.exited_at = now
+            watch.first_exit = watch.first_exit or now
+
+
+def _alive(pid: int, process: _Process) -> bool:
+    try:
+        found = psutil.Process(pid)
+        return found.create_time() == process.started and found.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _failed_process(msrun_log: Path, watch: _Watch) -> str:
+    """msrun names the failed worker by pid; fall back to the first process seen to exit."""
+    found = _WORKER_FAILED.search(msrun_log.read_text(errors="replace"))
+    if found and int(found[1]) in watch.processes:
+        return _describe(watch.processes[int(found[1])], f"exited with code {found[2]}")
+    exited = [p for p in watch.processes.values() if p.exited_at]
+    if exited:
+        return _describe(min(exited, key=lambda p: p.exited_at), "exited first")
+    return f"msrun failed before any rank started; the end of {msrun_log}:\n{log_tail(msrun_log)}"
+
+
+def _describe(process: _Process, what: str) -> str:
+    return f"{process.role} {what}; the end of its log {process.log}:\n{log_tail(process.log)}"
+
+
+def log_tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
+    """The last lines of a log, leaving out MindSpore's [INFO]/[WARNING] chatter when anything else is left."""
+    if path is None or not path.exists():
+        return f"({path}: no log)"
+    text = path.read_text(errors="replace").splitlines()
+    meaningful = [line for line in text if not line.startswith(("[INFO]", "[WARNING]"))]
+    return "\n".join((meaningful or text)[-lines:])
+
+
+def _copy_new_text(path: Path, offset: int, echo: TextIO) -> int:
+    if not path.exists():
+        return offset
+    with path.open("rb") as handle:
+        handle.seek(offset)
+        chunk = handle.read()
+    if chunk:
+        echo.write(chunk.decode(errors="replace"))
+        echo.flush()
+    return offset + len(chunk)
+
+
+def _kill_all(msrun: subprocess.Popen, watch: _Watch) -> None:
+    """SIGKILL what is left of the job: each worker's session, then msrun's group (scheduler included)."""
+    for pid, process in watch.processes.items():
+        if _alive(pid, process):
+            try:
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    if msrun.poll() is None:
+        try:
+            os.killpg(msrun.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    msrun.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]

@@ -1,0 +1,128 @@
+"""Fast checks of the parallel layout, the all-reduce fallbacks' arithmetic, gradient buckets, ZeRO-1 shards
+and the launcher's refusals, all in one process (no msrun)."""
+
+from __future__ import annotations
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from model_core.parallel import comm
+from model_core.parallel.data_parallel import bucket_indices
+from model_core.parallel.launch import launch, launch_training, log_tail
+from model_core.parallel.layout import Layout, ParallelConfigError, check_implemented
+from model_core.parallel.zero import shard_pieces
+from params import load_params
+
+
+def params_with(*overrides: str):
+    return load_params("tiny", list(overrides))
+
+
+def test_ranks_put_tensor_parallel_innermost_and_pipeline_outermost():
+    layout = Layout(dp=2, tp=2, pp=2)
+    assert [tuple(vars(layout.coordinates(r)).values()) for r in range(8)] == [
+        (0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0), (0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1),
+    ]
+    assert all(layout.rank(**vars(layout.coordinates(r))) == r for r in range(8))
+    assert layout.all_groups("tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]
+    assert layout.all_groups("dp") == [(0, 2), (1, 3), (4, 6), (5, 7)]
+    assert layout.all_groups("pp") == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    assert layout.dp_group(5) == (5, 7) and layout.pp_group(6) == (2, 6)
+
+
+def test_global_batch_counts_every_factor():
+    assert Layout(dp=4).global_batch_rows(micro_batch_size=2, micro_batches=3, accumulation=5) == 120
+    params = params_with("parallel.data_parallel=2", "parallel.micro_batches=3", "train.micro_batch_size=4")
+    assert Layout.from_params(params).global_batch_rows(4, 3, 1) == params.global_batch_size == 24
+
+
+def test_layout_errors_name_both_numbers():
+    with pytest.raises(ParallelConfigError, match=r"data_parallel=2 x tensor_parallel=1 x pipeline_parallel=1 = 2 ranks, but the world has 4"):
+        Layout.from_params(params_with("parallel.data_parallel=2"), world_size=4)
+    with pytest.raises(ParallelConfigError, match=r"pipeline_parallel=3 does not divide model.num_layers=4"):
+        Layout.from_params(params_with("model.num_layers=4", "parallel.pipeline_parallel=3", "parallel.micro_batches=3"))
+    with pytest.raises(ParallelConfigError, match="rank 4 is outside a world of 4"):
+        Layout(dp=4).coordinates(4)
+
+
+def test_parts_not_built_yet_are_refused_by_name():
+    check_implemented(params_with("parallel.data_parallel=2", "parallel.zero_stage=1"))
+    with pytest.raises(ParallelConfigError, match=r"parallel.tensor_parallel=2 is not implemented yet \(issue #4\)"):
+        check_implemented(params_with("parallel.tensor_parallel=2"))
+    with pytest.raises(ParallelConfigError, match=r"parallel.zero_stage=3 is not implemented yet"):
+        check_implemented(params_with("parallel.data_parallel=2", "parallel.zero_stage=3"))
+
+
+def test_invalid_layouts_fail_before_anything_is_launched(tmp_path):
+    with pytest.raises(ParallelConfigError, match="tensor_parallel=2 is not implemented"):
+        launch_training(params_with("parallel.tensor_parallel=2"), ["--params", "tiny"], tmp_path / "logs")
+    with pytest.raises(ParallelConfigError, match="does not split evenly over 2 nodes"):
+        launch(["-c", "pass"], 3, tmp_path / "logs", nodes=2)
+    assert not (tmp_path / "logs").exists()
+
+
+def _simulate(contribution, finish, inputs):
+    """Run a fallback on every simulated rank: contributions, their all-reduce sum, each rank's result."""
+    total = sum(contribution(ms.Tensor(x), rank).asnumpy() for rank, x in enumerate(inputs))
+    return [finish(ms.Tensor(total), rank) for rank in range(len(inputs))]
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_all_gather_fallback_is_a_sum_of_zero_filled_buffers(size):
+    inputs = [np.arange(6, dtype=np.float32).reshape(2, 3) + 10 * r for r in range(size)]
+    outputs = _simulate(lambda x, r: comm.gather_contribution(x, r, size), lambda total, r: total.asnumpy(), inputs)
+    for got in outputs:
+        np.testing.assert_array_equal(got, np.concatenate(inputs))
+
+
+def test_reduce_scatter_fallback_keeps_each_ranks_block_of_the_sum():
+    inputs = [np.arange(12, dtype=np.float32).reshape(6, 2) * (r + 1) for r in range(3)]
+    outputs = _simulate(lambda x, r: x, lambda total, r: comm.own_block(total, r, 3).asnumpy(), inputs)
+    for rank, got in enumerate(outputs):
+        np.testing.assert_array_equal(got, np.split(sum(inputs), 3)[rank])
+
+
+def test_broadcast_fallback_spreads_only_the_roots_value_even_when_others_hold_inf():
+    inputs = [np.full(3, np.inf, np.float32), np.array([1, 2, 3], np.float32), np.full(3, np.nan, np.float32)]
+    flags = [ms.Tensor(np.eye(3, dtype=np.int32)[r]) for r in range(3)]
+    outputs = _simulate(
+        lambda x, r: comm.broadcast_contribution(x, flags[r][1]), lambda total, r: total.asnumpy(), inputs
+    )
+    for got in outputs:
+        np.testing.assert_array_equal(got, inputs[1])
+
+
+def test_a_group_of_one_needs_no_communication():
+    alone = comm.Group((0,), 0)
+    x = ms.Tensor(np.ones((2, 2), np.float32))
+    for result in (alone.all_reduce(x), alone.all_reduce(x, "mean"), alone.all_gather(x), alone.reduce_scatter(x), alone.broadcast(x, 0)):
+        np.testing.assert_array_equal(result.asnumpy(), x.asnumpy())
+    with pytest.raises(ValueError, match="including this rank 3"):
+        comm.Group((0, 1), 3)
+
+
+def test_buckets_fill_in_order_and_a_large_item_stands_alone():
+    assert bucket_indices([4, 4, 4, 20, 4, 4], bucket_bytes=10) == [[0, 1], [2], [3], [4, 5]]
+    assert bucket_indices([1] * 5, bucket_bytes=100) == [[0, 1, 2, 3, 4]]
+
+
+def test_zero_shards_cover_every_element_exactly_once():
+    sizes = [7, 3, 12, 1]
+    for shards in (1, 2, 3, 5):
+        covered = []
+        lengths = set()
+        for shard in range(shards):
+            pieces, length = shard_pieces(sizes, shards, shard)
+            lengths.add(length)
+            offsets = np.cumsum([0, *sizes])
+            covered += [offsets[p.index] + e for p in pieces for e in range(p.start, p.end)]
+            assert sum(p.end - p.start for p in pieces) <= length
+        assert covered == list(range(sum(sizes))) and lengths == {-(-sum(sizes) // shards)}
+
+
+def test_log_tail_skips_framework_chatter(tmp_path):
+    log = tmp_path / "worker_1.log"
+    log.write_text("[INFO] noise\nTraceback (most recent call last):\n[WARNING] more\nValueError: boom\n")
+    assert log_tail(log) == "Traceback (most recent call last):\nValueError: boom"
+    assert "no log" in log_tail(tmp_path / "missing.log")
