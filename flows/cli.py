@@ -72,6 +72,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from model_core.data import prepare_dataset
     from model_core.train.callbacks import fan_out, jsonl_writer
     from model_core.train.checkpoint import run_directory
+    from model_core.parallel import comm
+    from model_core.parallel.launch import launch_training
     from model_core.train.trainer import Trainer
     from params import params_hash
     from tasks.progress import PhaseProgress, TrainingProgress
@@ -83,6 +85,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     checkpoints = args.checkpoint_dir or run_directory(
         params.train.output_dir, params.name, params_hash(params), dataset.output_dir, "pretrain"
     )
+    if params.parallel.world_size > 1 and not comm.launched_by_msrun():
+        # The data is ready, so the ranks only reuse it; each rank runs this same command under msrun.
+        cluster = {"nodes": args.nodes, "node_rank": args.node_rank, "master_addr": args.master_addr}
+        launch_training(params, args.raw_args[1:], Path(checkpoints) / "logs", master_port=args.master_port, **cluster)
+        return 0
     converted = convert_for_run(params.convert, params.model, params.parallel.tensor_parallel) if params.convert.hf_source else None
     trainer = Trainer(params, dataset.output_dir, checkpoints, initial_weights=converted.path if converted else None)
     bar = TrainingProgress(trainer.steps)
@@ -224,6 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="where checkpoints go (default: train.output_dir/<name>-<params hash>-<dataset key>/pretrain, "
         "the directory pretrain-flow's pretrain stage uses)",
     )
+    scale_out = train.add_argument_group(
+        "scale-out", "with parallel.data_parallel x tensor_parallel x pipeline_parallel > 1, llmflow train starts "
+        "that many ranks under msrun itself (all on this node unless --nodes is given)"
+    )
+    scale_out.add_argument("--nodes", type=int, default=1, help="nodes in the job (ranks split evenly)")
+    scale_out.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nodes-1")
+    scale_out.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
+    scale_out.add_argument("--master-port", type=int, help="port on node 0 (default: a free one; set it with --nodes > 1)")
     train.set_defaults(handler=_cmd_train)
 
     params_cmd = commands.add_parser("params", help="inspect params", description="Inspect params.")
@@ -246,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    raw_args = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(raw_args)
+    args.raw_args = raw_args
     handler: Callable[[argparse.Namespace], int] = args.handler
     _quiet_prefect_defaults()
     try:

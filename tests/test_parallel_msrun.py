@@ -115,3 +115,20 @@ def _wait_for_worker(rank: str, log: Path, timeout_s: float) -> psutil.Process:
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-v"]))
+
+
+def test_llmflow_train_launches_its_ranks_under_msrun(corpus_jsonl, tmp_path, capsys):
+    from flows.cli import main
+
+    sets = [
+        f"data.sources=[{{kind: jsonl, paths: ['{corpus_jsonl}']}}]", f"data.output_dir={tmp_path / 'data'}",
+        *RUN, "train.steps=3", f"train.output_dir={tmp_path / 'train'}", "parallel.data_parallel=2",
+    ]
+    args = ["train", *[arg for item in sets for arg in ("--set", item)]]
+    assert main(args) == 0
+    assert list((tmp_path / "train").rglob("step-00000003/manifest.json"))
+    logs = list((tmp_path / "train").rglob("logs/worker_1.log"))
+    assert logs and "trained 3 steps" in logs[0].read_text()
+
+    assert main([*args, "--set", "parallel.tensor_parallel=2"]) == 1
+    assert "parallel.tensor_parallel=2 is not implemented yet" in capsys.readouterr().err
