@@ -198,3 +198,15 @@ def test_initial_weights_replace_the_random_initialisation(dataset_dir, tmp_path
     started = Trainer(small(tmp_path, "train.steps=3", "train.seed=99"), dataset_dir, tmp_path / "c", initial_weights=saved)
     started.resume("none")
     assert started.evaluate() == first.evaluate() != fresh.evaluate()
+
+
+def test_initial_weights_may_be_stored_in_bf16(dataset_dir, tmp_path):
+    from model_core.convert.tensors import write_safetensors
+
+    first = Trainer(small(tmp_path, "train.steps=1"), dataset_dir, tmp_path / "a")
+    first.run()
+    (tmp_path / "bf16").mkdir()
+    write_safetensors(tmp_path / "bf16" / "model.safetensors", model_weights(first.model), "bfloat16")
+    started = Trainer(small(tmp_path, "train.steps=1"), dataset_dir, tmp_path / "b", initial_weights=tmp_path / "bf16")
+    started.resume("none")
+    assert abs(started.evaluate() - first.evaluate()) < 1e-2

@@ -23,8 +23,8 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 from mindspore import ops
-from safetensors.numpy import load_file
 
+from model_core.convert import read_weights
 from model_core.model import Llama, count_parameters
 from model_core.parallel import comm
 from model_core.parallel.data_parallel import GradientAllReduce, broadcast_parameters, sum_over
@@ -143,7 +143,7 @@ class Trainer:
         found = self._find_checkpoint(how)
         if found is None:
             if self.initial_weights is not None:
-                load_weights(self.model, load_file(self.initial_weights / "model.safetensors"))
+                load_weights(self.model, read_weights(self.initial_weights))  # any stored dtype, as fp32
             return None
         weights, moments, state = found.load()
         self._check_compatible(state, found.path)
