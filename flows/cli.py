@@ -70,10 +70,10 @@ def _cmd_prep(args: argparse.Namespace) -> int:
 def _cmd_train(args: argparse.Namespace) -> int:
     from model_core.convert import convert_for_run
     from model_core.data import prepare_dataset
-    from model_core.train.callbacks import fan_out, jsonl_writer
-    from model_core.train.checkpoint import run_directory
     from model_core.parallel import comm
     from model_core.parallel.launch import launch_training
+    from model_core.train.callbacks import fan_out, jsonl_writer
+    from model_core.train.checkpoint import run_directory
     from model_core.train.trainer import Trainer
     from params import params_hash
     from tasks.progress import PhaseProgress, TrainingProgress
@@ -85,12 +85,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
     checkpoints = args.checkpoint_dir or run_directory(
         params.train.output_dir, params.name, params_hash(params), dataset.output_dir, "pretrain"
     )
+    convert = params.convert
+    converted = convert_for_run(convert, params.model, params.parallel.tensor_parallel) if convert.hf_source else None
     if params.parallel.world_size > 1 and not comm.launched_by_msrun():
-        # The data is ready, so the ranks only reuse it; each rank runs this same command under msrun.
+        # Data and weights are ready, so the ranks only reuse them; each rank runs this same command under msrun.
         cluster = {"nodes": args.nodes, "node_rank": args.node_rank, "master_addr": args.master_addr}
         launch_training(params, args.raw_args[1:], Path(checkpoints) / "logs", master_port=args.master_port, **cluster)
         return 0
-    converted = convert_for_run(params.convert, params.model, params.parallel.tensor_parallel) if params.convert.hf_source else None
     trainer = Trainer(params, dataset.output_dir, checkpoints, initial_weights=converted.path if converted else None)
     bar = TrainingProgress(trainer.steps)
     jsonl = jsonl_writer(args.metrics_jsonl) if args.metrics_jsonl else None
