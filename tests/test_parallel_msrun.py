@@ -98,8 +98,8 @@ def test_a_killed_worker_fails_the_job_fast_with_its_log_tail(dataset_dir, tmp_p
     assert not [p for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
 
 
-def _wait_for_worker(rank: str, log: Path, timeout_s: float) -> psutil.Process:
-    """Worker `rank` once it is training (its log mentions the compiled step)."""
+def _wait_for_worker(rank: str, log: Path, timeout_s: float, settle_s: float = 8.0) -> psutil.Process:
+    """Worker `rank` once it has run for `settle_s` (past start-up; with 100,000 steps it is mid-run then)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for process in psutil.Process().children(recursive=True):
@@ -107,7 +107,8 @@ def _wait_for_worker(rank: str, log: Path, timeout_s: float) -> psutil.Process:
                 environ = process.environ()
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 continue
-            if environ.get("MS_ROLE") == "MS_WORKER" and environ.get("RANK_ID") == rank and log.exists() and log.stat().st_size > 20000:
+            is_worker = environ.get("MS_ROLE") == "MS_WORKER" and environ.get("RANK_ID") == rank
+            if is_worker and log.exists() and time.time() - process.create_time() > settle_s:
                 return process
         time.sleep(0.5)
     raise AssertionError(f"worker {rank} did not start within {timeout_s} s")
