@@ -85,12 +85,17 @@ def test_a_killed_worker_fails_the_job_fast_with_its_log_tail(dataset_dir, tmp_p
         except BaseException as error:  # noqa: BLE001 - handed to the test thread
             failure.append(error)
 
-    thread = threading.Thread(target=job)
+    thread = threading.Thread(target=job, daemon=True)
     thread.start()
-    victim = _wait_for_worker(rank="1", log=tmp_path / "logs" / "worker_1.log", timeout_s=90)
-    os.kill(victim.pid, signal.SIGKILL)
-    killed_at = time.monotonic()
-    thread.join(timeout=60)
+    try:
+        victim = _wait_for_worker(rank="1", log=tmp_path / "logs" / "worker_1.log", timeout_s=90)
+        os.kill(victim.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        thread.join(timeout=60)
+    finally:  # a failed wait must not leave a 100,000-step job (and this pytest process) running
+        if thread.is_alive():
+            for process in psutil.Process().children(recursive=True):
+                process.kill()
     assert not thread.is_alive(), "the launcher did not return within 60 s of the kill"
     assert time.monotonic() - killed_at < 30
     assert failure and isinstance(failure[0], LaunchError)
