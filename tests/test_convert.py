@@ -64,6 +64,12 @@ def hf_model(tie: bool, vocab: int = VOCAB, seed: int = 0, **config):
     return model
 
 
+def small_model_params(**changes) -> ModelParams:
+    """Our params for the small GQA model these tests convert (hidden 64, 2 layers, 4/2 heads)."""
+    fields = dict(vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=96, seq_len=SEQ)
+    return ModelParams(**{**fields, **changes})
+
+
 def hf_logits(model, tokens: np.ndarray = TOKENS) -> np.ndarray:
     with torch.no_grad():
         return model(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
@@ -115,16 +121,7 @@ def test_converted_model_matches_hugging_face_logits(hf_dirs, tmp_path, tie):
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_ours_to_hf_to_ours_is_bit_exact(tmp_path, tie):
-    params = ModelParams(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_hidden_size=96,
-        seq_len=SEQ,
-        tie_embeddings=tie,
-    )
+    params = small_model_params(tie_embeddings=tie)
     ms.set_seed(3)
     weights = model_weights(Llama(params))
     training = ckpt.save_checkpoint(
@@ -439,17 +436,7 @@ def test_explicit_destination_is_reused_or_refused(hf_dirs, tmp_path):
 
 def test_model_params_must_agree_with_the_config(hf_dirs):
     config = json.loads((hf_dirs[True][1] / "config.json").read_text())
-    ours = ModelParams(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        ffn_hidden_size=96,
-        seq_len=8,
-        rope_theta=500.0,
-        tie_embeddings=True,
-    )
+    ours = small_model_params(seq_len=8, rope_theta=500.0, tie_embeddings=True)
     check_model_agrees(ours, config)
     with pytest.raises(ConversionError, match=r"model\.num_kv_heads=4 but config\.json gives num_kv_heads=2"):
         check_model_agrees(ours.model_copy(update={"num_kv_heads": 4}), config)
