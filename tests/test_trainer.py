@@ -16,6 +16,7 @@ from mindspore import ops
 from safetensors.numpy import load_file
 
 from conftest import SMALL_MODEL
+from model_core.convert import read_weights
 from model_core.data import prepare_dataset
 from model_core.train import checkpoint as ckpt
 from model_core.train.precision import PrecisionError
@@ -210,3 +211,24 @@ def test_initial_weights_may_be_stored_in_bf16(dataset_dir, tmp_path):
     started = Trainer(small(tmp_path, "train.steps=1"), dataset_dir, tmp_path / "b", initial_weights=tmp_path / "bf16")
     started.resume("none")
     assert abs(started.evaluate() - first.evaluate()) < 1e-2
+
+
+def test_adapt_model_runs_after_initial_weights_and_only_trainable_params_change(dataset_dir, tmp_path):
+    first = Trainer(small(tmp_path, "train.steps=1"), dataset_dir, tmp_path / "a")
+    saved = first.run().checkpoint
+    before = read_weights(saved)
+
+    def freeze_all_but_norms(model):
+        for name, param in model.parameters_and_names():
+            param.requires_grad = "norm" in name
+        return "frozen"
+
+    tuned = Trainer(
+        small(tmp_path, "train.steps=2"), dataset_dir, tmp_path / "b", initial_weights=saved,
+        adapt_model=freeze_all_but_norms,
+    )
+    assert tuned.adaptation == "frozen"
+    tuned.run()
+    after = model_weights(tuned.model)
+    changed = {name for name in before if not np.array_equal(before[name], after[name])}
+    assert changed and all("norm" in name for name in changed)

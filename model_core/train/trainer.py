@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,9 +86,13 @@ class Trainer:
         checkpoint_dir: str | Path,
         steps: int | None = None,
         initial_weights: str | Path | None = None,
+        adapt_model: Callable[[Llama], object] | None = None,
     ):
         """`initial_weights`: a directory with `model.safetensors` (a converted or earlier checkpoint) to start
-        from instead of a random initialisation; a resumed checkpoint takes precedence over it."""
+        from instead of a random initialisation; a resumed checkpoint takes precedence over it.
+        `adapt_model(model)` changes the model from outside after those weights are loaded and before the
+        optimizer is built (LoRA: wrap projections, freeze the base); only parameters it leaves trainable
+        are trained. What it returns is kept as `self.adaptation`."""
         device = device_target()
         check_precision(params.precision, device)
         self.params = params
@@ -101,6 +106,9 @@ class Trainer:
         ms.set_seed(params.train.seed)
         self.model = Llama(params.model, params.precision.compute_dtype)
         apply_recompute(self.model, params)
+        if self.initial_weights is not None:
+            load_weights(self.model, read_weights(self.initial_weights))  # any stored dtype, as fp32
+        self.adaptation = adapt_model(self.model) if adapt_model is not None else None
 
         train = params.train
         self.micro_batches = params.parallel.micro_batches * train.grad_accum_steps
@@ -138,12 +146,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------------ resume
 
     def resume(self, how: str | Path) -> Path | None:
-        """`auto`: newest valid checkpoint in checkpoint_dir, if any; `none`: start fresh; or a path.
-        Starting fresh begins from `initial_weights` when given."""
+        """`auto`: newest valid checkpoint in checkpoint_dir, if any; `none`: start fresh (from the random
+        initialisation or `initial_weights`); or a path."""
         found = self._find_checkpoint(how)
         if found is None:
-            if self.initial_weights is not None:
-                load_weights(self.model, read_weights(self.initial_weights))  # any stored dtype, as fp32
             return None
         weights, moments, state = found.load()
         self._check_compatible(state, found.path)
