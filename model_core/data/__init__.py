@@ -1,8 +1,10 @@
-"""Data prep (corpus -> cleaned, deduplicated, packed token shards) and the reader of its shards."""
+"""Data prep (corpus -> cleaned, deduplicated, packed token shards; instruction records -> masked shards)
+and the reader of its shards."""
 
 from model_core.data.errors import DataPrepError
+from model_core.data.instruction_prep import prepare_instructions
 from model_core.data.packing import PackedRows
 from model_core.data.prepare import PrepResult, prepare_dataset
 from model_core.data.shards import read_shards
 
-__all__ = ["DataPrepError", "PackedRows", "PrepResult", "prepare_dataset", "read_shards"]
+__all__ = ["DataPrepError", "PackedRows", "PrepResult", "prepare_dataset", "prepare_instructions", "read_shards"]

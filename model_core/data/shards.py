@@ -2,6 +2,9 @@
 
 A shard `<split>-NNNNN.parquet` has two list<int32> columns, `tokens` (seq_len + 1 ids per row) and
 `doc_starts` (offsets where documents start in the row, always including 0), zstd-compressed.
+Instruction shards add a list<int8> column `loss_mask`, aligned with `tokens`: 1 on the tokens that are
+training targets (responses and their EOS), 0 on prompts, BOS and padding. Pretraining shards have no
+such column; every non-padding token is a target there.
 The dataset's manifest.json lists the shards of each split in order, with their sha256.
 """
 
@@ -23,7 +26,7 @@ MANIFEST_NAME = "manifest.json"
 
 def write_shards(rows: PackedRows, directory: Path, split: str, rows_per_shard: int, pad_id: int) -> list[dict]:
     """Write the rows as consecutive shards; returns one {file, rows, tokens, sha256} entry per shard
-    (tokens excludes padding)."""
+    (tokens excludes padding), plus `response_tokens` (tokens under the loss mask) for masked rows."""
     shards = []
     for index, first in enumerate(range(0, len(rows), rows_per_shard)):
         shard = rows.take(np.arange(first, min(first + rows_per_shard, len(rows))))
@@ -32,14 +35,10 @@ def write_shards(rows: PackedRows, directory: Path, split: str, rows_per_shard: 
         pq.write_table(_to_table(shard), sink, compression="zstd")
         data = sink.getvalue()  # hashed in memory rather than read back from disk
         path.write_bytes(data)
-        shards.append(
-            {
-                "file": path.name,
-                "rows": len(shard),
-                "tokens": int(np.count_nonzero(shard.tokens != pad_id)),
-                "sha256": hashlib.sha256(data).hexdigest(),
-            }
-        )
+        entry = {"file": path.name, "rows": len(shard), "tokens": int(np.count_nonzero(shard.tokens != pad_id))}
+        if shard.loss_mask is not None:
+            entry["response_tokens"] = int(np.count_nonzero(shard.loss_mask))
+        shards.append({**entry, "sha256": hashlib.sha256(data).hexdigest()})
     return shards
 
 
@@ -52,10 +51,14 @@ def read_shards(output_dir: str | Path, split: str) -> Iterator[PackedRows]:
         table = pq.read_table(output_dir / shard["file"])
         tokens = table.column("tokens").combine_chunks()
         doc_starts = table.column("doc_starts").combine_chunks()
+        loss_mask = None
+        if "loss_mask" in table.column_names:
+            loss_mask = table.column("loss_mask").combine_chunks().values.to_numpy().reshape(-1, row_len)
         yield PackedRows(
             tokens.values.to_numpy().reshape(-1, row_len),
             doc_starts.values.to_numpy(),
             doc_starts.offsets.to_numpy().astype(np.int64),
+            loss_mask,
         )
 
 
@@ -73,4 +76,7 @@ def _to_table(rows: PackedRows) -> pa.Table:
     tokens = pa.ListArray.from_arrays(token_offsets, pa.array(rows.tokens.reshape(-1)))
     doc_start_offsets = pa.array(rows.doc_start_offsets.astype(np.int32))
     doc_starts = pa.ListArray.from_arrays(doc_start_offsets, pa.array(rows.doc_start_values))
-    return pa.table({"tokens": tokens, "doc_starts": doc_starts})
+    columns = {"tokens": tokens, "doc_starts": doc_starts}
+    if rows.loss_mask is not None:
+        columns["loss_mask"] = pa.ListArray.from_arrays(token_offsets, pa.array(rows.loss_mask.reshape(-1)))
+    return pa.table(columns)

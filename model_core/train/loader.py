@@ -22,7 +22,7 @@ class Batch:
 
     tokens: np.ndarray  # (B, T) int32
     labels: np.ndarray  # (B, T) int32
-    loss_mask: np.ndarray  # (B, T) float32: 1 where the label is a real token
+    loss_mask: np.ndarray  # (B, T) float32: 1 where the label is a real token (and, for instructions, a response)
     position_ids: np.ndarray | None  # (B, T) int32, restarting at document starts
     segment_ids: np.ndarray | None  # (B, T) int32, document index within the row
 
@@ -47,13 +47,21 @@ def load_split(dataset_dir: str | Path, split: str) -> PackedRows:
     row_offsets = [shards[0].doc_start_offsets]
     for shard in shards[1:]:
         row_offsets.append(shard.doc_start_offsets[1:] + row_offsets[-1][-1])
-    return PackedRows(tokens, values, np.concatenate(row_offsets))
+    masked = sum(shard.loss_mask is not None for shard in shards)
+    if masked not in (0, len(shards)):
+        raise ValueError(f"{dataset_dir} split {split!r}: {masked} of {len(shards)} shards have a loss_mask column")
+    loss_mask = np.concatenate([shard.loss_mask for shard in shards]) if masked else None
+    return PackedRows(tokens, values, np.concatenate(row_offsets), loss_mask)
 
 
 def make_batch(rows: PackedRows, pad_id: int, reset_at_documents: bool) -> Batch:
+    """Inputs and next-token labels of the rows; the loss counts every non-padding label, narrowed to the
+    stored loss mask (responses only) when the rows carry one."""
     tokens = rows.tokens
     inputs, labels = tokens[:, :-1], tokens[:, 1:]
     loss_mask = (labels != pad_id).astype(np.float32)
+    if rows.loss_mask is not None:
+        loss_mask *= rows.loss_mask[:, 1:]
     if not reset_at_documents:
         return Batch(inputs, labels, loss_mask, None, None)
     length = inputs.shape[1]

@@ -1,0 +1,252 @@
+"""`prepare_instructions`: instruction records -> template token ids with a response-only loss mask ->
+packed train/validation shards plus a manifest, in a directory named by the hash of the records, params
+and tokenizer, so an unchanged request reuses what is already there.
+
+The steps: read the records (`lora.data_paths`, or the bundled set of instruction_set.py when it is
+empty), report malformed ones and fail when their share exceeds data.max_bad_record_fraction; drop exact
+repeats; tokenize under the template (instructions.py) with the given tokenizer, normally pretraining's;
+drop examples longer than a row (seq_len + 1 tokens), counted as `too_long`: they are never cut, since a
+cut example loses its EOS or its response; shuffle with data.shuffle_seed; hold out the first
+data.validation_fraction of the examples, and at least enough to fill `min_validation_rows` rows; pack each
+split by first fit (packing.py) and write shards with a `loss_mask` column (shards.py). The dataset is built
+in a temporary sibling directory and renamed into place, so a failure never leaves a final directory.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from model_core.data.errors import DataPrepError
+from model_core.data.instruction_set import bundled_fingerprint, bundled_jsonl
+from model_core.data.instructions import Record, TemplateEncoder, parse_records, separators
+from model_core.data.packing import first_fit_rows, pack_examples, select_documents
+from model_core.data.prepare import (
+    TOKENIZER_NAME,
+    PrepResult,
+    _check_bad_records,
+    _hash,
+    _move_into_place,
+    _result,
+    _rng,
+)
+from model_core.data.shards import MANIFEST_NAME, file_sha256, write_shards
+from model_core.data.sources import FileReport
+from model_core.data.tokenizer import load_tokenizer, open_tokenizer
+from params.schema import DataParams, LoraParams, ModelParams, TokenizerParams
+
+FORMAT_VERSION = 1
+KIND = "instructions"
+BUNDLED = Path("<bundled python-docstring instructions>")  # the bundled set's name in reports
+
+logger = logging.getLogger(__name__)
+
+
+def prepare_instructions(
+    lora: LoraParams,
+    data: DataParams,
+    tokenizer_path: Path,
+    model: ModelParams,
+    tokenizer: TokenizerParams,
+    min_validation_rows: int = 1,
+) -> PrepResult:
+    """Prepare (or reuse) the instruction dataset; `min_validation_rows` is the fewest validation rows to
+    hold out when data.validation_fraction > 0 (pass train.micro_batch_size for one evaluation batch)."""
+    tokenizer_bytes = load_tokenizer(Path(tokenizer_path))
+    files = _instruction_files(lora.data_paths)
+    params = instruction_params(lora, data, model, tokenizer, tokenizer_bytes, min_validation_rows)
+    input_fingerprint = _fingerprint(files)
+    key = _hash({"params": params, "inputs": input_fingerprint})[:16]
+    final_dir = Path(data.output_dir) / key
+
+    if final_dir.exists():
+        problem = verify_instructions(final_dir)
+        if problem is None:
+            return _result(final_dir, reused=True)
+        logger.warning("prepared instruction dataset %s is damaged (%s); rebuilding it", final_dir, problem)
+
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    build_dir = Path(tempfile.mkdtemp(prefix=f".{key}.building-", dir=final_dir.parent))
+    try:
+        open_tokenizer(tokenizer_bytes, tokenizer, model.vocab_size, f"tokenizer {tokenizer_path}")
+        (build_dir / TOKENIZER_NAME).write_bytes(tokenizer_bytes)
+        manifest = _build(build_dir, files, lora, data, model, tokenizer, tokenizer_bytes, min_validation_rows)
+        manifest["tokenizer"]["source"] = str(tokenizer_path)
+        manifest.update(key=key, params=params, params_hash=_hash(params), input_fingerprint=input_fingerprint)
+        (build_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+        _move_into_place(build_dir, final_dir)
+    finally:
+        shutil.rmtree(build_dir, ignore_errors=True)
+    return _result(final_dir, reused=False)
+
+
+def instruction_params(
+    lora: LoraParams,
+    data: DataParams,
+    model: ModelParams,
+    tokenizer: TokenizerParams,
+    tokenizer_bytes: bytes,
+    min_validation_rows: int,
+) -> dict:
+    """Everything besides the records that decides the content of the dataset."""
+    return {
+        "format_version": FORMAT_VERSION,
+        "template": separators(lora),
+        "data": data.model_dump(
+            include={"add_bos", "validation_fraction", "shuffle_seed", "rows_per_shard", "max_bad_record_fraction"}
+        ),
+        "tokenizer": {
+            "sha256": hashlib.sha256(tokenizer_bytes).hexdigest(),
+            **tokenizer.model_dump(include={"bos_id", "eos_id", "pad_id"}),
+        },
+        "model": {"vocab_size": model.vocab_size, "seq_len": model.seq_len},
+        "min_validation_rows": min_validation_rows,
+    }
+
+
+def verify_instructions(directory: Path) -> str | None:
+    """None when the manifest is an instruction dataset's and every file it lists is intact, else what is wrong."""
+    try:
+        manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    except (OSError, ValueError) as error:
+        return f"unreadable {MANIFEST_NAME}: {error}"
+    if (manifest.get("kind"), manifest.get("format_version")) != (KIND, FORMAT_VERSION):
+        return f"kind {manifest.get('kind')} format_version {manifest.get('format_version')} is not {KIND} {FORMAT_VERSION}"
+    files = [(TOKENIZER_NAME, manifest["tokenizer"]["sha256"])]
+    files += [(shard["file"], shard["sha256"]) for split in manifest["splits"].values() for shard in split["shards"]]
+    for name, expected in files:
+        if not (directory / name).is_file() or file_sha256(directory / name) != expected:
+            return f"{name} is missing or does not match its sha256 in the manifest"
+    return None
+
+
+def _instruction_files(paths: list[str]) -> list[Path]:
+    """The given instruction files, resolved (an empty list means the bundled set); all missing ones are an error."""
+    missing = [path for path in paths if not Path(path).is_file()]
+    if missing:
+        raise DataPrepError(f"lora.data_paths: {', '.join(map(repr, missing))} does not exist or is not a file")
+    return [Path(path).resolve() for path in paths]
+
+
+def _fingerprint(files: list[Path]) -> list[str]:
+    if not files:
+        return [f"{BUNDLED}\t{bundled_fingerprint()}"]
+    return [f"{path}\t{file_sha256(path)}" for path in files]
+
+
+def _build(
+    build_dir: Path,
+    files: list[Path],
+    lora: LoraParams,
+    data: DataParams,
+    model: ModelParams,
+    tokenizer: TokenizerParams,
+    tokenizer_bytes: bytes,
+    min_validation_rows: int,
+) -> dict:
+    started = time.perf_counter()
+    records, reports = _read_records(files)
+    read_counts = _check_bad_records(reports, data.max_bad_record_fraction)
+    bad_records = read_counts.pop("examples")
+    first_of = {}
+    for record in records:
+        first_of.setdefault(record.turns, record)
+    duplicates, records = len(records) - len(first_of), list(first_of.values())
+    workers = data.num_workers or len(os.sched_getaffinity(0))
+    encoder = TemplateEncoder(
+        tokenizer_bytes, lora, tokenizer.bos_id if data.add_bos else None, tokenizer.eos_id, workers
+    )
+    token_ids, lengths, loss_mask = encoder.encode(records)
+    row_len = model.seq_len + 1
+    fitting = np.flatnonzero(lengths <= row_len)
+    dropped = {"duplicate": duplicates, "too_long": len(lengths) - len(fitting)}
+    if not len(fitting):
+        raise DataPrepError(
+            f"none of the {len(lengths)} instruction examples fits a row of model.seq_len + 1 = {row_len} tokens "
+            f"(the shortest has {lengths.min()})"
+        )
+    order = _rng(data.shuffle_seed, "examples").permutation(fitting)
+    held_out = _validation_size(lengths[order], data.validation_fraction, row_len, min_validation_rows)
+    splits = {
+        split: _pack_and_write(build_dir, split, token_ids, lengths, loss_mask, chosen, data, tokenizer.pad_id, row_len)
+        for split, chosen in (("train", order[held_out:]), ("validation", order[:held_out]))
+    }
+    return {
+        "kind": KIND,
+        "format_version": FORMAT_VERSION,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "template": separators(lora),
+        "counts": {**read_counts, "dropped": dropped, "examples": len(fitting)},
+        "bad_records": bad_records,
+        "tokenizer": {
+            "file": TOKENIZER_NAME,
+            "sha256": hashlib.sha256(tokenizer_bytes).hexdigest(),
+            "vocab_size": model.vocab_size,
+            **{name: getattr(tokenizer, name) for name in ("unk_id", "bos_id", "eos_id", "pad_id")},
+        },
+        "vocab_size": model.vocab_size,
+        "seq_len": model.seq_len,
+        "splits": splits,
+        "seconds": round(time.perf_counter() - started, 4),
+    }
+
+
+def _read_records(files: list[Path]) -> tuple[list[Record], list[FileReport]]:
+    sources = [(path, path.read_bytes()) for path in files] or [(BUNDLED, bundled_jsonl())]
+    records, reports = [], []
+    for path, data in sources:
+        file_records, report = parse_records(path, data)
+        records += file_records
+        reports.append(report)
+    return records, reports
+
+
+def _validation_size(lengths: np.ndarray, fraction: float, row_len: int, min_rows: int) -> int:
+    """How many examples, from the front of the shuffled order, are held out for validation: the share,
+    and at least as many as fill `min_rows` rows (first fit places a prefix as it does in the whole)."""
+    if fraction == 0:
+        return 0
+    rows, _ = first_fit_rows(lengths, row_len)
+    reaching = np.flatnonzero(rows == min_rows - 1)
+    held_out = max(round(len(lengths) * fraction), int(reaching[0]) + 1 if len(reaching) else len(lengths))
+    if held_out >= len(lengths):
+        raise DataPrepError(
+            f"{len(lengths)} instruction examples ({int(rows.max()) + 1} rows) cannot hold out "
+            f"data.validation_fraction={fraction} and at least {min_rows} validation rows and leave any to train on"
+        )
+    return held_out
+
+
+def _pack_and_write(
+    build_dir: Path,
+    split: str,
+    token_ids: np.ndarray,
+    lengths: np.ndarray,
+    loss_mask: np.ndarray,
+    chosen: np.ndarray,
+    data: DataParams,
+    pad_id: int,
+    row_len: int,
+) -> dict:
+    split_ids, split_lengths = select_documents(token_ids, lengths, chosen)
+    split_mask, _ = select_documents(loss_mask, lengths, chosen)
+    rows = pack_examples(split_ids, split_lengths, split_mask, row_len, pad_id)
+    shards = write_shards(rows, build_dir, split, data.rows_per_shard, pad_id)
+    tokens = int(split_lengths.sum())
+    return {
+        "examples": len(chosen),
+        "tokens": tokens,
+        "response_tokens": int(split_mask.sum()),
+        "rows": len(rows),
+        "fill": round(tokens / (len(rows) * row_len), 4) if len(rows) else 0.0,
+        "shards": shards,
+    }
