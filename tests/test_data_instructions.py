@@ -2,6 +2,7 @@
 prepare_instructions (reports, reuse, split) and the bundled set."""
 
 import io
+import itertools
 import json
 import logging
 
@@ -73,8 +74,8 @@ def data_params(tmp_path, **overrides):
     return DataParams(**{"output_dir": str(tmp_path / "out"), "validation_fraction": 0.1, "rows_per_shard": 8, **overrides})
 
 
-def encode(tokenizer_model, records, lora=LoraParams()):
-    return TemplateEncoder(tokenizer_model, lora, BOS, EOS, num_threads=1).encode(records)
+def encode(tokenizer_model, records):
+    return TemplateEncoder(tokenizer_model, LoraParams(), BOS, EOS, num_threads=1).encode(records)
 
 
 def runs(mask):
@@ -132,7 +133,7 @@ def bad_tokenizer(docstrings) -> bytes:
     """A SentencePiece model trained on text with raw newlines and no "\\n" piece of its own: it learns to
     merge "." with the "\\n\\n" that follows it."""
     lines = [line.strip() for text in docstrings for line in text.split("\n") if line.strip()]
-    sentences = [f"{a}\n\n### Response:\n{b}" for a, b in zip(lines, lines[1:])]
+    sentences = [f"{a}\n\n### Response:\n{b}" for a, b in itertools.pairwise(lines)]
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(sentences), model_writer=model, vocab_size=VOCAB, model_type="bpe", byte_fallback=True,
@@ -199,11 +200,14 @@ def test_bad_records_under_the_threshold_are_skipped_and_over_it_stop_the_run(
     assert not list((tmp_path / "strict" / "out").iterdir())  # only the removed temporary build was there
 
 
-def test_missing_files_are_named(tmp_path, tokenizer_path, alpaca_lines):
+def test_missing_and_empty_files_are_named(tmp_path, tokenizer_path, alpaca_lines):
     present = write(tmp_path / "present.jsonl", alpaca_lines)
     paths = [str(tmp_path / "gone.jsonl"), str(present), str(tmp_path / "also-gone.jsonl")]
     with pytest.raises(DataPrepError, match=r"lora.data_paths: '.*/gone.jsonl', '.*/also-gone.jsonl' does not exist"):
         prepare_instructions(LoraParams(data_paths=paths), data_params(tmp_path), tokenizer_path, MODEL, TOKENIZER)
+    empty = write(tmp_path / "empty.jsonl", [""])
+    with pytest.raises(DataPrepError, match=r"no instruction record to prepare in .*/empty.jsonl"):
+        prepare_instructions(LoraParams(data_paths=[str(empty)]), data_params(tmp_path), tokenizer_path, MODEL, TOKENIZER)
 
 
 # ------------------------------------------------------------------------------------ packing and shards

@@ -17,11 +17,9 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import logging
 import os
-import shutil
-import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,16 +28,8 @@ from model_core.data.errors import DataPrepError
 from model_core.data.instruction_set import bundled_fingerprint, bundled_jsonl
 from model_core.data.instructions import Record, TemplateEncoder, parse_records, separators
 from model_core.data.packing import first_fit_rows, pack_examples, select_documents
-from model_core.data.prepare import (
-    TOKENIZER_NAME,
-    PrepResult,
-    _check_bad_records,
-    _hash,
-    _move_into_place,
-    _result,
-    _rng,
-)
-from model_core.data.shards import MANIFEST_NAME, file_sha256, write_shards
+from model_core.data.prepare import TOKENIZER_NAME, PrepResult, _check_bad_records, _hash, _result, _rng
+from model_core.data.shards import MANIFEST_NAME, build_or_reuse, file_sha256, write_shards
 from model_core.data.sources import FileReport
 from model_core.data.tokenizer import load_tokenizer, open_tokenizer
 from params.schema import DataParams, LoraParams, ModelParams, TokenizerParams
@@ -48,7 +38,37 @@ FORMAT_VERSION = 1
 KIND = "instructions"
 BUNDLED = Path("<bundled python-docstring instructions>")  # the bundled set's name in reports
 
-logger = logging.getLogger(__name__)
+
+@dataclass(frozen=True)
+class _Request:
+    """What, besides the records, decides the dataset."""
+
+    lora: LoraParams
+    data: DataParams
+    model: ModelParams
+    tokenizer: TokenizerParams
+    tokenizer_path: Path
+    tokenizer_bytes: bytes
+    min_validation_rows: int
+
+    @property
+    def tokenizer_sha256(self) -> str:
+        return hashlib.sha256(self.tokenizer_bytes).hexdigest()
+
+    def params(self) -> dict:
+        return {
+            "format_version": FORMAT_VERSION,
+            "template": separators(self.lora),
+            "data": self.data.model_dump(
+                include={"add_bos", "validation_fraction", "shuffle_seed", "rows_per_shard", "max_bad_record_fraction"}
+            ),
+            "tokenizer": {
+                "sha256": self.tokenizer_sha256,
+                **self.tokenizer.model_dump(include={"bos_id", "eos_id", "pad_id"}),
+            },
+            "model": {"vocab_size": self.model.vocab_size, "seq_len": self.model.seq_len},
+            "min_validation_rows": self.min_validation_rows,
+        }
 
 
 def prepare_instructions(
@@ -61,56 +81,19 @@ def prepare_instructions(
 ) -> PrepResult:
     """Prepare (or reuse) the instruction dataset; `min_validation_rows` is the fewest validation rows to
     hold out when data.validation_fraction > 0 (pass train.micro_batch_size for one evaluation batch)."""
-    tokenizer_bytes = load_tokenizer(Path(tokenizer_path))
+    tokenizer_path = Path(tokenizer_path)
+    request = _Request(lora, data, model, tokenizer, tokenizer_path, load_tokenizer(tokenizer_path), min_validation_rows)
     files = _instruction_files(lora.data_paths)
-    params = instruction_params(lora, data, model, tokenizer, tokenizer_bytes, min_validation_rows)
+    params = request.params()
     input_fingerprint = _fingerprint(files)
     key = _hash({"params": params, "inputs": input_fingerprint})[:16]
+
+    def build(build_dir: Path) -> dict:
+        manifest = _build(build_dir, files, request)
+        return {**manifest, "key": key, "params": params, "params_hash": _hash(params), "input_fingerprint": input_fingerprint}
+
     final_dir = Path(data.output_dir) / key
-
-    if final_dir.exists():
-        problem = verify_instructions(final_dir)
-        if problem is None:
-            return _result(final_dir, reused=True)
-        logger.warning("prepared instruction dataset %s is damaged (%s); rebuilding it", final_dir, problem)
-
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    build_dir = Path(tempfile.mkdtemp(prefix=f".{key}.building-", dir=final_dir.parent))
-    try:
-        open_tokenizer(tokenizer_bytes, tokenizer, model.vocab_size, f"tokenizer {tokenizer_path}")
-        (build_dir / TOKENIZER_NAME).write_bytes(tokenizer_bytes)
-        manifest = _build(build_dir, files, lora, data, model, tokenizer, tokenizer_bytes, min_validation_rows)
-        manifest["tokenizer"]["source"] = str(tokenizer_path)
-        manifest.update(key=key, params=params, params_hash=_hash(params), input_fingerprint=input_fingerprint)
-        (build_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
-        _move_into_place(build_dir, final_dir)
-    finally:
-        shutil.rmtree(build_dir, ignore_errors=True)
-    return _result(final_dir, reused=False)
-
-
-def instruction_params(
-    lora: LoraParams,
-    data: DataParams,
-    model: ModelParams,
-    tokenizer: TokenizerParams,
-    tokenizer_bytes: bytes,
-    min_validation_rows: int,
-) -> dict:
-    """Everything besides the records that decides the content of the dataset."""
-    return {
-        "format_version": FORMAT_VERSION,
-        "template": separators(lora),
-        "data": data.model_dump(
-            include={"add_bos", "validation_fraction", "shuffle_seed", "rows_per_shard", "max_bad_record_fraction"}
-        ),
-        "tokenizer": {
-            "sha256": hashlib.sha256(tokenizer_bytes).hexdigest(),
-            **tokenizer.model_dump(include={"bos_id", "eos_id", "pad_id"}),
-        },
-        "model": {"vocab_size": model.vocab_size, "seq_len": model.seq_len},
-        "min_validation_rows": min_validation_rows,
-    }
+    return _result(final_dir, reused=build_or_reuse(final_dir, verify_instructions, build))
 
 
 def verify_instructions(directory: Path) -> str | None:
@@ -143,27 +126,23 @@ def _fingerprint(files: list[Path]) -> list[str]:
     return [f"{path}\t{file_sha256(path)}" for path in files]
 
 
-def _build(
-    build_dir: Path,
-    files: list[Path],
-    lora: LoraParams,
-    data: DataParams,
-    model: ModelParams,
-    tokenizer: TokenizerParams,
-    tokenizer_bytes: bytes,
-    min_validation_rows: int,
-) -> dict:
+def _build(build_dir: Path, files: list[Path], request: _Request) -> dict:
     started = time.perf_counter()
+    lora, data, model, tokenizer = request.lora, request.data, request.model, request.tokenizer
+    open_tokenizer(request.tokenizer_bytes, tokenizer, model.vocab_size, f"tokenizer {request.tokenizer_path}")
+    (build_dir / TOKENIZER_NAME).write_bytes(request.tokenizer_bytes)
     records, reports = _read_records(files)
     read_counts = _check_bad_records(reports, data.max_bad_record_fraction)
     bad_records = read_counts.pop("examples")
-    first_of = {}
+    first_of = {}  # exact repeats go, the first of them stays
     for record in records:
         first_of.setdefault(record.turns, record)
     duplicates, records = len(records) - len(first_of), list(first_of.values())
+    if not records:
+        raise DataPrepError(f"no instruction record to prepare in {', '.join(str(r.path) for r in reports)}")
     workers = data.num_workers or len(os.sched_getaffinity(0))
     encoder = TemplateEncoder(
-        tokenizer_bytes, lora, tokenizer.bos_id if data.add_bos else None, tokenizer.eos_id, workers
+        request.tokenizer_bytes, lora, tokenizer.bos_id if data.add_bos else None, tokenizer.eos_id, workers
     )
     token_ids, lengths, loss_mask = encoder.encode(records)
     row_len = model.seq_len + 1
@@ -175,7 +154,7 @@ def _build(
             f"(the shortest has {lengths.min()})"
         )
     order = _rng(data.shuffle_seed, "examples").permutation(fitting)
-    held_out = _validation_size(lengths[order], data.validation_fraction, row_len, min_validation_rows)
+    held_out = _validation_size(lengths[order], data.validation_fraction, row_len, request.min_validation_rows)
     splits = {
         split: _pack_and_write(build_dir, split, token_ids, lengths, loss_mask, chosen, data, tokenizer.pad_id, row_len)
         for split, chosen in (("train", order[held_out:]), ("validation", order[:held_out]))
@@ -183,13 +162,14 @@ def _build(
     return {
         "kind": KIND,
         "format_version": FORMAT_VERSION,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "template": separators(lora),
         "counts": {**read_counts, "dropped": dropped, "examples": len(fitting)},
         "bad_records": bad_records,
         "tokenizer": {
             "file": TOKENIZER_NAME,
-            "sha256": hashlib.sha256(tokenizer_bytes).hexdigest(),
+            "sha256": request.tokenizer_sha256,
+            "source": str(request.tokenizer_path),
             "vocab_size": model.vocab_size,
             **{name: getattr(tokenizer, name) for name in ("unk_id", "bos_id", "eos_id", "pad_id")},
         },

@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +26,8 @@ import pyarrow.parquet as pq
 from model_core.data.packing import PackedRows
 
 MANIFEST_NAME = "manifest.json"
+
+logger = logging.getLogger(__name__)
 
 
 def write_shards(rows: PackedRows, directory: Path, split: str, rows_per_shard: int, pad_id: int) -> list[dict]:
@@ -60,6 +66,31 @@ def read_shards(output_dir: str | Path, split: str) -> Iterator[PackedRows]:
             doc_starts.offsets.to_numpy().astype(np.int64),
             loss_mask,
         )
+
+
+def build_or_reuse(final_dir: Path, verify: Callable[[Path], str | None], build: Callable[[Path], dict]) -> bool:
+    """Whether the dataset at `final_dir` is reused: it is when `verify` finds nothing wrong with it (None).
+    Otherwise `build(directory)` writes the dataset into a temporary sibling directory and returns its
+    manifest, stored there as manifest.json before the directory is renamed to `final_dir`, so a failure
+    never leaves a partial dataset under the final name."""
+    if final_dir.exists():
+        problem = verify(final_dir)
+        if problem is None:
+            return True
+        logger.warning("prepared dataset %s is damaged (%s); rebuilding it", final_dir, problem)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    build_dir = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.building-", dir=final_dir.parent))
+    try:
+        manifest = build(build_dir)
+        (build_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+        if final_dir.exists():  # the damaged copy goes first: a rename cannot replace a non-empty directory
+            stale = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.damaged-", dir=final_dir.parent))
+            os.replace(final_dir, stale / final_dir.name)
+            shutil.rmtree(stale, ignore_errors=True)
+        os.replace(build_dir, final_dir)
+    finally:
+        shutil.rmtree(build_dir, ignore_errors=True)
+    return False
 
 
 def file_sha256(path: Path) -> str:
