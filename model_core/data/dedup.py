@@ -21,6 +21,7 @@ the Python loop.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -30,9 +31,10 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _CANDIDATE_RECALL = 0.99  # LSH bands are chosen so a pair at the threshold is a candidate this often
 
 
-def exact_duplicate_mask(texts: list[str]) -> np.ndarray:
-    """True for every document whose text already appeared earlier."""
-    seen: set[str] = set()
+def exact_duplicate_mask(texts: list[str], seen: set[str] | None = None) -> np.ndarray:
+    """True for every document whose text already appeared earlier, here or in `seen` (the texts of
+    earlier batches, which this one's are added to)."""
+    seen = set() if seen is None else seen
     mask = np.zeros(len(texts), dtype=bool)
     for index, text in enumerate(texts):
         mask[index] = text in seen
@@ -67,15 +69,21 @@ def minhash_signatures(
 ) -> np.ndarray:
     """(documents, permutations) uint32 one-permutation MinHash signatures of the token-shingle sets."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    hashes, shingle_doc = _shingle_hashes(np.asarray(token_ids), lengths, shingle_tokens)
-    # Bin from the high 32 bits (multiply-shift onto [0, permutations)), value from the low 32.
-    bins = ((hashes >> np.uint64(32)) * np.uint64(permutations)) >> np.uint64(32)
-    slots = shingle_doc * permutations + bins.astype(np.int64)
-    signatures = np.full(len(lengths) * permutations, np.iinfo(np.uint32).max, dtype=np.uint32)
-    np.minimum.at(signatures, slots, (hashes & np.uint64(0xFFFFFFFF)).astype(np.uint32))
+    documents = len(lengths)
+    hashes, rows = _shingle_hashes(np.asarray(token_ids), lengths, shingle_tokens)
+    # Row `documents` is a spare that takes the windows across a document boundary and is dropped.
+    signatures = np.full((documents + 1) * permutations, np.iinfo(np.uint32).max, dtype=np.uint32)
     filled = np.zeros(len(signatures), dtype=bool)
-    filled[slots] = True
-    return signatures[_densified(filled, permutations)].reshape(len(lengths), permutations)
+    for shingles, shingle_rows in zip(hashes, rows):
+        # Bin from the high 32 bits (multiply-shift onto [0, permutations)), value from the low 32.
+        bins = shingles >> np.uint64(32)
+        bins *= np.uint64(permutations)
+        bins >>= np.uint64(32)
+        slots = shingle_rows * permutations + bins.view(np.int64)
+        np.minimum.at(signatures, slots, shingles.astype(np.uint32))
+        filled[slots] = True
+    used = documents * permutations
+    return signatures[_densified(filled[:used], permutations)].reshape(documents, permutations)
 
 
 def rows_per_band(permutations: int, threshold: float) -> int:
@@ -97,9 +105,8 @@ def _densified(filled: np.ndarray, permutations: int) -> np.ndarray:
     """
     index = np.int32 if len(filled) <= np.iinfo(np.int32).max else np.int64  # int32 halves the memory traffic
     source = np.arange(len(filled), dtype=index)
-    probe_orders = np.random.default_rng(_SEED).random((permutations, permutations)).argsort(axis=1)
     pending = np.flatnonzero(~filled).astype(index)
-    for probe in probe_orders.T.astype(index):  # probe[j]: the position that position j tries at this step
+    for probe in _probe_steps(permutations).astype(index):  # probe[j]: the position that position j tries
         if not len(pending):
             break
         position = pending % permutations
@@ -109,36 +116,51 @@ def _densified(filled: np.ndarray, permutations: int) -> np.ndarray:
     return source
 
 
-def _shingle_hashes(token_ids: np.ndarray, lengths: np.ndarray, shingle_tokens: int) -> tuple[np.ndarray, np.ndarray]:
-    """64-bit hash of every window of `shingle_tokens` consecutive ids inside one document, and the
-    document of each (in no particular order).
+@functools.cache
+def _probe_steps(permutations: int) -> np.ndarray:
+    """(steps, positions): at step t, position j tries position [t, j] (each position's own fixed random
+    probe order)."""
+    return np.random.default_rng(_SEED).random((permutations, permutations)).argsort(axis=1).T
 
-    A document shorter than one window is a single shingle of all its tokens.
+
+def _shingle_hashes(
+    token_ids: np.ndarray, lengths: np.ndarray, shingle_tokens: int
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """64-bit hashes of shingles and the document (signature row) of each, in two parts: the window of
+    `shingle_tokens` consecutive ids starting at every position of the stream, where a window that
+    crosses a document boundary has row len(lengths); and one zero-padded shingle of all the tokens of
+    each document shorter than a window.
     """
+    documents = len(lengths)
     table = _mix64(np.arange(1, int(token_ids.max(initial=0)) + 2, dtype=np.uint64))
-    mixed = table[token_ids]
-    token_doc = np.repeat(np.arange(len(lengths)), lengths)
+    mixed = table.take(token_ids)
     count = max(len(mixed) - shingle_tokens + 1, 0)
-    windows = np.zeros(count, dtype=np.uint64)
-    for offset in range(shingle_tokens):  # the window starting at every position of the stream
-        windows = windows * _GOLDEN + mixed[offset : offset + count]
-    inside = token_doc[:count] == token_doc[shingle_tokens - 1 :]  # first and last token in one document
+    windows = mixed[:count].copy()
+    for offset in range(1, shingle_tokens):  # in place: this stream is the largest array here
+        windows *= _GOLDEN
+        windows += mixed[offset : offset + count]
+    # Each document's positions: first its whole windows, then those running into the next document.
+    whole = np.maximum(lengths - shingle_tokens + 1, 0)
+    labels = np.stack([np.arange(documents), np.full(documents, documents)], axis=1).reshape(-1)
+    window_rows = np.repeat(labels, np.stack([whole, lengths - whole], axis=1).reshape(-1))[:count]
 
-    short = np.flatnonzero(lengths < shingle_tokens)  # zero-padded windows of whole short documents
+    short = np.flatnonzero(lengths < shingle_tokens)
     starts = np.cumsum(lengths) - lengths
     padded = np.zeros(len(short), dtype=np.uint64)
     for offset in range(shingle_tokens):
         present = offset < lengths[short]
         padded = padded * _GOLDEN + np.where(present, mixed[np.minimum(starts[short] + offset, len(mixed) - 1)], 0)
-    hashes = np.concatenate([windows[inside], padded])
-    return _mix64(hashes), np.concatenate([token_doc[:count][inside], short])
+    return [_mix64(windows), _mix64(padded)], [window_rows, short]
 
 
 def _mix64(values: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser: spreads its input over all 64 bits."""
-    values = (values ^ (values >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    values = (values ^ (values >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return values ^ (values >> np.uint64(31))
+    """splitmix64 finaliser, in place: spreads its input over all 64 bits."""
+    values ^= values >> np.uint64(30)
+    values *= np.uint64(0xBF58476D1CE4E5B9)
+    values ^= values >> np.uint64(27)
+    values *= np.uint64(0x94D049BB133111EB)
+    values ^= values >> np.uint64(31)
+    return values
 
 
 def _band_keys(signatures: np.ndarray, rows: int) -> np.ndarray:

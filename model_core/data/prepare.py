@@ -24,13 +24,15 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
 
 import numpy as np
+import sentencepiece as spm
 
 from model_core.data import dedup
 from model_core.data.cleaning import clean_texts
@@ -46,6 +48,7 @@ TOKENIZER_NAME = "tokenizer.model"
 CACHE_DIR = ".cache"  # under data.output_dir: the extracted standard-library docstrings
 MAX_REPORTED_RECORDS = 20
 _ENCODE_BATCH_DOCS = 1024  # small enough that minhashing one batch overlaps encoding the next
+_CLEAN_CHUNK_DOCS = 1024  # cleaned at a time, so that encoding starts after the first chunk, not the corpus
 # Reading in worker processes pays for their start (about a second) only on several large files.
 _PARALLEL_READ_BYTES = 64 << 20
 # Params that change where or how fast the data is made, not what it is.
@@ -135,47 +138,51 @@ def _build(
     progress: Progress,
 ) -> dict:
     workers = data.num_workers or len(os.sched_getaffinity(0))
-    timings: dict[str, float] = {}
-    clock = time.perf_counter()
+    watch = _Stopwatch()
+    given = tokenizer.model_path is not None
+    if given:
+        tokenizer_info, processor = _tokenizer(build_dir, None, tokenizer, model, data.shuffle_seed, workers)
+        watch.lap("tokenizer")
 
-    def lap(stage: str) -> None:
-        nonlocal clock
-        now = time.perf_counter()
-        timings[stage] = round(now - clock, 4)
-        clock = now
-
-    cache_dir = Path(data.output_dir) / CACHE_DIR
-    texts, reports = _read_and_clean(inputs, data.normalize_unicode, workers, cache_dir, progress)
+    selection = _Selection(data)
+    reports: list[FileReport] = []
+    # With a given tokenizer every chunk is encoded as soon as it is selected, while the next one is read
+    # and cleaned; a trained one needs the whole corpus first. Either way the chunks come in corpus order.
+    reading = _quiet if given else progress
+    chunks = _read_and_clean(
+        inputs, data.normalize_unicode, workers, Path(data.output_dir) / CACHE_DIR, reports, reading
+    )
+    documents = _selected(chunks, selection, watch, reading)
+    if given:
+        token_ids, lengths, signatures = _encode(documents, processor, workers, data, progress, "read and tokenize")
+        watch.lap("encode_and_minhash")
+    else:
+        texts = list(chain.from_iterable(documents))
     read_counts = _check_bad_records(reports, data.max_bad_record_fraction)
     bad_records = read_counts.pop("examples")
-    lap("read_and_clean")
-    texts, dropped, steps = _select_documents(texts, data, progress)
-    lap("filter_and_exact_dedup")
-    train_order, validation_order = _split_documents(len(texts), data.validation_fraction, data.shuffle_seed)
+    dropped, steps = selection.outcome()
+    train_order, validation_order = _split_documents(selection.kept, data.validation_fraction, data.shuffle_seed)
+    if not given:
+        train_texts = [texts[i] for i in train_order]
+        tokenizer_info, processor = _tokenizer(build_dir, train_texts, tokenizer, model, data.shuffle_seed, workers)
+        watch.lap("tokenizer")
+        token_ids, lengths, signatures = _encode([texts], processor, workers, data, progress, "tokenize")
+        watch.lap("encode_and_minhash")
 
-    train_texts = [texts[i] for i in train_order]
-    tokenizer_info = _write_tokenizer(build_dir, train_texts, tokenizer, model, data.shuffle_seed, workers)
-    processor = open_tokenizer(
-        (build_dir / TOKENIZER_NAME).read_bytes(), tokenizer, model.vocab_size, tokenizer_info["origin"]
-    )
-    lap("tokenizer")
-
-    token_ids, lengths, signatures = _encode(texts, processor, workers, data, progress)
-    lap("encode_and_minhash")
-    near_copies = np.zeros(len(texts), dtype=bool)
+    near_copies = np.zeros(selection.kept, dtype=bool)
     if signatures is not None:
         progress("near dedup", 0, 1)
         near_copies = dedup.near_duplicate_mask(signatures, data.near_dup_threshold)
         progress("near dedup", 1, 1)
         dropped["near_duplicate"] = int(near_copies.sum())
-        steps.append({"step": "near_duplicate", "in": len(texts), "out": len(texts) - dropped["near_duplicate"]})
-    lap("near_dedup")
+        steps.append({"step": "near_duplicate", "in": selection.kept, "out": int((~near_copies).sum())})
+    watch.lap("near_dedup")
 
     splits = {}
     for split, order in (("train", train_order), ("validation", validation_order)):
         split_ids, split_lengths = select_documents(token_ids, lengths, order[~near_copies[order]])
         splits[split] = _pack_and_write(build_dir, split, split_ids, split_lengths, data, tokenizer, model, progress)
-    lap("pack_and_write")
+    watch.lap("pack_and_write")
     if splits["train"]["rows"] == 0:
         raise DataPrepError(
             f"the {splits['train']['documents']} training documents make {splits['train']['tokens']} tokens, "
@@ -183,8 +190,8 @@ def _build(
         )
     return {
         "format_version": FORMAT_VERSION,
-        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "counts": {**read_counts, "dropped": dropped, "kept_documents": len(texts) - int(near_copies.sum())},
+        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "counts": {**read_counts, "dropped": dropped, "kept_documents": selection.kept - int(near_copies.sum())},
         "steps": steps,
         "near_dedup": {
             "shingle": f"{data.shingle_words} consecutive token ids (data.shingle_words counts tokens)",
@@ -195,42 +202,77 @@ def _build(
         "vocab_size": model.vocab_size,
         "seq_len": model.seq_len,
         "splits": splits,
-        "timings_s": timings,
+        "timings_s": {stage: round(seconds, 4) for stage, seconds in watch.seconds.items()},
     }
 
 
+class _Stopwatch:
+    """Wall seconds per stage; a stage met several times (reading interleaved with encoding) adds up."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self._last
+        self._last = now
+
+
+def _quiet(stage: str, done: int, total: int | None) -> None:
+    """Progress that is not shown: reading runs inside the "read and tokenize" phase."""
+
+
 def _read_and_clean(
-    inputs: list[InputFile], normalize_unicode: bool, workers: int, cache_dir: Path, progress: Progress
-) -> tuple[list[str], list[FileReport]]:
-    """Read and clean every input, in "spawn" worker processes when there are several large files.
+    inputs: list[InputFile],
+    normalize_unicode: bool,
+    workers: int,
+    cache_dir: Path,
+    reports: list[FileReport],
+    progress: Progress,
+) -> Iterator[list[str]]:
+    """The cleaned documents of every input in order, a chunk at a time; each input's FileReport is
+    appended to `reports` once it is read. In "spawn" worker processes when there are several large files.
 
     Never "fork": this runs inside Prefect flows, whose process has threads, and a child forked while
     another thread holds a lock (logging's, say) can hang on it forever.
     """
     file_bytes = sum(item.path.stat().st_size for item in inputs if item.path.is_file())
-    parallel = workers > 1 and len(inputs) > 1 and file_bytes > _PARALLEL_READ_BYTES
-    jobs = [(item, normalize_unicode, cache_dir) for item in inputs]
-    progress("read", 0, len(jobs))
-    if parallel:
+    progress("read", 0, len(inputs))
+    if workers > 1 and len(inputs) > 1 and file_bytes > _PARALLEL_READ_BYTES:
+        jobs = [(item, normalize_unicode, cache_dir) for item in inputs]
         pool = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn"))
         with pool:
-            results = list(_with_progress(pool.map(_read_and_clean_input, jobs), len(jobs), progress))
-    else:
-        results = list(_with_progress(map(_read_and_clean_input, jobs), len(jobs), progress))
-    texts = list(chain.from_iterable(file_texts for file_texts, _ in results))
-    return texts, [report for _, report in results]
-
-
-def _with_progress(results, total: int, progress: Progress):
-    for done, result in enumerate(results, 1):
-        yield result
-        progress("read", done, total)
+            for done, (texts, report) in enumerate(pool.map(_read_and_clean_input, jobs), 1):
+                reports.append(report)
+                progress("read", done, len(inputs))
+                yield texts
+        return
+    for done, item in enumerate(inputs, 1):
+        texts, report = read_input(item, cache_dir)
+        reports.append(report)
+        for first in range(0, len(texts), _CLEAN_CHUNK_DOCS):
+            yield clean_texts(texts[first : first + _CLEAN_CHUNK_DOCS], normalize_unicode)
+        progress("read", done, len(inputs))
 
 
 def _read_and_clean_input(job: tuple[InputFile, bool, Path]) -> tuple[list[str], FileReport]:
     item, normalize_unicode, cache_dir = job
     texts, report = read_input(item, cache_dir)
     return clean_texts(texts, normalize_unicode), report
+
+
+def _selected(
+    chunks: Iterator[list[str]], selection: _Selection, watch: _Stopwatch, progress: Progress
+) -> Iterator[list[str]]:
+    """The kept documents of each chunk; the time between chunks is the consumer's (encoding)."""
+    for chunk in chunks:
+        watch.lap("read_and_clean")
+        kept = selection.keep(chunk)
+        watch.lap("filter_and_exact_dedup")
+        yield kept
+        watch.lap("encode_and_minhash")
+    progress("filter and dedup", selection.checked, selection.checked)
 
 
 def _check_bad_records(reports: list[FileReport], max_fraction: float) -> dict:
@@ -244,7 +286,9 @@ def _check_bad_records(reports: list[FileReport], max_fraction: float) -> dict:
     if malformed or undecodable:
         logger.warning(
             "%d malformed records skipped and %d lines with undecodable bytes kept, of %d records",
-            len(malformed), len(undecodable), records,
+            len(malformed),
+            len(undecodable),
+            records,
         )
     if records and len(malformed) / records > max_fraction:
         raise DataPrepError(
@@ -259,39 +303,59 @@ def _check_bad_records(reports: list[FileReport], max_fraction: float) -> dict:
     }
 
 
-def _select_documents(texts: list[str], data: DataParams, progress: Progress) -> tuple[list[str], dict, list]:
-    """Drop empty, too short, too long and exactly duplicated documents.
-
-    Returns the kept documents, the count dropped per reason and each step's documents in and out.
+class _Selection:
+    """Drops empty, too short, too long and exactly duplicated documents, a chunk at a time in corpus
+    order, and counts each reason. The outcome is that of the whole corpus at once: length filters
+    look at one document, and a duplicate is judged against every earlier kept one.
     """
-    lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
-    masks = {
-        "empty": lengths == 0,
-        "too_short": (lengths > 0) & (lengths < data.min_chars),
-        "too_long": lengths > data.max_chars,
-    }
-    if data.dedup_exact:
-        masks["exact_duplicate"] = dedup.exact_duplicate_mask
-    dropped = dict.fromkeys(["empty", "too_short", "too_long", "exact_duplicate", "near_duplicate"], 0)
-    steps = []
-    keep = np.ones(len(texts), dtype=bool)
-    for done, (reason, rule) in enumerate(masks.items()):
-        progress("filter and dedup", done, len(masks))
-        kept = np.flatnonzero(keep)
-        if callable(rule):  # deduplication looks only at documents that are still kept, in corpus order
-            mask = np.zeros(len(texts), dtype=bool)
-            mask[kept] = rule([texts[i] for i in kept])
-        else:
-            mask = rule
+
+    def __init__(self, data: DataParams) -> None:
+        self.data = data
+        self.steps = ["empty", "too_short", "too_long"] + (["exact_duplicate"] if data.dedup_exact else [])
+        self.seen = dict.fromkeys(self.steps, 0)  # documents that reached each step
+        self.dropped = dict.fromkeys(self.steps, 0)
+        self.kept = 0
+        self._texts: set[str] = set()
+
+    @property
+    def checked(self) -> int:
+        return self.seen["empty"]
+
+    def keep(self, texts: list[str]) -> list[str]:
+        lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
+        keep = np.ones(len(texts), dtype=bool)
+        for step, mask in (
+            ("empty", lengths == 0),
+            ("too_short", lengths < self.data.min_chars),
+            ("too_long", lengths > self.data.max_chars),
+        ):
+            keep &= ~self._count(step, keep, mask)
+        kept = [texts[i] for i in np.flatnonzero(keep)]
+        if self.data.dedup_exact:
+            duplicate = self._count(
+                "exact_duplicate", np.ones(len(kept), dtype=bool), dedup.exact_duplicate_mask(kept, self._texts)
+            )
+            kept = [text for text, drop in zip(kept, duplicate.tolist()) if not drop]
+        self.kept += len(kept)
+        return kept
+
+    def outcome(self) -> tuple[dict, list]:
+        """The count dropped per reason and each step's documents in and out."""
+        if not self.kept:
+            counts = ", ".join(f"{step}={count}" for step, count in self.dropped.items())
+            raise DataPrepError(f"no document is left after cleaning, filtering and deduplication ({counts})")
+        dropped = {"empty": 0, "too_short": 0, "too_long": 0, "exact_duplicate": 0, **self.dropped, "near_duplicate": 0}
+        steps = [
+            {"step": step, "in": self.seen[step], "out": self.seen[step] - self.dropped[step]} for step in self.steps
+        ]
+        return dropped, steps
+
+    def _count(self, step: str, keep: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """The still kept documents that `mask` drops, counted against `step`."""
         newly = mask & keep
-        dropped[reason] = int(newly.sum())
-        keep &= ~newly
-        steps.append({"step": reason, "in": len(kept), "out": len(kept) - dropped[reason]})
-    progress("filter and dedup", len(masks), len(masks))
-    if not keep.any():
-        counts = ", ".join(f"{reason}={count}" for reason, count in dropped.items())
-        raise DataPrepError(f"no document is left after cleaning, filtering and deduplication ({counts})")
-    return [texts[i] for i in np.flatnonzero(keep)], dropped, steps
+        self.seen[step] += int(keep.sum())
+        self.dropped[step] += int(newly.sum())
+        return newly
 
 
 def _split_documents(documents: int, validation_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -307,17 +371,25 @@ def _split_documents(documents: int, validation_fraction: float, seed: int) -> t
     return order[held_out:], order[:held_out]
 
 
-def _write_tokenizer(
-    build_dir: Path, train_docs: list[str], tokenizer: TokenizerParams, model: ModelParams, seed: int, workers: int
-) -> dict:
+def _tokenizer(
+    build_dir: Path,
+    train_docs: list[str] | None,
+    tokenizer: TokenizerParams,
+    model: ModelParams,
+    seed: int,
+    workers: int,
+) -> tuple[dict, spm.SentencePieceProcessor]:
+    """The tokenizer's manifest entry and processor, after writing it into the build: loaded from
+    tokenizer.model_path, or trained on `train_docs` (None when the tokenizer is given)."""
     started = time.perf_counter()
     if tokenizer.model_path is not None:
         model_bytes, origin = load_tokenizer(Path(tokenizer.model_path)), f"tokenizer {tokenizer.model_path}"
     else:
         model_bytes = train_tokenizer(train_docs, tokenizer, model.vocab_size, seed, workers)
         origin = "the trained tokenizer"
+    processor = open_tokenizer(model_bytes, tokenizer, model.vocab_size, origin)
     (build_dir / TOKENIZER_NAME).write_bytes(model_bytes)
-    return {
+    info = {
         "file": TOKENIZER_NAME,
         "sha256": hashlib.sha256(model_bytes).hexdigest(),
         "trained": tokenizer.model_path is None,
@@ -326,31 +398,63 @@ def _write_tokenizer(
         "vocab_size": model.vocab_size,
         **{name: getattr(tokenizer, name) for name in ("unk_id", "bos_id", "eos_id", "pad_id")},
     }
+    return info, processor
 
 
 def _encode(
-    texts: list[str], processor, workers: int, data: DataParams, progress: Progress
+    chunks: Iterable[list[str]],
+    processor: spm.SentencePieceProcessor,
+    workers: int,
+    data: DataParams,
+    progress: Progress,
+    phase: str,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The token ids of all documents concatenated (int32), the number of tokens of each, and (when
-    near-dedup is on) their MinHash signatures.
+    """The token ids of all documents of all chunks concatenated (int32), the number of tokens of each,
+    and (when near-dedup is on) their MinHash signatures.
 
     Batches are encoded on a background thread (SentencePiece drops the GIL and runs `workers` native
-    threads) while this thread computes the signatures of the batch before, so that work fills the
-    encoder's idle moments instead of following it.
+    threads) while this thread pulls the next chunk (which reads and cleans it, when the chunks come
+    lazily from the inputs) and computes the signatures of finished batches, so that work shares the
+    cores with encoding instead of following it.
     """
-    batches = [texts[first : first + _ENCODE_BATCH_DOCS] for first in range(0, len(texts), _ENCODE_BATCH_DOCS)]
     token_ids, lengths, signatures = [np.zeros(0, dtype=np.int32)], [np.zeros(0, dtype=np.int64)], []
-    progress("tokenize", 0, len(texts))
-    with ThreadPoolExecutor(1, thread_name_prefix="encode") as encoder:
-        for encoded in [encoder.submit(encode_documents, processor, batch, workers) for batch in batches]:
-            pieces = encoded.result()
-            lengths.append(np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces)))
-            token_ids.append(np.concatenate([np.zeros(0, dtype=np.int32), *pieces]))
-            if data.near_dup_threshold is not None:
-                signatures.append(
-                    dedup.minhash_signatures(token_ids[-1], lengths[-1], data.shingle_words, data.minhash_permutations)
-                )
-            progress("tokenize", sum(map(len, lengths)), len(texts))
+    total: int | None = None  # known once every chunk is in
+
+    def absorb(encoded: Future) -> None:
+        pieces = encoded.result()
+        lengths.append(np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces)))
+        token_ids.append(np.concatenate([np.zeros(0, dtype=np.int32), *pieces]))
+        if data.near_dup_threshold is not None:
+            signatures.append(
+                dedup.minhash_signatures(token_ids[-1], lengths[-1], data.shingle_words, data.minhash_permutations)
+            )
+        progress(phase, sum(map(len, lengths)), total)
+
+    def submit(documents: list[str]) -> None:
+        nonlocal submitted
+        waiting.append(encoder.submit(encode_documents, processor, documents, workers))
+        submitted += len(documents)
+
+    progress(phase, 0, None)
+    encoder = ThreadPoolExecutor(1, thread_name_prefix="encode")
+    waiting: deque[Future] = deque()
+    batch: list[str] = []
+    submitted = 0
+    try:
+        for chunk in chunks:
+            batch += chunk
+            while len(batch) >= _ENCODE_BATCH_DOCS:
+                submit(batch[:_ENCODE_BATCH_DOCS])
+                batch = batch[_ENCODE_BATCH_DOCS:]
+            while waiting and waiting[0].done():
+                absorb(waiting.popleft())
+        if batch:
+            submit(batch)
+        total = submitted
+        while waiting:
+            absorb(waiting.popleft())
+    finally:
+        encoder.shutdown(cancel_futures=True)  # after a failure, the batches not started yet are dropped
     return np.concatenate(token_ids), np.concatenate(lengths), np.concatenate(signatures) if signatures else None
 
 
