@@ -6,16 +6,22 @@ table. q/k/v and gate/up stay separate matrices so tensor parallelism can split 
 
 Dtypes: parameters are fp32; the residual stream and matmuls run in `compute_dtype`; RMSNorm, softmax
 and the returned logits are fp32. RoPE tables and the causal mask are built once, at construction.
+
+Generation uses a second path through the same weights: `Llama.decode` runs only the new tokens and reads
+the keys and values of earlier positions from a `KVCache`. The cache has one fixed-size slot per position
+(params.seq_len of them), so every decoding step has the same shapes and compiles once; slots a query may
+not see are masked out exactly as the causal mask does in `construct`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, Tensor, nn, ops
+from mindspore import Parameter, Tensor, mint, nn, ops
 from mindspore.common.initializer import Normal, initializer
 
 from model_core.model.attention import Attention, fused_attention_available
@@ -99,6 +105,28 @@ class SelfAttention(nn.Cell):
         out = self.attention(self.rotary(q, cos, sin), self.rotary(k, cos, sin), v, mask)
         return self.o_proj(self.heads_last(out).reshape(batch, seq, self.num_heads * self.head_dim))
 
+    def construct_cached(self, x, cos, sin, visible, slots, keys, values):
+        """Attention of n new tokens over the cache, with their own keys and values written into it.
+
+        x: [B, n, hidden]; cos, sin: [n, D]; visible: bool [n, S], key slot s visible to new token i;
+        slots: (source [S] int, written [S, 1] bool), see `Llama._decode`; keys, values: [B, H_kv, S, D].
+        Returns (out [B, n, hidden], keys, values). No backward runs here, so heads move by plain swapaxes.
+        """
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim).swapaxes(1, 2)  # [B, H, n, D]
+        k = self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim).swapaxes(1, 2)  # [B, H_kv, n, D]
+        v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim).swapaxes(1, 2)
+        keys = write_slots(keys, self.rotary(k, cos, sin), slots)
+        values = write_slots(values, v, slots)
+        out = self.attention(self.rotary(q, cos, sin), keys, values, visible)  # [B, H, n, D]
+        return self.o_proj(out.swapaxes(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)), keys, values
+
+
+def write_slots(cache: Tensor, new: Tensor, slots: tuple[Tensor, Tensor]) -> Tensor:
+    """cache [B, H_kv, S, D] with slot s replaced by new[:, :, source[s]] wherever written[s] (new: [B, H_kv, n, D])."""
+    source, written = slots
+    return mint.where(written, ops.gather(new, source, 2), cache)
+
 
 class SwiGLU(nn.Cell):
     """down(silu(gate(x)) * up(x))."""
@@ -130,6 +158,27 @@ class Block(nn.Cell):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def construct_cached(self, x, cos, sin, visible, slots, keys, values):
+        """`construct` for new tokens only, reading and extending this layer's cached keys and values."""
+        attended, keys, values = self.self_attn.construct_cached(
+            self.input_layernorm(x), cos, sin, visible, slots, keys, values
+        )
+        x = x + attended
+        return x + self.mlp(self.post_attention_layernorm(x)), keys, values
+
+
+@dataclass(frozen=True)
+class KVCache:
+    """Keys (after RoPE) and values of every layer for positions [0, length) of a batch of sequences.
+
+    Slots from `length` on hold zeros or stale values that no query can see. `Llama.decode` returns a new
+    cache and leaves this one as it was.
+    """
+
+    keys: tuple[Tensor, ...]  # num_layers x [B, H_kv, seq_len, head_dim], compute dtype
+    values: tuple[Tensor, ...]  # the same shapes
+    length: int
+
 
 class Llama(nn.Cell):
     """tokens [B, T] -> next-token logits [B, T, vocab] (fp32), T <= params.seq_len.
@@ -148,6 +197,7 @@ class Llama(nn.Cell):
         if not params.tie_embeddings:
             self.lm_head = Linear(params.hidden_size, params.vocab_size, params.init_std)
         self.head = LinearFunction()
+        self.seq_len = params.seq_len
         self.rope_cos, self.rope_sin = rope_tables(params.head_dim, params.seq_len, params.rope_theta)
         self.causal_mask = Tensor(np.tril(np.ones((params.seq_len, params.seq_len), dtype=bool)))
 
@@ -178,6 +228,62 @@ class Llama(nn.Cell):
             return causal
         same_segment = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)  # [B, T, T]
         return ops.logical_and(same_segment, causal).unsqueeze(1)  # [B, 1, T, T]
+
+    @ms.jit
+    def compiled_forward(self, tokens, position_ids=None, segment_ids=None):
+        """`construct` compiled once per input shape (evaluation, where shapes repeat), without wrapping the
+        model in another Cell (which would rename its parameters)."""
+        return self.construct(tokens, position_ids, segment_ids)
+
+    # ------------------------------------------------------------------------------- cached decoding
+
+    def empty_cache(self, batch: int) -> KVCache:
+        """A cache for `batch` sequences with no positions filled."""
+        attention = self.layers[0].self_attn
+        shape = (batch, attention.num_kv_heads, self.seq_len, attention.head_dim)
+        keys = tuple(ops.zeros(shape, self.compute_dtype) for _ in self.layers)
+        values = tuple(ops.zeros(shape, self.compute_dtype) for _ in self.layers)
+        return KVCache(keys, values, 0)
+
+    def decode(self, tokens: Tensor, cache: KVCache) -> tuple[Tensor, KVCache]:
+        """Logits [B, n, vocab] (fp32) of tokens [B, n] at positions [cache.length, cache.length + n),
+        each attending to the cached positions and to the new tokens up to itself; and the extended cache.
+
+        The logits equal those of `construct` on the whole sequence (up to float summation order).
+        """
+        batch, new = tokens.shape
+        if cache.keys[0].shape[0] != batch:
+            raise ValueError(f"tokens hold {batch} sequences but the KV cache was made for {cache.keys[0].shape[0]}")
+        if cache.length + new > self.seq_len:
+            raise ValueError(
+                f"{new} new tokens after {cache.length} cached positions exceed model.seq_len={self.seq_len}"
+            )
+        # A plain tuple of Tensors would be compiled in as constants: one new graph per step.
+        keys, values = ms.mutable(cache.keys), ms.mutable(cache.values)
+        logits, keys, values = self._decode(tokens, Tensor(cache.length, ms.int32), keys, values)
+        return logits, KVCache(keys, values, cache.length + new)
+
+    @ms.jit
+    def _decode(self, tokens, start, keys, values):
+        """`decode` as one compiled graph per number of new tokens; `start` is an int32 scalar Tensor."""
+        new = tokens.shape[1]
+        positions = mint.arange(new, dtype=ms.int32) + start  # [n]
+        slot = mint.arange(self.seq_len, dtype=ms.int32)  # [S]
+        visible = slot.reshape(1, -1) <= positions.reshape(-1, 1)  # [n, S]: causal, by absolute position
+        written = mint.logical_and(slot >= start, slot < start + new).reshape(-1, 1)  # [S, 1]
+        slots = (mint.clamp(slot - start, 0, new - 1), written)  # slot s takes new token s - start
+        cos = ops.gather(self.rope_cos, positions, 0).astype(self.compute_dtype)  # [n, D]
+        sin = ops.gather(self.rope_sin, positions, 0).astype(self.compute_dtype)
+        x = self.embed_tokens(tokens).astype(self.compute_dtype)  # [B, n, hidden]
+        new_keys, new_values = (), ()
+        for index in range(len(self.layers)):
+            x, layer_keys, layer_values = self.layers[index].construct_cached(
+                x, cos, sin, visible, slots, keys[index], values[index]
+            )
+            new_keys, new_values = new_keys + (layer_keys,), new_values + (layer_values,)
+        x = self.norm(x)
+        head = self.embed_tokens.weight if self.tie_embeddings else self.lm_head.weight
+        return self.head(x, head.astype(x.dtype)).astype(ms.float32), new_keys, new_values
 
 
 def count_parameters(model: nn.Cell, include_embeddings: bool = True) -> int:

@@ -1,0 +1,315 @@
+"""Fixed-seed evaluation: KV-cache decoding against full recomputation, the sampler's rules, seeds across
+runs and processes, held-out loss and perplexity, and the report files."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+import pytest
+
+from model_core.data import PackedRows
+from model_core.eval import EvalReport, GenerationConfig, PromptOutput, choose_token, generate, held_out_loss, write_report
+from model_core.eval.generate import PREFILL_CHUNK, penalize_repetition, sampling_probabilities, top_k_mask, top_p_mask
+from model_core.eval.perplexity import HeldOutLoss
+from model_core.model import Llama, document_positions
+from model_core.model.llama import KVCache
+from params.schema import EvalParams, ModelParams
+
+VOCAB, SEQ = 512, 64
+EOS = 2
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def small_params(**overrides) -> ModelParams:
+    fields = dict(
+        vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=176, seq_len=SEQ
+    )
+    return ModelParams(**{**fields, **overrides})
+
+
+def build(seed: int = 0, **overrides) -> Llama:
+    ms.set_seed(seed)
+    return Llama(small_params(**overrides))
+
+
+def generation_model() -> Llama:
+    """Untied, at 5x the default init scale: a fresh tied model greedily repeats its input token, this one
+    continues with varied tokens that depend on the context."""
+    return build(seed=3, init_std=0.1, tie_embeddings=False)
+
+
+def prompt(length: int, seed: int = 0) -> list[int]:
+    return np.random.default_rng(seed).integers(3, VOCAB, length).tolist()
+
+
+SAMPLED = GenerationConfig(max_new_tokens=12, temperature=1.0, top_k=40, top_p=0.9, repetition_penalty=1.3)
+GREEDY = GenerationConfig(max_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def model() -> Llama:
+    return generation_model()
+
+
+@pytest.fixture(scope="module")
+def tied_model() -> Llama:
+    """The default init, tied head. Tests share models: each compiles its graphs once."""
+    return build()
+
+
+# ---------------------------------------------------------------------------------------- KV cache
+
+
+@pytest.mark.parametrize("which", ["tied_model", "model"])
+def test_cached_logits_equal_full_forward_logits(which, request):
+    model = request.getfixturevalue(which)
+    tokens = np.random.default_rng(1).integers(0, VOCAB, (1, 30)).astype(np.int32)
+    full = model(ms.Tensor(tokens)).asnumpy()
+    cache, pieces = model.empty_cache(1), []
+    for start, stop in [(0, PREFILL_CHUNK), *((t, t + 1) for t in range(PREFILL_CHUNK, 30))]:
+        logits, cache = model.decode(ms.Tensor(tokens[:, start:stop]), cache)
+        pieces.append(logits.asnumpy())
+    assert cache.length == 30
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, rtol=0, atol=1e-5)
+
+
+def test_decode_returns_a_new_cache_and_leaves_the_old_one_as_it_was(tied_model):
+    tokens = ms.Tensor(np.arange(PREFILL_CHUNK + 1, dtype=np.int32).reshape(1, -1))
+    _, cache = tied_model.decode(tokens[:, :PREFILL_CHUNK], tied_model.empty_cache(1))
+    first, longer = tied_model.decode(tokens[:, PREFILL_CHUNK:], cache)
+    again, _ = tied_model.decode(tokens[:, PREFILL_CHUNK:], cache)
+    assert (cache.length, longer.length) == (PREFILL_CHUNK, PREFILL_CHUNK + 1)
+    np.testing.assert_array_equal(first.asnumpy(), again.asnumpy())
+
+
+def test_decode_refuses_to_go_past_seq_len_and_a_cache_of_another_batch(tied_model):
+    empty = tied_model.empty_cache(1)
+    nearly_full = KVCache(empty.keys, empty.values, SEQ - 1)
+    with pytest.raises(ValueError, match=f"2 new tokens after {SEQ - 1} cached positions exceed model.seq_len={SEQ}"):
+        tied_model.decode(ms.Tensor(np.zeros((1, 2), np.int32)), nearly_full)
+    with pytest.raises(ValueError, match="tokens hold 2 sequences but the KV cache was made for 1"):
+        tied_model.decode(ms.Tensor(np.zeros((2, 1), np.int32)), empty)
+
+
+@pytest.mark.parametrize("config", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_cached_generation_equals_full_recomputation_token_for_token(model, config):
+    ids = prompt(PREFILL_CHUNK + 5)  # one prefill chunk, then single tokens
+    cached = generate(model, ids, config, eos_id=EOS, vocab_limit=VOCAB, seed=11, use_cache=True)
+    recomputed = generate(model, ids, config, eos_id=EOS, vocab_limit=VOCAB, seed=11, use_cache=False)
+    assert cached == recomputed
+    assert len(cached.token_ids) == config.max_new_tokens and cached.stopped_by == "max_new_tokens"
+    assert len(set(cached.token_ids)) > 3  # a varied continuation, not one token over and over
+
+
+# -------------------------------------------------------------------------------------------- seeds
+
+
+def test_same_seed_same_generation_and_another_seed_another(model):
+    ids = prompt(7)
+    first = generate(model, ids, SAMPLED, eos_id=EOS, vocab_limit=VOCAB, seed=5)
+    second = generate(model, ids, SAMPLED, eos_id=EOS, vocab_limit=VOCAB, seed=5)
+    other = generate(model, ids, SAMPLED, eos_id=EOS, vocab_limit=VOCAB, seed=6)
+    other_prompt_index = generate(model, ids, SAMPLED, eos_id=EOS, vocab_limit=VOCAB, seed=5, prompt_index=1)
+    assert first == second
+    assert other.token_ids != first.token_ids and other_prompt_index.token_ids != first.token_ids
+
+
+def test_a_prompt_generates_the_same_whatever_ran_before_it(model):
+    ids_a, ids_b = prompt(5, seed=1), prompt(9, seed=2)
+    b_first = generate(model, ids_b, SAMPLED, EOS, VOCAB, seed=5, prompt_index=1)
+    generate(model, ids_a, SAMPLED, EOS, VOCAB, seed=5, prompt_index=0)
+    assert generate(model, ids_b, SAMPLED, EOS, VOCAB, seed=5, prompt_index=1) == b_first
+
+
+SUBPROCESS_GENERATION = f"""
+import json, sys
+sys.path.insert(0, {str(TESTS_DIR)!r})
+import test_eval
+from model_core.eval import generate
+out = generate(test_eval.generation_model(), test_eval.prompt(7), test_eval.SAMPLED, test_eval.EOS, test_eval.VOCAB, seed=5)
+print(json.dumps(out.token_ids))
+"""
+
+
+def test_same_seed_same_generation_in_a_separate_process(model):
+    here = generate(model, prompt(7), SAMPLED, eos_id=EOS, vocab_limit=VOCAB, seed=5)
+    result = subprocess.run(
+        [sys.executable, "-c", SUBPROCESS_GENERATION], cwd=TESTS_DIR.parent, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(result.stdout.strip().splitlines()[-1]) == here.token_ids
+
+
+# ------------------------------------------------------------------------------------------ sampler
+
+
+def test_top_k_keeps_exactly_the_k_largest_with_ties_to_lower_ids():
+    logits = np.array([0.5, 2.0, 1.0, 2.0, -1.0, 1.0])
+    assert top_k_mask(logits, 3).tolist() == [False, True, True, True, False, False]
+    assert top_k_mask(logits, 0).all() and top_k_mask(logits, 10).all()
+
+
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_p():
+    probabilities = np.array([0.05, 0.4, 0.25, 0.3])
+    assert top_p_mask(probabilities, 0.6).tolist() == [False, True, False, True]  # 0.7 >= 0.6; 0.4 alone is not
+    assert top_p_mask(probabilities, 0.7).tolist() == [False, True, False, True]  # exactly p is enough
+    assert top_p_mask(probabilities, 0.01).tolist() == [False, True, False, False]  # at least one
+    assert top_p_mask(probabilities, 1.0).all()
+    random = np.random.default_rng(0).dirichlet(np.ones(100))
+    for p in (0.3, 0.5, 0.9):
+        kept = top_p_mask(random, p)
+        assert random[kept].sum() >= p and random[kept].sum() - random[kept].min() < p
+
+
+def test_sampled_tokens_stay_inside_top_k_and_top_p():
+    logits = np.random.default_rng(1).standard_normal(50)
+    rng = np.random.default_rng(2)
+    top_k = GenerationConfig(max_new_tokens=1, temperature=1.0, top_k=5)
+    draws = {choose_token(logits, [], top_k, 50, rng) for _ in range(400)}
+    assert draws == set(np.argsort(-logits)[:5].tolist())
+    nucleus = GenerationConfig(max_new_tokens=1, temperature=0.7, top_p=0.5)
+    allowed = np.flatnonzero(sampling_probabilities(logits, nucleus))
+    draws = {choose_token(logits, [], nucleus, 50, rng) for _ in range(400)}
+    assert draws == set(allowed.tolist()) and 1 < len(allowed) < 50
+
+
+def test_temperature_zero_is_argmax_with_ties_to_the_lowest_id():
+    logits = np.array([0.0, 3.0, -1.0, 3.0], np.float32)
+    assert choose_token(logits, [], GREEDY, 4, np.random.default_rng(0)) == 1
+
+
+def test_repetition_penalty_makes_seen_tokens_less_likely():
+    logits = np.array([2.0, -2.0, 1.0, 0.5])
+    penalized = penalize_repetition(logits, [0, 1, 1], 2.0)
+    assert penalized.tolist() == [1.0, -4.0, 1.0, 0.5]  # positive divided, negative multiplied, unseen kept
+    config = GenerationConfig(max_new_tokens=1, repetition_penalty=2.5)
+    assert choose_token(logits, [0], config, 4, np.random.default_rng(0)) == 2
+
+
+def test_padded_vocabulary_ids_are_never_chosen():
+    logits = np.zeros(12)
+    logits[10:] = 50.0  # ids the model has but the tokenizer does not
+    rng = np.random.default_rng(0)
+    assert choose_token(logits, [], GREEDY, 10, rng) < 10
+    assert max(choose_token(logits, [], SAMPLED, 10, rng) for _ in range(300)) < 10
+    with pytest.raises(ValueError, match="vocab_limit=13 is larger than the model's 12 logits"):
+        choose_token(logits, [], GREEDY, 13, rng)
+
+
+def test_generation_from_a_padded_vocabulary_model_stays_below_the_tokenizer_vocab(model):
+    hot = GenerationConfig(max_new_tokens=20, temperature=5.0)  # nearly uniform over the whole vocabulary
+    out = generate(model, [5, 17, 250, 99], hot, eos_id=EOS, vocab_limit=300, seed=0)
+    assert max(out.token_ids) < 300 and len(out.token_ids) == 20
+
+
+def test_eos_and_stop_tokens_end_generation_and_are_kept(model):
+    ids = prompt(6)
+    free = generate(model, ids, GREEDY, eos_id=-1, vocab_limit=VOCAB, seed=0).token_ids
+    at_eos = generate(model, ids, GREEDY, eos_id=free[3], vocab_limit=VOCAB, seed=0)
+    first_eos = free.index(free[3])
+    assert at_eos.token_ids == free[: first_eos + 1] and at_eos.stopped_by == "eos"
+    stop = GenerationConfig(max_new_tokens=12, stop_token_ids=(free[2],))
+    at_stop = generate(model, ids, stop, eos_id=-1, vocab_limit=VOCAB, seed=0)
+    assert at_stop.token_ids == free[: free.index(free[2]) + 1] and at_stop.stopped_by == "stop_token"
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generation_stops_when_the_context_reaches_seq_len(model, use_cache):
+    out = generate(model, prompt(SEQ - 3), GREEDY, eos_id=-1, vocab_limit=VOCAB, seed=0, use_cache=use_cache)
+    assert len(out.token_ids) == 3 and out.stopped_by == "length"
+    full = generate(model, prompt(SEQ), GREEDY, eos_id=-1, vocab_limit=VOCAB, seed=0, use_cache=use_cache)
+    assert full.token_ids == [] and full.stopped_by == "length"
+
+
+def test_prompts_that_cannot_be_generated_from_are_rejected(model):
+    with pytest.raises(ValueError, match="no tokens"):
+        generate(model, [], GREEDY, EOS, VOCAB, seed=0)
+    with pytest.raises(ValueError, match=f"the prompt has {SEQ + 1} tokens, more than model.seq_len={SEQ}"):
+        generate(model, prompt(SEQ + 1), GREEDY, EOS, VOCAB, seed=0)
+    with pytest.raises(ValueError, match=r"prompt ids \[400\] are outside the tokenizer's vocabulary of 300"):
+        generate(model, [5, 400], GREEDY, EOS, 300, seed=0)
+
+
+def test_config_from_eval_params():
+    params = EvalParams(max_new_tokens=7, temperature=0.8, top_k=3, top_p=0.5, repetition_penalty=1.2, stop_token_ids=[4])
+    assert GenerationConfig.from_params(params) == GenerationConfig(7, 0.8, 3, 0.5, 1.2, (4,))
+
+
+# ------------------------------------------------------------------------------------- held-out loss
+
+
+def packed(tokens: np.ndarray, doc_starts: list[list[int]]) -> PackedRows:
+    offsets = np.concatenate([[0], np.cumsum([len(starts) for starts in doc_starts])]).astype(np.int64)
+    values = np.array([start for starts in doc_starts for start in starts], dtype=np.int32)
+    return PackedRows(tokens.astype(np.int32), values, offsets)
+
+
+def test_perplexity_of_uniform_random_tokens_is_just_above_the_vocab_size(tied_model):
+    # For labels drawn uniformly, the expected loss of ANY model is >= log V (Jensen: the mean of -log p over
+    # all ids is at least -log of their mean, 1/V). A fresh model's logits are nearly equal (std 0.17 here),
+    # so it sits a little above: ppl ~ V * exp(0.17^2 / 2) = 1.014 V, with ~0.5% noise from 1024 tokens.
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (16, SEQ + 1))
+    result = held_out_loss(tied_model, packed(tokens, [[0]] * 16), 4, 4, pad_id=VOCAB, reset_at_documents=False)
+    assert result.tokens == 16 * SEQ and result.batches == 4
+    assert VOCAB <= result.perplexity <= 1.05 * VOCAB
+    assert result.perplexity == pytest.approx(math.exp(result.mean_loss))
+
+
+def test_held_out_loss_is_the_token_weighted_mean_of_a_hand_computation(tied_model):
+    model, pad = tied_model, 0
+    rng = np.random.default_rng(4)
+    tokens = rng.integers(1, VOCAB, (5, SEQ + 1))
+    tokens[1, 40:] = pad  # a padded tail: its labels do not count
+    starts = [[0, 20], [0], [0, 10, 50], [5], [0]]
+    rows = packed(tokens, starts)
+    result = held_out_loss(model, rows, batch_rows=2, max_batches=3, pad_id=pad, reset_at_documents=True)
+
+    # By hand, in one forward over the 4 rows of the 2 full batches (the fifth row makes no full batch).
+    pairs = [document_positions(row_starts, SEQ) for row_starts in starts[:4]]
+    logits = model(
+        ms.Tensor(tokens[:4, :-1].astype(np.int32)),
+        ms.Tensor(np.stack([positions for positions, _ in pairs])),
+        ms.Tensor(np.stack([segments for _, segments in pairs])),
+    ).asnumpy().astype(np.float64)
+    log_probs = logits - logits.max(-1, keepdims=True)
+    log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
+    labels = tokens[:4, 1:]
+    losses = -np.take_along_axis(log_probs, labels[..., None], -1)[..., 0][labels != pad]
+    assert result.batches == 2 and result.tokens == len(losses) == 4 * SEQ - 25  # row 1's labels 39.. are padding
+    assert result.mean_loss == pytest.approx(losses.mean(), rel=1e-5)
+
+
+def test_held_out_loss_without_a_full_batch_says_so(tied_model):
+    rows = packed(np.ones((3, SEQ + 1)), [[0]] * 3)
+    with pytest.raises(ValueError, match="no counted tokens in 0 held-out batches of 4 rows"):
+        held_out_loss(tied_model, rows, 4, 2, pad_id=0, reset_at_documents=False)
+
+
+# ------------------------------------------------------------------------------------------- report
+
+
+def test_report_is_written_as_json_and_markdown(tmp_path):
+    report = EvalReport(
+        checkpoint="runs/tiny/step-00000300",
+        adapters=["runs/lora/adapter-1"],
+        decoding=SAMPLED,
+        seed=5,
+        held_out={"validation": HeldOutLoss(2.5, math.exp(2.5), 1000, 4)},
+        generations=[PromptOutput("def add(a, b):\n", [1, 9, 8], [7, 2], "```x``` ok", "eos")],
+    )
+    json_path, markdown_path = write_report(report, tmp_path / "eval")
+    data = json.loads(json_path.read_text())
+    assert data["decoding"]["top_k"] == 40 and data["seed"] == 5
+    assert data["held_out"]["validation"] == {"mean_loss": 2.5, "perplexity": math.exp(2.5), "tokens": 1000, "batches": 4}
+    assert data["generations"][0]["stopped_by"] == "eos" and data["generations"][0]["text"] == "```x``` ok"
+    markdown = markdown_path.read_text()
+    assert "| validation | 2.5000 | 12.18 | 1000 | 4 |" in markdown
+    assert "````text\n```x``` ok\n````" in markdown  # a fence longer than the backticks inside
+    assert "def add(a, b):\n" in markdown and "stopped by eos" in markdown
+    assert sorted(path.name for path in (tmp_path / "eval").iterdir()) == ["eval_report.json", "eval_report.md"]
