@@ -1,7 +1,7 @@
 """Worker programs that tests/test_parallel*.py start under msrun; each rank writes its findings as JSON.
 
     python tests/parallel_worker.py comm OUT_DIR
-    python tests/parallel_worker.py train OUT_DIR DATASET_DIR [--set section.field=value ...]
+    python tests/parallel_worker.py train OUT_DIR DATASET_DIR [--resume PATH] [--set section.field=value ...]
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from model_core.parallel import comm
 
 
 def _value(rank: int, rows: int = 2) -> np.ndarray:
-    return (np.arange(rows * 3, dtype=np.float32).reshape(rows, 3) + 10 * rank + 1)
+    """Distinct per rank, rising on even ranks and falling on odd ones, so each rank holds some maxima."""
+    return np.arange(rows * 3, dtype=np.float32).reshape(rows, 3) * (-1) ** rank + 3 * rank + 1
 
 
 class _AllInJit(nn.Cell):
@@ -31,6 +32,7 @@ class _AllInJit(nn.Cell):
         return (
             self.group.all_reduce(x),
             self.group.all_reduce(x, "mean"),
+            self.group.all_reduce(x, "max"),
             self.group.all_gather(x),
             self.group.reduce_scatter(x),
             self.group.broadcast(x, 1),
@@ -45,6 +47,7 @@ def check_comm(out_dir: Path) -> None:
     expected = {
         "sum": sum(values),
         "mean": sum(values) / size,
+        "max": np.max(values, axis=0),
         "gather": np.concatenate(values),
         "scatter": np.split(sum(values), size)[rank],
         "broadcast": values[1],
@@ -54,8 +57,8 @@ def check_comm(out_dir: Path) -> None:
     for native in (True, False):
         group = comm.Group(tuple(range(size)), rank, use_native=native)
         eager = (
-            group.all_reduce(x), group.all_reduce(x, "mean"), group.all_gather(x), group.reduce_scatter(x),
-            group.broadcast(x, 1),
+            group.all_reduce(x), group.all_reduce(x, "mean"), group.all_reduce(x, "max"), group.all_gather(x),
+            group.reduce_scatter(x), group.broadcast(x, 1),
         )
         for mode, outputs in (("pynative", eager), ("jit", _AllInJit(group)(x))):
             for name, got in zip(expected, outputs):
@@ -65,15 +68,19 @@ def check_comm(out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def train(out_dir: Path, dataset_dir: str, *overrides: str) -> None:
-    """Train with params `tiny` + overrides; write this rank's metrics history and held optimizer-state bytes."""
+def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
+    """Train with params `tiny` + `--set` overrides, resuming from `--resume` (default: start fresh); write
+    this rank's metrics history, held optimizer-state bytes and its initial weights (rank<r>_initial.npz)."""
     from model_core.parallel.zero import moment_bytes
-    from model_core.train.trainer import Trainer
+    from model_core.train.trainer import Trainer, model_weights
     from params import load_params
 
-    params = load_params("tiny", [value for flag, value in zip(overrides[::2], overrides[1::2]) if flag == "--set"])
+    pairs = list(zip(options[::2], options[1::2]))
+    params = load_params("tiny", [value for flag, value in pairs if flag == "--set"])
+    resume = next((value for flag, value in pairs if flag == "--resume"), "none")
     trainer = Trainer(params, dataset_dir, out_dir / "checkpoints")
-    result = trainer.run()
+    np.savez(out_dir / f"rank{trainer.rank}_initial.npz", **model_weights(trainer.model))
+    result = trainer.run(resume=resume)
     optimizer = trainer.optimizer
     held = optimizer.moment_bytes() if hasattr(optimizer, "moment_bytes") else moment_bytes(optimizer)
     report = {"history": result.history, "moment_bytes": held, "checkpoint": str(result.checkpoint)}

@@ -10,9 +10,9 @@ import pytest
 from model_core.parallel import comm
 from model_core.parallel.data_parallel import bucket_indices
 from model_core.parallel.launch import launch, launch_training, log_tail
-from model_core.parallel.layout import Layout, ParallelConfigError, check_implemented
+from model_core.parallel.layout import Layout, ParallelConfigError, check_implemented, check_tensor_parallel
 from model_core.parallel.zero import shard_pieces
-from params import load_params
+from params import ParamsError, load_params
 
 
 def params_with(*overrides: str):
@@ -47,16 +47,35 @@ def test_layout_errors_name_both_numbers():
 
 
 def test_parts_not_built_yet_are_refused_by_name():
-    check_implemented(params_with("parallel.data_parallel=2", "parallel.zero_stage=1"))
-    with pytest.raises(ParallelConfigError, match=r"parallel.tensor_parallel=2 is not implemented yet \(issue #4\)"):
-        check_implemented(params_with("parallel.tensor_parallel=2"))
+    check_implemented(params_with("parallel.data_parallel=2", "parallel.zero_stage=1", "parallel.tensor_parallel=2"))
+    with pytest.raises(ParallelConfigError, match=r"parallel.pipeline_parallel=2 is not implemented yet \(issue #4\)"):
+        check_implemented(params_with("parallel.pipeline_parallel=2", "parallel.micro_batches=2"))
     with pytest.raises(ParallelConfigError, match=r"parallel.zero_stage=3 is not implemented yet"):
         check_implemented(params_with("parallel.data_parallel=2", "parallel.zero_stage=3"))
 
 
+@pytest.mark.parametrize(
+    ("model", "field", "value"),
+    [
+        (["model.num_heads=6", "model.num_kv_heads=3", "model.hidden_size=96"], "num_kv_heads", 3),
+        (["model.num_heads=3", "model.num_kv_heads=1", "model.hidden_size=96"], "num_heads", 3),
+        (["model.ffn_hidden_size=351"], "ffn_hidden_size", 351),
+        (["model.vocab_size=4097"], "vocab_size", 4097),
+    ],
+)
+def test_tensor_parallel_must_divide_heads_kv_heads_ffn_and_vocab(tmp_path, model, field, value):
+    message = rf"parallel.tensor_parallel=2 does not divide model.{field}={value}"
+    with pytest.raises(ParallelConfigError, match=message):
+        check_tensor_parallel(2, params_with(*model).model)
+    # Loading the params already refuses heads, kv heads and FFN width; the vocabulary reaches the layout check.
+    with pytest.raises((ParamsError, ParallelConfigError), match=message):
+        launch_training(params_with(*model, "parallel.tensor_parallel=2"), ["--params", "tiny"], tmp_path / "logs")
+    assert not (tmp_path / "logs").exists()
+
+
 def test_invalid_layouts_fail_before_anything_is_launched(tmp_path):
-    with pytest.raises(ParallelConfigError, match="tensor_parallel=2 is not implemented"):
-        launch_training(params_with("parallel.tensor_parallel=2"), ["--params", "tiny"], tmp_path / "logs")
+    with pytest.raises(ParallelConfigError, match="pipeline_parallel=2 is not implemented"):
+        launch_training(params_with("parallel.pipeline_parallel=2", "parallel.micro_batches=2"), ["--params", "tiny"], tmp_path / "logs")
     with pytest.raises(ParallelConfigError, match="does not split evenly over 2 nodes"):
         launch(["-c", "pass"], 3, tmp_path / "logs", nodes=2)
     assert not (tmp_path / "logs").exists()

@@ -1,10 +1,11 @@
 """The one communication module of the parallel code: collectives over any group of ranks.
 
 `group(ranks)` gives a `Group` (a Cell, so its methods can be called from a jit-compiled construct) with
-all-reduce (sum or mean), all-gather, reduce-scatter, broadcast and point-to-point. Each uses the backend's
+all-reduce (sum, mean or max), all-gather, reduce-scatter, broadcast and point-to-point. Each uses the backend's
 native operator where the backend has it for that group, and otherwise is built from an all-reduce sum,
 the one collective that works on every group of MindSpore's CPU backend (MCCL):
   all-gather      all-reduce of a zero-filled buffer with this rank's block written in;
+  all-reduce max  all-gather, then the maximum over the gathered blocks (MCCL's AllReduce sums only);
   reduce-scatter  all-reduce, then keep this rank's block;
   broadcast       all-reduce where every rank but the root sends zeros;
   point-to-point  all-reduce in the 2-rank group {source, destination} where the destination sends zeros.
@@ -30,9 +31,9 @@ from mindspore import Parameter, Tensor, mint, nn, ops
 # AllGather and Broadcast work on the world group only; ReduceScatter and Send/Receive not at all.
 _NATIVE_ON_SUBGROUPS = {"hccl": True, "nccl": True, "mccl": False}
 _NATIVE_ON_WORLD = {
-    "hccl": {"all_gather", "reduce_scatter", "broadcast", "p2p"},
-    "nccl": {"all_gather", "reduce_scatter", "broadcast", "p2p"},
-    "mccl": {"all_gather", "broadcast"},
+    "hccl": {"all_gather", "reduce_scatter", "broadcast", "p2p", "max"},
+    "nccl": {"all_gather", "reduce_scatter", "broadcast", "p2p", "max"},
+    "mccl": {"all_gather", "broadcast"},  # measured: "AllReduce only support reduce sum on CPU"
 }
 _BACKEND_OF_DEVICE = {"Ascend": "hccl", "GPU": "nccl", "CPU": "mccl"}
 
@@ -108,6 +109,7 @@ class Group(nn.Cell):
         self.native_reduce_scatter = "reduce_scatter" in native
         self.native_broadcast = "broadcast" in native
         self.native_p2p = "p2p" in native
+        self.native_max = "max" in native
         self._sum = ops.AllReduce(ops.ReduceOp.SUM, name)
         self._is_me = Parameter(  # one-hot over members: the fallbacks' root test, read at run time
             Tensor(np.eye(self.size, dtype=np.int32)[self.index]), name=f"{name}.is_me", requires_grad=False
@@ -116,13 +118,19 @@ class Group(nn.Cell):
             self._gather = ops.AllGather(name)
         if self.native_reduce_scatter:
             self._scatter = ops.ReduceScatter(ops.ReduceOp.SUM, name)
+        if self.native_max:
+            self._max = ops.AllReduce(ops.ReduceOp.MAX, name)
         if self.native_broadcast:  # root_rank is fixed per primitive: one per possible root
             self._broadcasts = tuple(ops.Broadcast(root, name) for root in ranks)
 
     def all_reduce(self, x: Tensor, op: str = "sum") -> Tensor:
-        """Sum (or mean, op="mean") of x over the group, on every member."""
+        """Sum (or op="mean" the mean, op="max" the element-wise maximum) of x over the group, on every member."""
         if self.size == 1:
             return x
+        if op == "max":
+            if self.native_max:
+                return self._max(x)
+            return self.all_gather(x.reshape((1,) + x.shape)).max(axis=0)
         total = self._sum(x)
         return total / self.size if op == "mean" else total
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from params.schema import PipelineParams
+from params.schema import ModelParams, PipelineParams
 
 
 class ParallelConfigError(ValueError):
@@ -47,6 +47,7 @@ class Layout:
                 f"parallel.data_parallel={layout.dp} x tensor_parallel={layout.tp} x pipeline_parallel={layout.pp} "
                 f"= {layout.world_size} ranks, but the world has {world_size}"
             )
+        check_tensor_parallel(layout.tp, model)
         if model.num_layers % layout.pp:
             raise ParallelConfigError(
                 f"parallel.pipeline_parallel={layout.pp} does not divide model.num_layers={model.num_layers} "
@@ -92,16 +93,27 @@ class Layout:
         return f"dp{self.dp} tp{self.tp} pp{self.pp}"
 
 
+def check_tensor_parallel(tp: int, model: ModelParams) -> None:
+    """Every tensor-parallel rank must get an equal block of heads, key/value heads, FFN width and vocabulary."""
+    split = {
+        "num_heads": model.num_heads,
+        "num_kv_heads": model.num_kv_heads,
+        "ffn_hidden_size": model.ffn_hidden_size,
+        "vocab_size": model.vocab_size,
+    }
+    for field, value in split.items():
+        if value % tp:
+            hint = f" (pad it: llmflow convert hf-to-ms --tensor-parallel {tp})" if field == "vocab_size" else ""
+            raise ParallelConfigError(f"parallel.tensor_parallel={tp} does not divide model.{field}={value}{hint}")
+
+
 def check_implemented(params: PipelineParams) -> None:
     """Stop before launch on the parts of the layout that this version cannot run yet (issue #4)."""
     parallel = params.parallel
-    pending = {
-        "parallel.tensor_parallel": (parallel.tensor_parallel, 1),
-        "parallel.pipeline_parallel": (parallel.pipeline_parallel, 1),
-    }
-    for field, (value, supported) in pending.items():
-        if value != supported:
-            raise ParallelConfigError(f"{field}={value} is not implemented yet (issue #4); use {supported}")
+    if parallel.pipeline_parallel != 1:
+        raise ParallelConfigError(
+            f"parallel.pipeline_parallel={parallel.pipeline_parallel} is not implemented yet (issue #4); use 1"
+        )
     if parallel.zero_stage > 1:
         raise ParallelConfigError(
             f"parallel.zero_stage={parallel.zero_stage} is not implemented yet (issue #4); use 0 or 1"

@@ -1,11 +1,19 @@
-"""Training checkpoints: tensors in safetensors, trainer state in JSON, a sha256 manifest, atomic writes.
+"""Training checkpoints: tensors in safetensors, trainer state in JSON, a layout record, a sha256 manifest,
+atomic writes.
 
-A checkpoint is a directory `step-00000100/` holding `model.safetensors` (weights by their model names),
-`optimizer.safetensors` (AdamW moments), `state.json` (step, loss scale, data position, counters, the
-params it was made with) and `manifest.json` (sha256 of the other three). It is built in a temporary
-sibling and renamed into place, so a crash never leaves a half-written `step-*` directory; the newest
-`keep` checkpoints are kept. `latest_valid` skips (and warns about) a checkpoint whose files do not match
-their manifest.
+A checkpoint is a directory `step-00000100/` holding the weights by their model names and the AdamW
+moments, `state.json` (step, loss scale, data position, counters, the params it was made with),
+`layout.json` (the dp x tp x pp layout it was trained under) and `manifest.json` (sha256 of all the others).
+Under tensor parallelism each tp rank's block is a file of its own (`model-tp1-of-2.safetensors`,
+`optimizer-tp1-of-2.safetensors`; replicated tensors are in every file); with one tp rank the files are
+`model.safetensors` and `optimizer.safetensors`. Optimizer moments are always whole over dp (ZeRO shards are
+gathered), so only tp changes the files; `model_core.parallel.reshard` converts between tp sizes.
+
+A checkpoint is built in a temporary sibling and renamed into place, so a crash never leaves a
+half-written `step-*` directory; the newest `keep` checkpoints are kept. Under msrun the ranks that hold a
+shard write it into the sibling and one rank commits: writing every shard from its own rank means no rank
+ever holds the whole model (ranks of one job share the checkpoint filesystem). `latest_valid` skips (and
+warns about) a checkpoint whose files do not match their manifest.
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import json
 import logging
 import os
 import shutil
-import tempfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,12 +30,27 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from model_core.data.shards import file_sha256
+from model_core.parallel.layout import Layout
 
 logger = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 STATE = "state.json"
+LAYOUT = "layout.json"
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors")
+
+Tensors = dict[str, np.ndarray]
+
+
+def shard_files(index: int, tp: int) -> tuple[str, str]:
+    """(weights, moments) file names of tensor-parallel block `index` of `tp`."""
+    if tp == 1:
+        return TENSOR_FILES
+    return f"model-tp{index}-of-{tp}.safetensors", f"optimizer-tp{index}-of-{tp}.safetensors"
+
+
+class CheckpointLayoutError(ValueError):
+    """The checkpoint's files are split for another layout than the reader asked for."""
 
 
 @dataclass(frozen=True)
@@ -35,41 +58,102 @@ class Checkpoint:
     path: Path
     step: int
 
-    def load(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict]:
-        """(weights, optimizer moments, trainer state)."""
-        return (
-            load_file(self.path / "model.safetensors"),
-            load_file(self.path / "optimizer.safetensors"),
-            json.loads((self.path / STATE).read_text()),
-        )
+    def layout(self) -> Layout:
+        """The layout it was trained under (one rank for checkpoints written before layouts were recorded)."""
+        path = self.path / LAYOUT
+        if not path.is_file():
+            return Layout()
+        return Layout(**json.loads(path.read_text()))
+
+    def state(self) -> dict:
+        return json.loads((self.path / STATE).read_text())
+
+    def load_shard(self, index: int) -> tuple[Tensors, Tensors]:
+        """(weights, optimizer moments) of tensor-parallel block `index`."""
+        weights, moments = shard_files(index, self.layout().tp)
+        return load_file(self.path / weights), load_file(self.path / moments)
+
+    def load(self) -> tuple[Tensors, Tensors, dict]:
+        """(weights, optimizer moments, trainer state) of a checkpoint with one tensor-parallel block."""
+        tp = self.layout().tp
+        if tp != 1:
+            raise CheckpointLayoutError(
+                f"{self.path} is split over tensor_parallel={tp}; read it with model_core.parallel.reshard "
+                "(or `llmflow ckpt reshard --tensor-parallel 1`)"
+            )
+        return (*self.load_shard(0), self.state())
 
 
 def save_checkpoint(
     directory: str | Path,
     step: int,
-    weights: dict[str, np.ndarray],
-    optimizer: dict[str, np.ndarray],
+    weights: Tensors,
+    optimizer: Tensors,
     state: dict,
     keep: int,
+    layout: Layout | None = None,
 ) -> Checkpoint:
+    """Write a whole checkpoint from one process: every block of `layout` (by default one rank), in order."""
+    layout = layout or Layout()
+    if layout.tp != 1:
+        raise CheckpointLayoutError(f"one weights dict cannot be saved as {layout.tp} tensor-parallel blocks")
+    return save_shards(directory, step, {0: (weights, optimizer)}, state, layout, keep)
+
+
+def save_shards(
+    directory: str | Path,
+    step: int,
+    shards: Mapping[int, tuple[Tensors, Tensors]],
+    state: dict | None,
+    layout: Layout,
+    keep: int | None,
+    barrier: Callable[[], None] = lambda: None,
+) -> Checkpoint | None:
+    """Write this process's tensor-parallel blocks {index: (weights, moments)} of a checkpoint.
+
+    Every process of the job calls it with the same step (`barrier` waits for all of them); exactly one
+    passes `state` and commits: it prepares the temporary directory, and once every block is written, adds
+    state, layout and manifest and renames it into place, then keeps the newest `keep` checkpoints (all
+    when None). Returns the checkpoint on the committing process.
+    """
     directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step-{step:08d}"
-    building = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=directory))
+    building = directory / f".{final.name}.partial"
+    committing = state is not None
+    if committing:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(building, ignore_errors=True)  # left by a crash in an earlier attempt at this step
+        building.mkdir()
+    barrier()
+    for index, (weights, moments) in shards.items():
+        weights_file, moments_file = shard_files(index, layout.tp)
+        save_file(weights, str(building / weights_file))
+        save_file(moments, str(building / moments_file))
+    barrier()
+    if not committing:
+        return None
     try:
-        save_file(weights, str(building / "model.safetensors"))
-        save_file(optimizer, str(building / "optimizer.safetensors"))
-        (building / STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
-        files = {name: file_sha256(building / name) for name in (*TENSOR_FILES, STATE)}
-        (building / MANIFEST).write_text(json.dumps({"step": step, "sha256": files}, indent=2))
-        _fsync_dir(building)
-        if final.exists():  # a rerun of the same step replaces it whole
-            shutil.rmtree(final)
-        os.replace(building, final)
+        _commit(building, final, step, state, layout)
     finally:
         shutil.rmtree(building, ignore_errors=True)
-    _prune(directory, keep)
+    if keep is not None:
+        _prune(directory, keep)
     return Checkpoint(final, step)
+
+
+def _commit(building: Path, final: Path, step: int, state: dict, layout: Layout) -> None:
+    expected = {name for index in range(layout.tp) for name in shard_files(index, layout.tp)}
+    missing = sorted(expected - {path.name for path in building.iterdir()})
+    if missing:
+        raise FileNotFoundError(f"checkpoint step {step}: no rank wrote {missing} into {building}")
+    (building / STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
+    (building / LAYOUT).write_text(json.dumps({"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}))
+    files = {name: file_sha256(building / name) for name in (*sorted(expected), STATE, LAYOUT)}
+    (building / MANIFEST).write_text(json.dumps({"step": step, "sha256": files}, indent=2))
+    _fsync_dir(building)
+    if final.exists():  # a rerun of the same step replaces it whole
+        shutil.rmtree(final)
+    os.replace(building, final)
 
 
 def list_checkpoints(directory: str | Path) -> list[Checkpoint]:
@@ -97,7 +181,9 @@ def verify(checkpoint: Checkpoint) -> str | None:
             return f"{name} is missing"
         if file_sha256(path) != expected:
             return f"{name} does not match its sha256"
-    missing = {*TENSOR_FILES, STATE} - set(manifest.get("sha256", {}))
+    tp = checkpoint.layout().tp
+    required = {name for index in range(tp) for name in shard_files(index, tp)} | {STATE}
+    missing = required - set(manifest.get("sha256", {}))
     return f"manifest lists no {sorted(missing)}" if missing else None
 
 

@@ -6,10 +6,13 @@ MLflow or Prefect: every `log_interval` steps it hands a metrics record (a flat 
 A step whose loss or gradient norm is not finite is skipped and counted; `max_consecutive_nonfinite` of
 them in a row stop the run with `NonFiniteError`, leaving the last good checkpoint as it was.
 
-Under msrun (params.parallel world size > 1) every data-parallel rank builds the same model from the same
-seed, trains on its slice of each global batch, and sums gradients over its dp group once per optimizer
-step (model_core.parallel); token counts and summed losses are summed too, so the update is the one a
-single process makes on the whole global batch. Only rank 0 reports metrics and writes checkpoints.
+Under msrun (params.parallel world size > 1) every rank builds the same full model from the same seed;
+with tensor parallelism each then keeps its tp block (`model_core.parallel.parallelize`). Each data-parallel
+replica trains on its slice of each global batch and sums gradients over its dp group once per optimizer
+step; token counts and summed losses are summed too, so the update is the one a single process makes on the
+whole global batch. Only rank 0 reports metrics. Checkpoints are written by the ranks of the first dp
+replica, one file per tp block, and resume under another tp (resharded in memory) or, with the same global
+batch, another dp.
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ from model_core.model import Llama, count_parameters
 from model_core.parallel import comm
 from model_core.parallel.data_parallel import GradientAllReduce, broadcast_parameters, sum_over
 from model_core.parallel.layout import Layout, check_implemented
+from model_core.parallel.parallelize import (
+    TensorParallelAccumulate,
+    TensorParallelGradientNorm,
+    VocabParallelTokenLoss,
+    parallelize,
+    split_axis,
+)
+from model_core.parallel.reshard import blocks_for
 from model_core.parallel.zero import ShardedAdamW
 from model_core.train import checkpoint as ckpt
 from model_core.train.callbacks import MetricsCallback
@@ -102,12 +113,24 @@ class Trainer:
         check_dataset(dataset_dir, params)
         self.layout, self.rank = _join_layout(params)
         self.dp_group = comm.group(self.layout.dp_group(self.rank))
+        self.tp_group = comm.group(self.layout.tp_group(self.rank))
         self.is_reporting = self.rank == 0
+        self.evaluates = 0 in self.tp_group.ranks  # validation runs on rank 0's tp group (it is collective)
+        self.writes_checkpoints = self.dp_group.index == 0  # the first dp replica holds every tp block
+        if adapt_model is not None and self.tp_group.size > 1:
+            raise ValueError(
+                f"adapt_model (LoRA) needs parallel.tensor_parallel=1, not {self.tp_group.size}: its adapters "
+                "are not split into tensor-parallel blocks"
+            )
         ms.set_seed(params.train.seed)
         self.model = Llama(params.model, params.precision.compute_dtype)
+        self.num_parameters = count_parameters(self.model)
         apply_recompute(self.model, params)
         if self.initial_weights is not None:
             load_weights(self.model, read_weights(self.initial_weights))  # any stored dtype, as fp32
+        self.tensor_parallelism = (
+            parallelize(self.model, self.layout, self.rank, params.model) if self.tp_group.size > 1 else None
+        )
         self.adaptation = adapt_model(self.model) if adapt_model is not None else None
 
         train = params.train
@@ -123,7 +146,12 @@ class Trainer:
         )
         self.validation = load_split(dataset_dir, "validation")
 
-        self.accumulate = AccumulateGradients(self.model)
+        if self.tensor_parallelism is None:
+            self.accumulate = AccumulateGradients(self.model)
+            self.eval_loss = SummedTokenLoss(self.model)
+        else:
+            self.eval_loss = VocabParallelTokenLoss(self.model, self.tensor_parallelism)
+            self.accumulate = TensorParallelAccumulate(self.model, self.eval_loss)
         names = {id(param): name for name, param in self.model.parameters_and_names()}
         weight_names = [names[id(param)] for param in self.accumulate.weights]
         if params.parallel.zero_stage == 1 and self.dp_group.size > 1:
@@ -131,17 +159,19 @@ class Trainer:
         else:
             self.optimizer = AdamW.from_params(self.accumulate.weights, params.optimizer, weight_names)
         self.sum_gradients = GradientAllReduce(self.accumulate.buffers, self.dp_group) if self.dp_group.size > 1 else None
-        self.norm = GradientNorm(self.accumulate.buffers)
+        if self.tensor_parallelism is None:
+            self.norm = GradientNorm(self.accumulate.buffers)
+        else:
+            split = [split_axis(name) is not None for name in weight_names]
+            self.norm = TensorParallelGradientNorm(self.accumulate.buffers, split, self.tp_group)
         self.apply = ApplyGradients(self.accumulate.buffers, self.optimizer)
         self.zero = ZeroGradients(self.accumulate.buffers)
-        self.eval_loss = SummedTokenLoss(self.model)
         self.loss_scale = LossScale.from_params(params.precision)
         self.counters = _Counters()
         self.last_lr = 0.0
 
         self.flops_per_token = flops_per_token(params.model)
         self.peak_flops = peak_flops_for_current_device(params.precision.compute_dtype)
-        self.num_parameters = count_parameters(self.model)
 
     # ------------------------------------------------------------------------------------------ resume
 
@@ -151,8 +181,9 @@ class Trainer:
         found = self._find_checkpoint(how)
         if found is None:
             return None
-        weights, moments, state = found.load()
+        state = found.state()
         self._check_compatible(state, found.path)
+        weights, moments = blocks_for(found, self.tp_group.size, self.tp_group.index)  # resharded if tp differs
         load_weights(self.model, weights)
         self.optimizer.load_state_dict(moments)
         self.batches.load_state_dict(state["data"])
@@ -194,7 +225,7 @@ class Trainer:
             if step % train.log_interval == 0 or step == self.steps:
                 elapsed = time.perf_counter() - window_start
                 record = self._record(loss, grad_norm, window_tokens / max(elapsed, 1e-9))
-                if self.is_reporting and (step % train.eval_interval == 0 or step == self.steps):
+                if self.evaluates and (step % train.eval_interval == 0 or step == self.steps):
                     record["validation_loss"] = self.evaluate()
                 history.append(record)
                 if on_metrics is not None and self.is_reporting:
@@ -297,11 +328,11 @@ class Trainer:
     # ------------------------------------------------------------------------------------- checkpoints
 
     def save(self) -> ckpt.Checkpoint | None:
-        """Every rank calls it (gathering sharded optimizer state is collective); rank 0 alone writes."""
+        """Every rank calls it (gathering ZeRO-sharded moments and the write itself are collective). The first
+        dp replica's ranks write their tp blocks; rank 0 commits and returns the checkpoint."""
         moments = self.optimizer.state_dict()
-        if not self.is_reporting:
-            return None
-        state = {
+        shards = {self.tp_group.index: (model_weights(self.model), moments)} if self.writes_checkpoints else {}
+        state = None if not self.is_reporting else {
             "step": self.counters.step,
             "counters": vars(self.counters),
             "data": self.batches.state_dict(),
@@ -309,13 +340,9 @@ class Trainer:
             "model": self.params.model.model_dump(mode="json"),
             "rng": {"seed": self.params.train.seed},
         }
-        return ckpt.save_checkpoint(
-            self.checkpoint_dir,
-            self.counters.step,
-            model_weights(self.model),
-            moments,
-            state,
-            keep=self.params.train.keep_checkpoints,
+        return ckpt.save_shards(
+            self.checkpoint_dir, self.counters.step, shards, state, self.layout,
+            keep=self.params.train.keep_checkpoints, barrier=comm.barrier,
         )
 
 

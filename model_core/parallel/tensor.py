@@ -1,0 +1,158 @@
+"""Megatron-style tensor-parallel layers: each rank of a tp group holds a block of every large matrix.
+
+A column-parallel projection keeps a block of output rows (`y_r = x W_r^T`, a block of y's features); a
+row-parallel one keeps the matching block of input columns and sums the partial products over the group
+(`y = sum_r x_r W_r^T`). A block half (attention, MLP) is column then row, so it costs one all-reduce in
+forward (the row-parallel sum) and one in backward (before the column-parallel layers, whose input
+gradients are partial sums). The two conjugate operators carry those all-reduces:
+  `CopyToTensorParallel`      identity forward, all-reduce of the gradient backward;
+  `ReduceFromTensorParallel`  all-reduce forward, identity backward.
+The vocabulary is split too: each rank embeds the ids of its vocab block (zeros elsewhere, then an
+all-reduce) and computes logits for its block only; `VocabParallelCrossEntropy` takes the loss from the local
+logit blocks with all-reduces of per-token scalars, so full logits are never gathered.
+
+Every Cell here takes its `comm.Group`; a group of one rank makes each of them the single-device layer.
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import Parameter, mint, nn, ops
+
+from model_core.model.fused import LinearFunction, expand
+from model_core.parallel.comm import Group
+
+
+class CopyToTensorParallel(nn.Cell):
+    """Megatron's f: the input enters the tp region unchanged; its gradient is summed over the group."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.group = group
+
+    def construct(self, x):
+        return x
+
+    def bprop(self, x, out, dout):
+        return (self.group.all_reduce(dout),)
+
+
+class ReduceFromTensorParallel(nn.Cell):
+    """Megatron's g: partial results summed over the group; the gradient passes to every rank unchanged."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.group = group
+
+    def construct(self, x):
+        return self.group.all_reduce(x)
+
+    def bprop(self, x, out, dout):
+        return (dout,)
+
+
+class ThenCopyToTensorParallel(nn.Cell):
+    """`inner(x, weight)` (a norm function) followed by `CopyToTensorParallel`: swapped in for the function
+    inside a replicated norm whose output feeds column-parallel layers, so the norm's parameter path and its
+    replicated weight stay as they were, and its gradient (from the summed input gradient) is equal on
+    every tp rank."""
+
+    def __init__(self, inner: nn.Cell, group: Group) -> None:
+        super().__init__()
+        self.inner = inner
+        self.copy = CopyToTensorParallel(group)
+
+    def construct(self, x, weight):
+        return self.copy(self.inner(x, weight))
+
+
+class RowParallelLinear(nn.Cell):
+    """y = sum over the group of x_r W_r^T: `weight` is this rank's [out, in / tp] block of columns, x its
+    matching block of input features (the output of column-parallel layers)."""
+
+    def __init__(self, weight: Parameter, group: Group) -> None:
+        super().__init__()
+        self.weight = weight
+        self.linear = LinearFunction()
+        self.reduce = ReduceFromTensorParallel(group)
+
+    def construct(self, x):
+        return self.reduce(self.linear(x, self.weight.astype(x.dtype)))
+
+
+class VocabParallelEmbedding(nn.Cell):
+    """Token id -> embedding row, `weight` holding rows [start, start + block) of the vocabulary.
+
+    Ids outside the block look up row 0 and are zeroed; the all-reduce adds the one rank that holds each id.
+    The gradient reaches only the rows of ids inside the block, which is this rank's part of the full one."""
+
+    def __init__(self, weight: Parameter, start: int, group: Group) -> None:
+        super().__init__()
+        self.weight = weight
+        self.start = start
+        self.block = weight.shape[0]
+        self.reduce = ReduceFromTensorParallel(group)
+
+    def construct(self, tokens):
+        local = tokens - self.start
+        inside = mint.logical_and(local >= 0, local < self.block)
+        rows = ops.gather(self.weight, mint.where(inside, local, ops.zeros_like(local)), 0)  # [B, T, hidden]
+        kept = inside.astype(rows.dtype).unsqueeze(-1)
+        return self.reduce(rows * expand(kept, rows))
+
+
+class VocabParallelHead(nn.Cell):
+    """Logits of this rank's vocab block: the replicated final hidden state enters the tp region (its
+    gradient, a partial sum over the block's logits, is summed over the group), then x W_block^T."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.copy = CopyToTensorParallel(group)
+        self.linear = LinearFunction()
+
+    def construct(self, x, weight):
+        return self.linear(self.copy(x), weight)
+
+
+class VocabParallelCrossEntropy(nn.Cell):
+    """Per-row -log softmax(logits)[label], from this rank's logit block [N, V / tp] and global labels [N].
+
+    Forward: the global row max (for range), then the global sum of exp and the target logit (held by one
+    rank, zero elsewhere), both with one all-reduce of [2, N]. Returns [2, N]: row 0 the loss, row 1 the
+    log-sum-exp, there for the backward, which then needs no communication: d logits = softmax - one_hot,
+    both restricted to the block. (One tensor, not a pair: MindSpore cannot differentiate through the unused
+    half of a pair returned by a Cell with its own bprop.)
+    """
+
+    def __init__(self, start: int, group: Group) -> None:
+        super().__init__()
+        self.start = start
+        self.group = group
+
+    def construct(self, logits, labels):
+        block = logits.shape[1]
+        row_max = self.group.all_reduce(logits.max(axis=-1), "max")  # [N]
+        sum_exp = ops.exp(logits - expand(row_max.reshape(-1, 1), logits)).sum(-1)  # [N]
+        inside = self._inside(labels, block)
+        local = self._local(labels, inside)
+        picked = ops.gather_d(logits, 1, local.reshape(-1, 1)).reshape(-1) * inside.astype(ms.float32)
+        totals = self.group.all_reduce(mint.cat((sum_exp.reshape(1, -1), picked.reshape(1, -1))))  # [2, N]
+        log_sum_exp = ops.log(totals[0]) + row_max
+        return mint.cat(((log_sum_exp - totals[1]).reshape(1, -1), log_sum_exp.reshape(1, -1)))
+
+    def bprop(self, logits, labels, out, dout):
+        block = logits.shape[1]
+        log_sum_exp = out[1]
+        probs = ops.exp(logits - expand(log_sum_exp.reshape(-1, 1), logits))
+        inside = self._inside(labels, block)
+        one_hot = ops.one_hot(self._local(labels, inside), block, ms.Tensor(1.0, ms.float32), ms.Tensor(0.0, ms.float32))
+        one_hot = one_hot * expand(inside.astype(ms.float32).reshape(-1, 1), one_hot)
+        return (probs - one_hot) * expand(dout[0].reshape(-1, 1), logits), ops.zeros_like(labels)
+
+    def _inside(self, labels, block):
+        """Whether each label falls in this rank's block."""
+        return mint.logical_and(labels >= self.start, labels < self.start + block)
+
+    def _local(self, labels, inside):
+        """Labels as indices into the block; 0 for those outside it."""
+        return (labels - self.start) * inside.astype(labels.dtype)
