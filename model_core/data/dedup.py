@@ -35,11 +35,11 @@ def exact_duplicate_mask(texts: list[str], seen: set[str] | None = None) -> np.n
     """True for every document whose text already appeared earlier, here or in `seen` (the texts of
     earlier batches, which this one's are added to)."""
     seen = set() if seen is None else seen
-    mask = np.zeros(len(texts), dtype=bool)
-    for index, text in enumerate(texts):
-        mask[index] = text in seen
+    duplicate = []
+    for text in texts:
+        duplicate.append(text in seen)
         seen.add(text)
-    return mask
+    return np.array(duplicate, dtype=bool)
 
 
 def near_duplicate_mask(signatures: np.ndarray, threshold: float) -> np.ndarray:

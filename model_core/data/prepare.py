@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, compress
 from pathlib import Path
 
 import numpy as np
@@ -39,7 +39,7 @@ from model_core.data.cleaning import clean_texts
 from model_core.data.errors import DataPrepError
 from model_core.data.packing import pack_documents, select_documents
 from model_core.data.shards import MANIFEST_NAME, file_sha256, write_shards
-from model_core.data.sources import FileReport, InputFile, fingerprint, list_inputs, read_input
+from model_core.data.sources import FileReport, InputFile, fingerprint, list_inputs, read_input, read_input_chunks
 from model_core.data.tokenizer import encode_documents, load_tokenizer, open_tokenizer, train_tokenizer
 from params.schema import DataParams, ModelParams, TokenizerParams
 
@@ -47,8 +47,8 @@ FORMAT_VERSION = 2  # 2: near duplicates are found on token shingles
 TOKENIZER_NAME = "tokenizer.model"
 CACHE_DIR = ".cache"  # under data.output_dir: the extracted standard-library docstrings
 MAX_REPORTED_RECORDS = 20
-_ENCODE_BATCH_DOCS = 1024  # small enough that minhashing one batch overlaps encoding the next
-_CLEAN_CHUNK_DOCS = 1024  # cleaned at a time, so that encoding starts after the first chunk, not the corpus
+_ENCODE_BATCH_DOCS = 512  # small enough that minhashing one batch overlaps encoding the next
+_CLEAN_CHUNK_DOCS = 512  # cleaned at a time, so that encoding starts after the first chunk, not the corpus
 # Reading in worker processes pays for their start (about a second) only on several large files.
 _PARALLEL_READ_BYTES = 64 << 20
 # Params that change where or how fast the data is made, not what it is.
@@ -249,10 +249,10 @@ def _read_and_clean(
                 yield texts
         return
     for done, item in enumerate(inputs, 1):
-        texts, report = read_input(item, cache_dir)
-        reports.append(report)
-        for first in range(0, len(texts), _CLEAN_CHUNK_DOCS):
-            yield clean_texts(texts[first : first + _CLEAN_CHUNK_DOCS], normalize_unicode)
+        reports.append(FileReport(item.path))
+        for texts in read_input_chunks(item, reports[-1], cache_dir):
+            for first in range(0, len(texts), _CLEAN_CHUNK_DOCS):
+                yield clean_texts(texts[first : first + _CLEAN_CHUNK_DOCS], normalize_unicode)
         progress("read", done, len(inputs))
 
 
@@ -330,21 +330,21 @@ class _Selection:
             ("too_long", lengths > self.data.max_chars),
         ):
             keep &= ~self._count(step, keep, mask)
-        kept = [texts[i] for i in np.flatnonzero(keep)]
+        kept = list(compress(texts, keep.tolist()))
         if self.data.dedup_exact:
             duplicate = self._count(
                 "exact_duplicate", np.ones(len(kept), dtype=bool), dedup.exact_duplicate_mask(kept, self._texts)
             )
-            kept = [text for text, drop in zip(kept, duplicate.tolist()) if not drop]
+            kept = list(compress(kept, (~duplicate).tolist()))
         self.kept += len(kept)
         return kept
 
     def outcome(self) -> tuple[dict, list]:
         """The count dropped per reason and each step's documents in and out."""
-        if not self.kept:
-            counts = ", ".join(f"{step}={count}" for step, count in self.dropped.items())
-            raise DataPrepError(f"no document is left after cleaning, filtering and deduplication ({counts})")
         dropped = {"empty": 0, "too_short": 0, "too_long": 0, "exact_duplicate": 0, **self.dropped, "near_duplicate": 0}
+        if not self.kept:
+            counts = ", ".join(f"{reason}={count}" for reason, count in dropped.items())
+            raise DataPrepError(f"no document is left after cleaning, filtering and deduplication ({counts})")
         steps = [
             {"step": step, "in": self.seen[step], "out": self.seen[step] - self.dropped[step]} for step in self.steps
         ]

@@ -15,7 +15,9 @@ import glob
 import hashlib
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import chain
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,6 +30,7 @@ from model_core.data.shards import file_sha256
 from params.schema import DataSource
 
 _PARAGRAPH_BREAK = re.compile(r"\n(?:[^\S\n]*\n)+")
+_JSONL_CHUNK_BYTES = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -79,31 +82,53 @@ def fingerprint(inputs: list[InputFile]) -> str:
 def read_input(item: InputFile, cache_dir: Path | None = None) -> tuple[list[str], FileReport]:
     """The documents of one input; `cache_dir` holds the extracted standard-library docstrings."""
     report = FileReport(item.path)
+    return list(chain.from_iterable(read_input_chunks(item, report, cache_dir))), report
+
+
+def read_input_chunks(item: InputFile, report: FileReport, cache_dir: Path | None = None) -> Iterator[list[str]]:
+    """The documents of one input a chunk at a time, adding to `report` as it goes: JSONL in runs of
+    whole lines of about _JSONL_CHUNK_BYTES, so that the first documents are ready long before the last
+    line is parsed; other kinds at once."""
     if item.kind == "parquet":
-        return _read_parquet(item.path, item.text_field, report), report
-    if item.kind == "jsonl":
-        data = item.path.read_bytes()
-        texts = _read_wellformed_jsonl(data, item.text_field)
-        if texts is not None:
-            report.records = len(texts)
-            return texts, report
-        return _read_jsonl(_decode(data, report), item.text_field, report), report
-    if item.kind == "python_docstrings":
-        texts = stdlib_docstrings(cache_dir) if item.path.is_dir() else file_docstrings(item.path)
+        yield _read_parquet(item.path, item.text_field, report)
+    elif item.kind == "jsonl":
+        yield from _read_jsonl_chunks(item.path.read_bytes(), item.text_field, report)
     else:
-        texts = _split_text(_decode(item.path.read_bytes(), report), item.text_unit)
-    report.records = len(texts)
-    return texts, report
+        if item.kind == "python_docstrings":
+            texts = stdlib_docstrings(cache_dir) if item.path.is_dir() else file_docstrings(item.path)
+        else:
+            texts = _split_text(_decode(item.path.read_bytes(), report), item.text_unit)
+        report.records = len(texts)
+        yield texts
 
 
-def _decode(data: bytes, report: FileReport) -> str:
-    """UTF-8 text of the file; lines with invalid bytes are reported and decoded with U+FFFD."""
+def _read_jsonl_chunks(data: bytes, text_field: str, report: FileReport) -> Iterator[list[str]]:
+    """Each run of lines parsed by Arrow when it is well formed, else line by line with its problems
+    reported; either way the same texts (see `_read_wellformed_jsonl`)."""
+    start = 0
+    while start < len(data):
+        newline = data.find(b"\n", start + _JSONL_CHUNK_BYTES)
+        end = len(data) if newline < 0 else newline + 1
+        chunk = data[start:end]
+        texts = _read_wellformed_jsonl(chunk, text_field)
+        if texts is None:
+            first_line = data.count(b"\n", 0, start) + 1
+            texts = _read_jsonl(_decode(chunk, report, first_line), text_field, report, first_line)
+        else:
+            report.records += len(texts)
+        yield texts
+        start = end
+
+
+def _decode(data: bytes, report: FileReport, first_line: int = 1) -> str:
+    """UTF-8 text of the file (or of its lines from `first_line` on); lines with invalid bytes are
+    reported and decoded with U+FFFD."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
         pass
     lines = data.split(b"\n")
-    for number, line in enumerate(lines, 1):
+    for number, line in enumerate(lines, first_line):
         try:
             line.decode("utf-8")
         except UnicodeDecodeError:
@@ -112,9 +137,9 @@ def _decode(data: bytes, report: FileReport) -> str:
 
 
 def _read_wellformed_jsonl(data: bytes, text_field: str) -> list[str] | None:
-    """The texts of a JSONL file whose every non-blank line is one object with a string `text_field`,
-    parsed by Arrow's native reader; None for any other file, which `_read_jsonl` then reads line by
-    line and reports on.
+    """The texts of JSONL lines of which every non-blank one is an object with a string `text_field`,
+    parsed by Arrow's native reader; None for any other lines, which `_read_jsonl` then reads one by
+    one and reports on.
 
     Arrow is stricter than Python's json module (raw control characters, duplicate keys, lone
     surrogates, invalid UTF-8 all fail) except on a leading BOM and on several values in one line,
@@ -124,7 +149,7 @@ def _read_wellformed_jsonl(data: bytes, text_field: str) -> list[str] | None:
     if data.startswith(codecs.BOM_UTF8):
         return None
     try:
-        lines = sum(1 for line in data.decode("utf-8").split("\n") if line.strip())
+        lines = _nonblank_lines(data.decode("utf-8"))  # decoding also rejects invalid UTF-8, which Arrow keeps
         options = pa_json.ParseOptions(
             explicit_schema=pa.schema([(text_field, pa.string())]), unexpected_field_behavior="ignore"
         )
@@ -136,10 +161,17 @@ def _read_wellformed_jsonl(data: bytes, text_field: str) -> list[str] | None:
     return column.to_pylist()
 
 
-def _read_jsonl(text: str, text_field: str, report: FileReport) -> list[str]:
+def _nonblank_lines(text: str) -> int:
+    lines = text.count("\n") + (not text.endswith("\n"))
+    if text.startswith("{") and text.count("\n{") == lines - 1:
+        return lines  # every line opens an object (as json.dumps writes them): none is blank
+    return sum(1 for line in text.split("\n") if line.strip())
+
+
+def _read_jsonl(text: str, text_field: str, report: FileReport, first_line: int = 1) -> list[str]:
     texts = []
     # Split on \n only: str.splitlines would also break at U+2028 and friends, which JSON allows raw.
-    for number, line in enumerate(text.split("\n"), 1):
+    for number, line in enumerate(text.split("\n"), first_line):
         if not line.strip():
             continue
         report.records += 1
