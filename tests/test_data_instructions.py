@@ -130,8 +130,8 @@ def test_a_conversation_trains_on_every_assistant_turn(tokenizer_model, processo
 
 
 def bad_tokenizer(docstrings) -> bytes:
-    """A SentencePiece model trained on text with raw newlines and no "\\n" piece of its own: it learns to
-    merge "." with the "\\n\\n" that follows it."""
+    """A SentencePiece model trained on text with raw newlines and no "\\n" piece of its own: it learns
+    pieces such as ".\\n\\n###" that span the template's boundaries."""
     lines = [line.strip() for text in docstrings for line in text.split("\n") if line.strip()]
     sentences = [f"{a}\n\n### Response:\n{b}" for a, b in itertools.pairwise(lines)]
     model = io.BytesIO()
