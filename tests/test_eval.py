@@ -12,13 +12,22 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 import pytest
+import sentencepiece as spm
+from mindspore import ops
 
-from model_core.data import PackedRows
+from conftest import SMALL_MODEL
+from model_core.convert.tensors import write_safetensors
+from model_core.data import PackedRows, prepare_dataset
 from model_core.eval import EvalReport, GenerationConfig, PromptOutput, choose_token, generate, held_out_loss, write_report
+from model_core.eval.evaluate import evaluate_checkpoint, evaluate_model, load_model
 from model_core.eval.generate import PREFILL_CHUNK, penalize_repetition, sampling_probabilities, top_k_mask, top_p_mask
 from model_core.eval.perplexity import HeldOutLoss
 from model_core.model import Llama, document_positions
 from model_core.model.llama import KVCache
+from model_core.model.lora import apply_lora, base_sha256, lora_layers, save_adapters
+from model_core.train.loader import load_split
+from model_core.train.trainer import model_weights
+from params import load_params
 from params.schema import EvalParams, ModelParams
 
 VOCAB, SEQ = 512, 64
@@ -255,8 +264,8 @@ def test_perplexity_of_uniform_random_tokens_is_just_above_the_vocab_size(tied_m
     # all ids is at least -log of their mean, 1/V). A fresh model's logits are nearly equal (std 0.17 here),
     # so it sits a little above: ppl ~ V * exp(0.17^2 / 2) = 1.014 V, with ~0.5% noise from 1024 tokens.
     tokens = np.random.default_rng(0).integers(0, VOCAB, (16, SEQ + 1))
-    result = held_out_loss(tied_model, packed(tokens, [[0]] * 16), 4, 4, pad_id=VOCAB, reset_at_documents=False)
-    assert result.tokens == 16 * SEQ and result.batches == 4
+    result = held_out_loss(tied_model, packed(tokens, [[0]] * 16), 2, 8, pad_id=VOCAB, reset_at_documents=False)
+    assert result.tokens == 16 * SEQ and result.batches == 8
     assert VOCAB <= result.perplexity <= 1.05 * VOCAB
     assert result.perplexity == pytest.approx(math.exp(result.mean_loss))
 
@@ -287,7 +296,7 @@ def test_held_out_loss_is_the_token_weighted_mean_of_a_hand_computation(tied_mod
 
 def test_held_out_loss_without_a_full_batch_says_so(tied_model):
     rows = packed(np.ones((3, SEQ + 1)), [[0]] * 3)
-    with pytest.raises(ValueError, match="no counted tokens in 0 held-out batches of 4 rows"):
+    with pytest.raises(ValueError, match=r"no counted tokens in 0 held-out batches of 4 rows \(the split has 3 rows\)"):
         held_out_loss(tied_model, rows, 4, 2, pad_id=0, reset_at_documents=False)
 
 
@@ -313,3 +322,59 @@ def test_report_is_written_as_json_and_markdown(tmp_path):
     assert "````text\n```x``` ok\n````" in markdown  # a fence longer than the backticks inside
     assert "def add(a, b):\n" in markdown and "stopped by eos" in markdown
     assert sorted(path.name for path in (tmp_path / "eval").iterdir()) == ["eval_report.json", "eval_report.md"]
+
+
+# -------------------------------------------------------------------------------- whole evaluation
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus_jsonl, tmp_path_factory):
+    """(params, dataset dir, checkpoint dir, the model whose weights the checkpoint holds)."""
+    root = tmp_path_factory.mktemp("eval")
+    params = load_params("tiny", [
+        f"data.sources=[{{kind: jsonl, paths: ['{corpus_jsonl}']}}]", f"data.output_dir={root / 'data'}", *SMALL_MODEL,
+        "train.micro_batch_size=2", "eval.batches=2", "eval.max_new_tokens=6", "eval.temperature=0.8",
+        "eval.prompts=['Return the number of', 'Split the string at']",
+    ])
+    dataset = prepare_dataset(params.data, params.tokenizer, params.model)
+    model = Llama(params.model)
+    (root / "checkpoint").mkdir()
+    write_safetensors(root / "checkpoint" / "model.safetensors", model_weights(model), "float32")
+    return params, dataset, root / "checkpoint", model
+
+
+def test_load_model_holds_the_checkpoint_weights_and_the_adapters(prepared, tmp_path):
+    params, _, checkpoint, model = prepared
+    saved = model_weights(model)
+    loaded = model_weights(load_model(params, checkpoint))
+    assert loaded.keys() == saved.keys() and all(np.array_equal(loaded[k], saved[k]) for k in saved)
+    tuned = load_model(params, checkpoint)
+    apply_lora(tuned, params.lora)
+    for layer in lora_layers(tuned).values():
+        ops.assign(layer.lora_b, ms.Tensor(np.full(layer.lora_b.shape, 0.05, np.float32)))
+    save_adapters(tmp_path / "adapters", tuned, params.lora, base_sha256(checkpoint))
+    reloaded, expected = model_weights(load_model(params, checkpoint, tmp_path / "adapters")), model_weights(tuned)
+    assert reloaded.keys() == expected.keys() and all(np.array_equal(reloaded[k], expected[k]) for k in expected)
+
+
+def test_evaluate_model_scores_held_out_sets_and_generates_from_every_prompt(prepared):
+    params, dataset, checkpoint, model = prepared
+    report = evaluate_model(model, params, dataset.tokenizer_path, {"pretraining": dataset.output_dir}, "ckpt", [])
+    rows = load_split(dataset.output_dir, "validation")
+    direct = held_out_loss(model, rows, 2, 2, params.tokenizer.pad_id, params.train.reset_at_document_boundaries)
+    assert report.held_out == {"pretraining": direct} and report.seed == params.eval.seed
+    assert [output.prompt for output in report.generations] == params.eval.prompts
+    config = GenerationConfig.from_params(params.eval)
+    tokenizer = spm.SentencePieceProcessor(model_file=str(dataset.tokenizer_path))
+    for index, output in enumerate(report.generations):
+        assert output.prompt_ids == [params.tokenizer.bos_id, *tokenizer.encode(output.prompt)]
+        again = generate(model, output.prompt_ids, config, params.tokenizer.eos_id, 512, params.eval.seed, prompt_index=index)
+        assert (output.token_ids, output.stopped_by) == (again.token_ids, again.stopped_by)
+        assert output.text == tokenizer.decode(output.token_ids)
+
+
+def test_evaluate_checkpoint_refuses_a_prompt_longer_than_the_context(prepared):
+    params, dataset, checkpoint, _ = prepared
+    long_prompt = params.model_copy(update={"eval": params.eval.model_copy(update={"prompts": ["ok", "word " * 40]})})
+    with pytest.raises(ValueError, match=r"eval.prompts\[1\] is \d+ tokens long, more than model.seq_len=32"):
+        evaluate_checkpoint(long_prompt, checkpoint, dataset.tokenizer_path, {"pretraining": dataset.output_dir})
