@@ -1,0 +1,436 @@
+"""The memory planner behind `llmflow plan`: per-rank bytes of every valid parallel layout, and the one to use.
+
+For a model (params.model), a micro-batch (params.train.micro_batch_size sequences of model.seq_len tokens
+per data-parallel rank) and `devices` of `device_memory_bytes` each, `plan` lists every layout (dp, tp, pp,
+ZeRO stage, recompute none/all) with dp * tp * pp == devices that the model allows, estimates the bytes of
+its busiest rank, and recommends one. Pure Python: nothing here imports MindSpore, so it plans for machines
+this process does not run on. docs/planner.md has a worked example and the CPU measurements.
+
+The counts follow how llmflow's trainer holds memory. P is the parameters one rank of a pipeline stage holds
+(attention and MLP matrices and the vocabulary split 1/tp, norm weights replicated; the embedding on the
+first stage, the final norm and LM head on the last, where a tied head keeps a copy of the embedding when
+pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F ffn_hidden_size, V vocabulary:
+
+    parameters     4P fp32 masters, + cP compute-dtype copies the matmuls keep for the backward when c != 4;
+                   ZeRO-3: 4P/dp
+    gradients      4P accumulation buffer + 4P the backward's fresh gradients (or the update's scaled copies);
+                   ZeRO-2 and 3: both /dp
+    optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and ShardedAdamW's fp32
+                   copy of its shard)
+    activations    per layer and micro-batch, what the hand-written backwards of model_core.model.fused keep:
+                   2 BTH fp32 (RMSNorm inputs) + 2 BTH c (the normed inputs of q/k/v and of gate/up)
+                   + (4 BTH + 3 BTF) c / tp (q, k, v at all heads, the o_proj input; gate, up, the down input);
+                   with recompute=all, BTH c per layer (its input) + one layer's full set. Times the
+                   micro-batches in flight on the stage: pp - stage under 1F1B, micro_batches under GPipe.
+                   The last stage adds the head's inputs, BTH (4 + c), and `logits_buffers` fp32 [B, T, V/tp].
+    communication  dp > 1: two gradient buckets (the flat input and the summed output); ZeRO-3: two layers'
+                   gathered parameters; tp > 1 and pp > 1: two BTH c activations each (sent and received);
+                   ZeRO-1/2 in the update: the all-gathered 4P and the padded shard 4P/dp
+    runtime        the device kind's process baseline and its compiled graph's cost per layer (and per
+                   recomputed layer)
+
+A rank peaks either in the backward (activations, fresh gradients, gradient buckets) or in the update (no
+activations, but ZeRO's all-gather); the estimate is the larger of the two, on the busiest stage. A device
+kind scales the counted activations by what it was measured to hold: the CPU constants are fitted to peak
+RSS of real training steps (within 4% on the fitted configs and 12% on held-out ones, tests/test_planner.py
+re-measures); accelerators are counted, and their runtime's own reserve is the caller's `runtime_bytes`.
+
+Preference among layouts that fit: no ZeRO beyond stage 1 (ZeRO-2/3 repeat collectives every accumulated
+micro-batch and the trainer does not run them yet), then the fewest pipeline stages, then the smallest
+tensor-parallel degree (so data parallel first, then tensor parallel inside a node, then pipeline stages),
+then no recompute; with dp > 1 always ZeRO-1, which only saves memory. When nothing fits the plan says so
+and names the smallest layout.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+
+from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
+from params.schema import ModelParams, PipelineParams
+
+GIB = 2**30
+_UNITS = {
+    "": 1, "B": 1,
+    "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+    "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+RECOMPUTE_MODES = ("none", "all")
+
+
+def parse_bytes(text: str) -> int:
+    """"64GiB" -> 68719476736, "80GB" -> 80000000000, "512MiB", "1.5TiB", "4096" (plain bytes)."""
+    match = _SIZE.match(str(text))
+    unit = match.group(2).upper() if match else None
+    if match is None or unit not in _UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a size: give a number and one of B, KB, MB, GB, TB (powers of 1000) "
+            "or KiB, MiB, GiB, TiB (powers of 1024), e.g. 64GiB"
+        )
+    size = float(match.group(1)) * _UNITS[unit]
+    if size < 1:
+        raise ValueError(f"size {text!r} is less than one byte")
+    return int(size)
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """What a device adds to the counted tensors: its runtime's memory, and how its kernels hold activations."""
+
+    name: str
+    runtime_bytes: int  # the process or runtime before any model tensor
+    runtime_bytes_per_layer: int  # the compiled train step's own memory per transformer block
+    recompute_bytes_per_layer: int  # what marking a block for recompute adds to the compiled graph
+    activation_factor: float  # bytes held per counted activation byte of the blocks
+    logits_buffers: float  # fp32 logits-sized tensors alive at the loss's backward
+    recompute_saves_memory: bool  # False where recompute was measured to keep the activations anyway
+    source: str  # where the numbers come from
+
+
+# Fitted (least squares on relative error) to ru_maxrss of single-process training steps (model_core.train.step
+# with AdamW under jit, fp32) on MindSpore 2.10, 2-core x86: 0.25M-29.4M parameters, micro-batches 1-32, 1-8
+# layers, vocabularies 512-16384, with and without recompute; docs/planner.md lists them with their errors.
+# recompute=all under jit was measured to *raise* peak memory: the blocks keep their activations and the
+# recomputed forward adds graph, so the CPU kind keeps the full activations and charges that graph per layer.
+CPU = DeviceKind(
+    name="cpu",
+    runtime_bytes=580 * 2**20,
+    runtime_bytes_per_layer=53 * 2**20,
+    recompute_bytes_per_layer=42 * 2**20,
+    activation_factor=1.96,
+    logits_buffers=4.8,
+    recompute_saves_memory=False,
+    source="fitted to measured peak RSS of MindSpore 2.10 CPU training steps, docs/planner.md",
+)
+# Accelerators are counted, not measured: exactly the tensors the module docstring lists, and the four
+# logits-sized fp32 tensors TokenNLLFunction's backward holds at once (logits, probabilities, one-hot, their
+# difference). The runtime's own reserve is the caller's `runtime_bytes`: none is measured here.
+ACCELERATOR = DeviceKind(
+    name="accelerator",
+    runtime_bytes=0,
+    runtime_bytes_per_layer=0,
+    recompute_bytes_per_layer=0,
+    activation_factor=1.0,
+    logits_buffers=4.0,
+    recompute_saves_memory=True,
+    source="counted tensors; the runtime's own reserve only as given",
+)
+DEVICE_KINDS = {kind.name: kind for kind in (CPU, ACCELERATOR)}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run: the three degrees, the ZeRO stage over dp, and recompute."""
+
+    dp: int
+    tp: int
+    pp: int
+    zero_stage: int
+    recompute: str
+
+    def preference(self) -> tuple[int, ...]:
+        """Smaller is preferred: no ZeRO beyond stage 1, then fewer pipeline stages, then less tensor
+        parallelism, then no recompute; with dp > 1, ZeRO-1 before ZeRO-0 (which only costs memory)."""
+        beyond_one = max(self.zero_stage - 1, 0)
+        needless_zero0 = int(self.dp > 1 and self.zero_stage == 0)
+        return (beyond_one, self.pp, self.tp, RECOMPUTE_MODES.index(self.recompute), needless_zero0)
+
+    @property
+    def recommendable(self) -> bool:
+        """ZeRO-1 only saves memory, so a dp > 1 layout without it is never the one to use."""
+        return self.dp == 1 or self.zero_stage >= 1
+
+    def __str__(self) -> str:
+        return f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero_stage} recompute={self.recompute}"
+
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "runtime")
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Bytes one rank holds at one moment, by category; `phase` says which moment (backward or update)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int
+    communication: int
+    runtime: int
+    phase: str
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, name) for name in CATEGORIES)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A candidate's busiest rank: its pipeline stage and bytes, and whether they fit one device."""
+
+    candidate: Candidate
+    stage: int
+    memory: Memory
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Excluded:
+    """Degrees that cannot run this model, and why."""
+
+    dp: int
+    tp: int
+    pp: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    devices: int
+    device_memory_bytes: int
+    devices_per_node: int
+    device_kind: DeviceKind
+    runtime_bytes: int
+    estimates: tuple[Estimate, ...]  # in order of preference
+    excluded: tuple[Excluded, ...]
+
+    @property
+    def recommended(self) -> Estimate | None:
+        """The most preferred estimate that fits and is worth running."""
+        return next((e for e in self.estimates if e.fits and e.candidate.recommendable), None)
+
+    @property
+    def smallest(self) -> Estimate | None:
+        """The lowest total, fitting or not."""
+        return min(self.estimates, key=lambda e: e.memory.total, default=None)
+
+    @property
+    def summary(self) -> str:
+        memory = f"{self.devices} x {_gib(self.device_memory_bytes)} GiB"
+        chosen, smallest = self.recommended, self.smallest
+        if smallest is None:
+            return f"no layout of {self.devices} devices is valid for this model (see the excluded list)"
+        if chosen is None:
+            return (
+                f"nothing fits {memory}: the smallest is {smallest.candidate}, "
+                f"{_gib(smallest.memory.total)} GiB on its busiest rank (stage {smallest.stage})"
+            )
+        return (
+            f"recommended for {memory}: {chosen.candidate}, "
+            f"{_gib(chosen.memory.total)} GiB on its busiest rank (stage {chosen.stage})"
+        )
+
+
+# ------------------------------------------------------------------------------------------ validity
+
+
+def layout_problems(params: PipelineParams, dp: int, tp: int, pp: int, devices_per_node: int) -> list[str]:
+    """Why these degrees cannot run this model (empty when they can), in Layout's words."""
+    model, micro_batches = params.model, params.parallel.micro_batches
+    problems = [
+        f"tensor_parallel={tp} does not divide model.{name}={value}"
+        for name, value in (
+            ("num_heads", model.num_heads),
+            ("num_kv_heads", model.num_kv_heads),
+            ("ffn_hidden_size", model.ffn_hidden_size),
+        )
+        if value % tp
+    ]
+    if tp > devices_per_node:
+        problems.append(f"tensor_parallel={tp} is more than the {devices_per_node} devices of one node")
+    if model.num_layers % pp:
+        problems.append(f"pipeline_parallel={pp} does not divide model.num_layers={model.num_layers}")
+    if micro_batches < pp:
+        problems.append(f"parallel.micro_batches={micro_batches} is fewer than pipeline_parallel={pp}")
+    return problems
+
+
+def degrees(devices: int) -> list[tuple[int, int, int]]:
+    """Every (dp, tp, pp) with dp * tp * pp == devices."""
+    divisors = [d for d in range(1, devices + 1) if devices % d == 0]
+    return [(devices // (tp * pp), tp, pp) for pp in divisors for tp in divisors if (devices // pp) % tp == 0]
+
+
+def candidates(dp: int, tp: int, pp: int) -> list[Candidate]:
+    """ZeRO stages 0-3 where there is a dp group to shard over (only 0 for dp=1), each with and without recompute."""
+    stages = range(4) if dp > 1 else (0,)
+    return [Candidate(dp, tp, pp, stage, mode) for stage in stages for mode in RECOMPUTE_MODES]
+
+
+# ----------------------------------------------------------------------------------------- estimates
+
+
+def stage_parameters(model: ModelParams, tp: int, pp: int, stage: int) -> int:
+    """Parameter elements on one rank of pipeline stage `stage`."""
+    hidden, head_dim = model.hidden_size, model.head_dim
+    attention = 2 * hidden * model.num_heads * head_dim + 2 * hidden * model.num_kv_heads * head_dim  # q, o; k, v
+    mlp = 3 * hidden * model.ffn_hidden_size
+    per_layer = (attention + mlp) // tp + 2 * hidden  # two RMSNorm weights, replicated
+    vocabulary = math.ceil(model.vocab_size / tp) * hidden
+    total = per_layer * (model.num_layers // pp)
+    if stage == 0:
+        total += vocabulary
+    if stage == pp - 1:
+        total += hidden  # final norm
+        if not model.tie_embeddings or pp > 1:
+            total += vocabulary  # untied head, or the tied head's copy of the embedding on the last stage
+    return total
+
+
+def layer_activation_bytes(params: PipelineParams, tp: int) -> int:
+    """Bytes one layer's backward keeps for one micro-batch, without recompute (module docstring)."""
+    model, c = params.model, _DTYPE_BYTES[params.precision.compute_dtype]
+    tokens = params.train.micro_batch_size * model.seq_len
+    hidden, ffn = model.hidden_size, model.ffn_hidden_size
+    replicated = 2 * tokens * hidden * 4 + 2 * tokens * hidden * c
+    split = (4 * tokens * hidden + 3 * tokens * ffn) * c // tp
+    return replicated + split
+
+
+def activation_bytes(params: PipelineParams, candidate: Candidate, stage: int, kind: DeviceKind) -> int:
+    """Bytes the backward of pipeline stage `stage` keeps: its blocks' for every micro-batch in flight, and on
+    the last stage the head's inputs and the logits (module docstring)."""
+    model, parallel = params.model, params.parallel
+    c = _DTYPE_BYTES[params.precision.compute_dtype]
+    tokens = params.train.micro_batch_size * model.seq_len
+    layers = model.num_layers // candidate.pp
+    per_layer = layer_activation_bytes(params, candidate.tp)
+    if candidate.recompute == "all" and kind.recompute_saves_memory:
+        per_micro_batch = layers * tokens * model.hidden_size * c + per_layer
+    else:
+        per_micro_batch = layers * per_layer
+    in_flight = parallel.micro_batches if parallel.pipeline_schedule == "gpipe" else candidate.pp - stage
+    blocks = per_micro_batch * in_flight
+    if stage < candidate.pp - 1:
+        return int(kind.activation_factor * blocks)
+    head_inputs = tokens * model.hidden_size * (4 + c)  # the final norm's fp32 input and the head's input
+    logits = tokens * math.ceil(model.vocab_size / candidate.tp) * 4
+    return int(kind.activation_factor * (blocks + head_inputs) + kind.logits_buffers * logits)
+
+
+def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind: DeviceKind, runtime: int) -> Memory:
+    """Bytes of one rank of `stage` under `candidate` at the larger of its two peaks: the backward (activations,
+    fresh gradients, gradient buckets) and the update (ZeRO-1/2's all-gathered parameters)."""
+    c = _DTYPE_BYTES[params.precision.compute_dtype]
+    dp, zero = candidate.dp, candidate.zero_stage
+    held = stage_parameters(params.model, candidate.tp, candidate.pp, stage)
+    shard = math.ceil(held / dp)
+    masters = 4 * (shard if zero == 3 else held)
+    compute_copies = c * held if c != 4 and zero < 3 else 0
+    layers = params.model.num_layers // candidate.pp
+    recompute_graph = kind.recompute_bytes_per_layer * layers if candidate.recompute == "all" else 0
+    state = dict(
+        gradients=2 * 4 * (shard if zero >= 2 else held),
+        optimizer=(8 + 4) * shard if zero >= 1 else 8 * held,
+        runtime=runtime + kind.runtime_bytes_per_layer * layers + recompute_graph,
+    )
+    backward = Memory(
+        parameters=masters + compute_copies,
+        activations=activation_bytes(params, candidate, stage, kind),
+        communication=backward_communication_bytes(params, candidate, held),
+        phase="backward",
+        **state,
+    )
+    gathered = 4 * held + 4 * shard if dp > 1 and zero in (1, 2) else 0
+    update = Memory(parameters=masters, activations=0, communication=gathered, phase="update", **state)
+    return max(backward, update, key=lambda memory: memory.total)
+
+
+def backward_communication_bytes(params: PipelineParams, candidate: Candidate, parameters: int) -> int:
+    """Gradient buckets over dp (ZeRO-3: also two layers of gathered parameters), activations over tp and pp."""
+    model, c = params.model, _DTYPE_BYTES[params.precision.compute_dtype]
+    total = 0
+    if candidate.dp > 1:
+        total += 2 * min(DEFAULT_BUCKET_BYTES, 4 * parameters)
+        if candidate.zero_stage == 3:
+            total += 2 * 4 * parameters // (model.num_layers // candidate.pp)
+    activation = params.train.micro_batch_size * model.seq_len * model.hidden_size * c
+    return total + 2 * activation * ((candidate.tp > 1) + (candidate.pp > 1))
+
+
+def estimate(
+    params: PipelineParams, candidate: Candidate, device_memory_bytes: int, kind: DeviceKind = ACCELERATOR,
+    runtime_bytes: int | None = None,
+) -> Estimate:
+    """The busiest stage of `candidate`. runtime_bytes: the device's own reserve; None takes the kind's."""
+    runtime = kind.runtime_bytes if runtime_bytes is None else runtime_bytes
+    per_stage = [stage_memory(params, candidate, stage, kind, runtime) for stage in range(candidate.pp)]
+    stage = max(range(candidate.pp), key=lambda s: per_stage[s].total)
+    memory = per_stage[stage]
+    return Estimate(candidate, stage, memory, memory.total <= device_memory_bytes)
+
+
+# -------------------------------------------------------------------------------------------- plan
+
+
+def plan(
+    params: PipelineParams,
+    devices: int,
+    device_memory_bytes: int,
+    devices_per_node: int = 8,
+    device_kind: str = "accelerator",
+    runtime_bytes: int | None = None,
+) -> Plan:
+    """Every valid layout of `devices` for this model, estimated, in order of preference, and the first that
+    fits. device_kind: "accelerator" (counted tensors) or "cpu" (fitted to measured RSS); runtime_bytes: the
+    device runtime's own reserve, None for the kind's (0 for accelerators, the measured baseline on CPU)."""
+    if devices < 1 or device_memory_bytes < 1 or devices_per_node < 1:
+        raise ValueError(
+            f"devices={devices}, device_memory_bytes={device_memory_bytes} and devices_per_node={devices_per_node} "
+            "must all be positive"
+        )
+    if device_kind not in DEVICE_KINDS:
+        raise ValueError(f"device_kind={device_kind!r} is not one of {', '.join(DEVICE_KINDS)}")
+    kind = DEVICE_KINDS[device_kind]
+    runtime = kind.runtime_bytes if runtime_bytes is None else runtime_bytes
+    estimates, excluded = [], []
+    for dp, tp, pp in degrees(devices):
+        problems = layout_problems(params, dp, tp, pp, devices_per_node)
+        if problems:
+            excluded.append(Excluded(dp, tp, pp, "; ".join(problems)))
+            continue
+        estimates.extend(estimate(params, c, device_memory_bytes, kind, runtime) for c in candidates(dp, tp, pp))
+    estimates.sort(key=lambda e: e.candidate.preference())
+    return Plan(devices, device_memory_bytes, devices_per_node, kind, runtime, tuple(estimates), tuple(excluded))
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / GIB:.2f}"
+
+
+def format_plan_table(plan: Plan) -> str:
+    """A fixed-width table: one row per layout in order of preference, GiB per category, the recommended row
+    marked with `*`; then the excluded degrees with their reasons, and the summary line."""
+    header = ["", "layout", "stage", "peak at", *CATEGORIES, "total", "fits"]
+    rows = [
+        [
+            "*" if estimate is plan.recommended else "",
+            str(estimate.candidate),
+            str(estimate.stage),
+            estimate.memory.phase,
+            *(_gib(getattr(estimate.memory, name)) for name in CATEGORIES),
+            _gib(estimate.memory.total),
+            "yes" if estimate.fits else "no",
+        ]
+        for estimate in plan.estimates
+    ]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+    left_aligned = {0, 1, 3}
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(cell.ljust(w) if i in left_aligned else cell.rjust(w) for i, (cell, w) in enumerate(zip(cells, widths)))
+
+    kind = plan.device_kind
+    lines = [
+        f"per-rank memory in GiB, {plan.device_kind.name} ({kind.source}); runtime reserve {_gib(plan.runtime_bytes)} GiB",
+        line(header),
+        line(["-" * w for w in widths]),
+        *(line(row) for row in rows),
+    ]
+    lines += [f"excluded dp{e.dp} tp{e.tp} pp{e.pp}: {e.reason}" for e in plan.excluded]
+    lines.append(plan.summary)
+    return "\n".join(lines)
