@@ -22,11 +22,14 @@ import logging
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from itertools import chain, compress
 from pathlib import Path
@@ -441,21 +444,56 @@ def _encode(
     batch: list[str] = []
     submitted = 0
     try:
-        for chunk in chunks:
-            batch += chunk
-            while len(batch) >= _ENCODE_BATCH_DOCS:
-                submit(batch[:_ENCODE_BATCH_DOCS])
-                batch = batch[_ENCODE_BATCH_DOCS:]
-            while waiting and waiting[0].done():
+        with _PROMPT_SWITCHES.lowered():
+            for chunk in chunks:
+                batch += chunk
+                while len(batch) >= _ENCODE_BATCH_DOCS:
+                    submit(batch[:_ENCODE_BATCH_DOCS])
+                    batch = batch[_ENCODE_BATCH_DOCS:]
+                while waiting and waiting[0].done():
+                    absorb(waiting.popleft())
+            if batch:
+                submit(batch)
+            total = submitted
+            while waiting:
                 absorb(waiting.popleft())
-        if batch:
-            submit(batch)
-        total = submitted
-        while waiting:
-            absorb(waiting.popleft())
     finally:
         encoder.shutdown(cancel_futures=True)  # after a failure, the batches not started yet are dropped
     return np.concatenate(token_ids), np.concatenate(lengths), np.concatenate(signatures) if signatures else None
+
+
+class _SwitchInterval:
+    """Lowers the interpreter's thread switch interval while Python work here runs beside encoding.
+
+    The encoder thread needs the GIL for a moment before and after every batch. While this thread runs
+    Python code (reading, cleaning) it gets it only once the switch interval (5 ms by default) is up,
+    and meanwhile the cores that would encode wait (measured: requests took 6 ms at p90, 1.2 ms at
+    0.5 ms). The interval is process-wide, so overlapping uses share one saved value.
+    """
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._lock = threading.Lock()
+        self._users = 0
+        self._saved = 0.0
+
+    @contextmanager
+    def lowered(self) -> Iterator[None]:
+        with self._lock:
+            if not self._users:
+                self._saved = sys.getswitchinterval()
+                sys.setswitchinterval(min(self._saved, self.seconds))
+            self._users += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._users -= 1
+                if not self._users:
+                    sys.setswitchinterval(self._saved)
+
+
+_PROMPT_SWITCHES = _SwitchInterval(0.0005)
 
 
 def _pack_and_write(
