@@ -1,0 +1,360 @@
+"""LoRA (Hu et al., 2021), applied to a built Llama from outside: adapters, their files, and merging.
+
+`apply_lora` replaces each targeted projection (`q_proj`, ..., `down_proj`) with a `LoraLinear` computing
+    y = x W^T + (alpha / r) * B A dropout(x),   A [r, in] random, B [out, r] zeros
+so a fresh adapter changes nothing. The `LoraLinear` holds the very same base `weight` Parameter under the
+same attribute, so base paths (`layers.0.self_attn.q_proj.weight`) do not move and the adapters sit beside
+it (`layers.0.self_attn.q_proj.lora_a`, `.lora_b`). Every other parameter is frozen (requires_grad=False),
+so `AccumulateGradients(model)` trains only the adapters. Dropout acts in training mode only
+(`model.set_train(True)`), read when a graph is compiled or a PyNative call runs.
+
+Adapters are saved apart from the base (`adapters.safetensors` + `adapter_config.json`, which names the
+sha256 of the base's model.safetensors, so they are never applied to another base). `merge_lora` folds
+them into the base weights in place for inference and `unmerge_lora` restores the exact base;
+`merge_into_checkpoint` writes a merged copy of a checkpoint on disk that export and training read like any
+converted checkpoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+from mindspore.common.initializer import HeUniform, initializer
+
+from model_core.convert import checkpoint as converted
+from model_core.convert.tensors import read_safetensors, write_safetensors
+from model_core.data.shards import file_sha256
+from model_core.model.fused import LinearFunction
+from model_core.model.llama import Linear
+from params.schema import LoraParams, ModelParams
+
+TARGETS = {
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+ADAPTERS, CONFIG = "adapters.safetensors", "adapter_config.json"
+FORMAT_VERSION = 1
+# Training state full fine-tuning keeps per parameter element and LoRA does not for a frozen one:
+# the fp32 gradient buffer (AccumulateGradients) and AdamW's two fp32 moments.
+STATE_BYTES_PER_FROZEN_ELEMENT = 4 + 4 + 4
+
+
+class AdapterMismatchError(ValueError):
+    """Adapters that do not belong to this base or this model; the message names both sides."""
+
+
+class LoraLinear(nn.Cell):
+    """A frozen `Linear` plus a trainable rank-r update: y = x W^T + (alpha / r) * (dropout(x) A^T) B^T.
+
+    The frozen W needs no backward of its own: MindSpore drops the dW matmul of `LinearFunction`'s bprop
+    when W is not differentiated (measured, x [4096, 1024] @ W^T [1024, 4096], jit: 1.25 CPU-s for dx only,
+    the same with a bprop that never computes dW, 1.95 with dW).
+
+    A starts Kaiming-uniform (bound 1/sqrt(in)), B at zero. While merged, W holds W + (alpha/r) B A and B is
+    zero, so the adapter adds exactly nothing in any graph, compiled before or after; the exact W and B are
+    kept on the host until `unmerge`.
+    """
+
+    def __init__(self, base: Linear, rank: int, alpha: float, dropout: float):
+        super().__init__()
+        out_features, in_features = base.weight.shape
+        self.weight = base.weight
+        self.weight.requires_grad = False
+        self.lora_a = Parameter(initializer(HeUniform(negative_slope=math.sqrt(5)), (rank, in_features), ms.float32))
+        self.lora_b = Parameter(initializer("zeros", (out_features, rank), ms.float32))
+        self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
+        self.linear = LinearFunction()
+        self.dropout = nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()
+        self.unmerged: tuple[np.ndarray, np.ndarray] | None = None  # exact (W, B) while merged
+
+    def construct(self, x: Tensor) -> Tensor:
+        update = self.linear(self.dropout(x), self.lora_a.astype(x.dtype)) * self.scale  # [..., r]
+        return self.linear(x, self.weight.astype(x.dtype)) + self.linear(update, self.lora_b.astype(x.dtype))
+
+    @property
+    def merged(self) -> bool:
+        return self.unmerged is not None
+
+    def adapters(self) -> dict[str, np.ndarray]:
+        """Copies of A and B (the real B, also while merged)."""
+        lora_b = self.unmerged[1] if self.merged else self.lora_b.asnumpy()
+        return {"lora_a": self.lora_a.asnumpy().copy(), "lora_b": lora_b.copy()}
+
+    def merge(self) -> None:
+        weight, lora_a, lora_b = (p.asnumpy().copy() for p in (self.weight, self.lora_a, self.lora_b))
+        self.unmerged = (weight, lora_b)
+        ops.assign(self.weight, Tensor(merged_weight(weight, lora_a, lora_b, self.scale)))
+        ops.assign(self.lora_b, Tensor(np.zeros_like(lora_b)))
+
+    def unmerge(self) -> None:
+        weight, lora_b = self.unmerged
+        ops.assign(self.weight, Tensor(weight))
+        ops.assign(self.lora_b, Tensor(lora_b))
+        self.unmerged = None
+
+
+def merged_weight(weight: np.ndarray, lora_a: np.ndarray, lora_b: np.ndarray, scale: float) -> np.ndarray:
+    """W + scale * B A in fp32: the one merge rule, in memory and on disk."""
+    update = lora_b.astype(np.float32) @ lora_a.astype(np.float32)
+    return (weight.astype(np.float32) + np.float32(scale) * update).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------- applying
+
+
+@dataclass(frozen=True)
+class LoraSummary:
+    """What `apply_lora` did. Counts are parameter elements; `saved_state_bytes` is the training state
+    full fine-tuning would hold and LoRA does not: 12 bytes per frozen element (its fp32 gradient buffer
+    and AdamW's two fp32 moments). Weights and activations are not counted; both runs hold them."""
+
+    adapted_modules: int
+    trainable_parameters: int
+    total_parameters: int
+    trainable_share: float
+    saved_state_bytes: int
+
+
+def apply_lora(model: nn.Cell, lora: LoraParams) -> LoraSummary:
+    """Wrap every `lora.target_modules` projection of every block in a `LoraLinear`; freeze the rest.
+
+    `lora.enabled` is the pipeline's switch for the fine-tune stage and is not read here.
+    """
+    adapted = 0
+    for index, block in enumerate(model.layers):
+        for target in lora.target_modules:
+            parent_path, attribute = TARGETS[target].rsplit(".", 1)
+            parent = getattr(block, parent_path)
+            base = getattr(parent, attribute)
+            path = f"layers.{index}.{TARGETS[target]}"
+            if isinstance(base, LoraLinear):
+                raise ValueError(f"{path} already has LoRA adapters; apply_lora runs once per model")
+            if not isinstance(base, Linear):
+                raise TypeError(f"{path} is a {type(base).__name__}; LoRA wraps model_core.model.llama.Linear only")
+            setattr(parent, attribute, LoraLinear(base, lora.rank, lora.alpha, lora.dropout))
+            adapted += 1
+    for path, param in model.parameters_and_names():
+        param.requires_grad = path.endswith((".lora_a", ".lora_b"))
+        # Attaching a cell renames its parameters to `q_proj.weight` etc., the same in every layer, so
+        # anything keyed by Parameter.name would mix the layers up: every name goes back to its path.
+        param.name = path
+    return _summary(model, adapted)
+
+
+def _summary(model: nn.Cell, adapted: int) -> LoraSummary:
+    params = [param for _, param in model.parameters_and_names()]
+    total = sum(param.size for param in params)
+    trainable = sum(param.size for param in params if param.requires_grad)
+    return LoraSummary(
+        adapted_modules=adapted,
+        trainable_parameters=trainable,
+        total_parameters=total,
+        trainable_share=trainable / total,
+        saved_state_bytes=(total - trainable) * STATE_BYTES_PER_FROZEN_ELEMENT,
+    )
+
+
+def lora_layers(model: nn.Cell) -> dict[str, LoraLinear]:
+    """Path (`layers.0.self_attn.q_proj`) -> LoraLinear, in model order."""
+    return {path: cell for path, cell in model.cells_and_names() if isinstance(cell, LoraLinear)}
+
+
+def adapter_weights(model: nn.Cell) -> dict[str, np.ndarray]:
+    """`layers.0.self_attn.q_proj.lora_a` -> array, for every adapter of the model (the real B while merged)."""
+    return {
+        f"{path}.{name}": value for path, layer in lora_layers(model).items() for name, value in layer.adapters().items()
+    }
+
+
+def merge_lora(model: nn.Cell) -> None:
+    """W += (alpha/r) B A in fp32 for every LoraLinear; the adapters then add nothing until `unmerge_lora`."""
+    for path, layer in _layers_or_fail(model).items():
+        if layer.merged:
+            raise ValueError(f"{path} is already merged; unmerge_lora first")
+        layer.merge()
+
+
+def unmerge_lora(model: nn.Cell) -> None:
+    """Put back the exact base weights and adapters that `merge_lora` replaced."""
+    for path, layer in _layers_or_fail(model).items():
+        if not layer.merged:
+            raise ValueError(f"{path} is not merged; there is nothing to unmerge")
+        layer.unmerge()
+
+
+def _layers_or_fail(model: nn.Cell) -> dict[str, LoraLinear]:
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError("the model has no LoRA adapters; call apply_lora first")
+    return layers
+
+
+def _model_config(model: nn.Cell) -> dict:
+    """rank, alpha and targets of the adapters a model carries, in the form adapter_config.json stores."""
+    layers = _layers_or_fail(model)
+    kinds = {suffix: kind for kind, suffix in TARGETS.items()}
+    targets = {kinds[path.split(".", 2)[2]] for path in layers}
+    first = next(iter(layers.values()))
+    return {"rank": first.rank, "alpha": first.alpha, "target_modules": [t for t in TARGETS if t in targets]}
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def base_sha256(checkpoint_dir: str | Path) -> str:
+    """sha256 of a checkpoint directory's model.safetensors: the identity adapters are tied to."""
+    path = Path(checkpoint_dir) / converted.WEIGHTS
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist; a base checkpoint directory holds {converted.WEIGHTS}")
+    return file_sha256(path)
+
+
+def save_adapters(directory: str | Path, model: nn.Cell, lora: LoraParams, base_sha256: str) -> Path:
+    """Write `adapters.safetensors` + `adapter_config.json` to `directory` (replaced whole, atomically)."""
+    config = _model_config(model)
+    wanted = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": [t for t in TARGETS if t in lora.target_modules]}
+    for key, value in wanted.items():
+        if config[key] != value:
+            raise AdapterMismatchError(f"lora.{key}={value} but the model's adapters have {key}={config[key]}")
+    weights = adapter_weights(model)
+    summary = _summary(model, len(lora_layers(model)))
+    config.update(
+        format_version=FORMAT_VERSION,
+        dropout=lora.dropout,
+        base_sha256=base_sha256,
+        adapter_parameters=summary.trainable_parameters,
+        total_parameters=summary.total_parameters,
+    )
+
+    def write(building: Path) -> None:
+        write_safetensors(building / ADAPTERS, weights, "float32", metadata={"base_sha256": base_sha256})
+        config["sha256"] = file_sha256(building / ADAPTERS)
+        (building / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+
+    directory = Path(directory)
+    converted._build_atomically(directory, write, replace_invalid=True)
+    return directory
+
+
+def read_adapters(directory: str | Path, base_sha256: str) -> tuple[dict[str, np.ndarray], dict]:
+    """(adapter arrays, adapter_config) of a directory, refused unless made for the base with `base_sha256`."""
+    directory = Path(directory)
+    try:
+        config = json.loads((directory / CONFIG).read_text())
+    except (OSError, ValueError) as error:
+        raise AdapterMismatchError(f"{directory} holds no readable {CONFIG} ({error})") from error
+    if config["base_sha256"] != base_sha256:
+        raise AdapterMismatchError(
+            f"adapters in {directory} were trained on the base with model.safetensors sha256 {config['base_sha256']}, "
+            f"not this base ({base_sha256})"
+        )
+    if file_sha256(directory / ADAPTERS) != config["sha256"]:
+        raise AdapterMismatchError(f"{directory / ADAPTERS} does not match its sha256 in {CONFIG}")
+    return read_safetensors(directory / ADAPTERS), config
+
+
+def load_adapters(model: nn.Cell, directory: str | Path, base_sha256: str) -> dict:
+    """Set the adapters of a model (already through `apply_lora`) from `directory`; returns its config."""
+    weights, config = read_adapters(directory, base_sha256)
+    ours = _model_config(model)
+    for key in ("rank", "alpha", "target_modules"):
+        if config[key] != ours[key]:
+            raise AdapterMismatchError(f"{directory / CONFIG} has {key}={config[key]} but the model's adapters have {key}={ours[key]}")
+    layers = lora_layers(model)
+    merged = [path for path, layer in layers.items() if layer.merged]
+    if merged:
+        raise ValueError(f"{merged[0]} is merged; unmerge_lora before loading other adapters")
+    params = {f"{path}.{name}": getattr(layer, name) for path, layer in layers.items() for name in ("lora_a", "lora_b")}
+    _check_names(weights, params, directory / ADAPTERS)
+    for name, param in params.items():
+        if weights[name].shape != tuple(param.shape):
+            raise AdapterMismatchError(f"{name}: {ADAPTERS} shape {weights[name].shape} != model shape {tuple(param.shape)}")
+        ops.assign(param, Tensor(weights[name]))  # in place: set_data would detach compiled graphs
+    return config
+
+
+def _check_names(found, expected, origin: Path) -> None:
+    """`found` and `expected` (anything iterable over names) must hold the same names."""
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise AdapterMismatchError(f"{origin} does not fit: missing {missing[:4]}, unexpected {unexpected[:4]}")
+
+
+# -------------------------------------------------------------------------------------------- merging
+
+
+def merge_into_checkpoint(
+    base_dir: str | Path, adapters_dir: str | Path, output_dir: str | Path, model_params: ModelParams
+) -> Path:
+    """Write base + adapters, merged in fp32, to the new directory `output_dir` and return it.
+
+    The output is a converted checkpoint (model.safetensors, params.json, conversion.json, see
+    model_core.convert.checkpoint), so `ms_to_hf`, `read_converted` and a trainer's `initial_weights` take it.
+    Its record names the base and the adapters (with their sha256). Refuses adapters made for another base.
+    """
+    base_dir, adapters_dir, output = Path(base_dir), Path(adapters_dir), Path(output_dir)
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise FileExistsError(f"{output} exists and is not empty; choose a new directory for the merged model")
+    base_hash = base_sha256(base_dir)
+    adapters, config = read_adapters(adapters_dir, base_hash)
+    weights = converted.read_weights(base_dir)
+    _check_base_fits(weights, model_params, base_dir)
+    scale = config["alpha"] / config["rank"]
+    paths = [f"layers.{i}.{TARGETS[t]}" for i in range(model_params.num_layers) for t in config["target_modules"]]
+    _check_names(adapters, {f"{path}.{name}" for path in paths for name in ("lora_a", "lora_b")}, adapters_dir / ADAPTERS)
+    merged = dict(weights)
+    for path in paths:
+        lora_a, lora_b, weight = adapters[f"{path}.lora_a"], adapters[f"{path}.lora_b"], weights.get(f"{path}.weight")
+        if weight is None or lora_b.shape[0] != weight.shape[0] or lora_a.shape[1] != weight.shape[1]:
+            found = None if weight is None else weight.shape
+            raise AdapterMismatchError(f"{path}: adapters B {lora_b.shape} A {lora_a.shape} do not fit the base weight {found}")
+        merged[f"{path}.weight"] = merged_weight(weight, lora_a, lora_b, scale)
+    record = _merged_record(base_dir, base_hash, adapters_dir, config, model_params)
+
+    def write(building: Path) -> None:
+        write_safetensors(building / converted.WEIGHTS, merged, "float32", {"producer": "llmflow lora merge"})
+        (building / converted.PARAMS).write_text(json.dumps(model_params.model_dump(mode="json"), indent=2) + "\n")
+        record["sha256"] = {name: file_sha256(building / name) for name in (converted.WEIGHTS, converted.PARAMS)}
+        (building / converted.RECORD).write_text(json.dumps(record, indent=2) + "\n")
+
+    converted._build_atomically(output, write, replace_invalid=False)
+    return output
+
+
+def _check_base_fits(weights: dict[str, np.ndarray], params: ModelParams, base_dir: Path) -> None:
+    embedding = weights.get("embed_tokens.weight")
+    expected = (params.vocab_size, params.hidden_size)
+    if embedding is None or embedding.shape != expected:
+        found = None if embedding is None else embedding.shape
+        raise AdapterMismatchError(f"{base_dir}: embed_tokens.weight is {found}, model params say {expected}")
+
+
+def _merged_record(base_dir: Path, base_hash: str, adapters_dir: Path, config: dict, params: ModelParams) -> dict:
+    """conversion.json of a merged checkpoint: the base's real vocabulary and family, plus where it came from."""
+    base_record_path = base_dir / converted.RECORD
+    base_record = json.loads(base_record_path.read_text()) if base_record_path.is_file() else {}
+    key = hashlib.sha256(f"{base_hash}:{config['sha256']}".encode()).hexdigest()
+    return {
+        "format_version": converted.FORMAT_VERSION,
+        "key": key,
+        "model_type": base_record.get("model_type", "llama"),
+        "source": str(base_dir.resolve()),
+        "source_hash": base_hash,
+        "adapters": {"path": str(adapters_dir.resolve()), **{k: config[k] for k in ("sha256", "rank", "alpha", "target_modules")}},
+        "dtype": "float32",
+        "tensor_parallel": base_record.get("tensor_parallel", 1),
+        "vocab_size": base_record.get("vocab_size", params.vocab_size),
+        "padded_vocab_size": params.vocab_size,
+    }
