@@ -15,8 +15,9 @@ Two documents then agree on a position with probability equal to their Jaccard s
 `permutations`. (Borrowing from the next non-empty position instead is cheaper, but it makes the
 positions of a short document agree or disagree together: on stdlib docstrings it made 80% more
 documents LSH candidates and raised the near-duplicates found from 37 to 45.) Every hash is seeded and
-platform-independent, and all of it is numpy; only documents that share a band with another one reach
-the Python loop.
+platform-independent, and all of it is numpy: candidates are listed as pairs of documents that share a
+band and compared at once, and only the close pairs reach a Python loop, which settles them in corpus
+order.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ import numpy as np
 _SEED = 0x5EED
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _CANDIDATE_RECALL = 0.99  # LSH bands are chosen so a pair at the threshold is a candidate this often
+_MAX_PAIRS_PER_DOCUMENT = 16  # more candidate pairs than this: some key is shared very widely
+_PAIRS_AT_A_TIME = 1 << 16  # signature pairs compared at once, to bound the memory
 
 
 def exact_duplicate_mask(texts: list[str], seen: set[str] | None = None) -> np.ndarray:
@@ -48,7 +51,50 @@ def near_duplicate_mask(signatures: np.ndarray, threshold: float) -> np.ndarray:
     permutations = signatures.shape[1]
     keys = _band_keys(signatures, rows_per_band(permutations, threshold))
     needed_matches = math.ceil(threshold * permutations - 1e-9)
+    pairs = _band_pairs(keys, _MAX_PAIRS_PER_DOCUMENT * len(keys))
+    if pairs is None:
+        return _near_duplicates_by_buckets(signatures, keys, needed_matches)
+    earlier, later = pairs
+    close = np.zeros(len(earlier), dtype=bool)
+    for first in range(0, len(earlier), _PAIRS_AT_A_TIME):
+        chosen = slice(first, first + _PAIRS_AT_A_TIME)
+        close[chosen] = (signatures[earlier[chosen]] == signatures[later[chosen]]).sum(axis=1) >= needed_matches
+    mask = np.zeros(len(signatures), dtype=bool)
+    # In document order (an earlier one's fate is settled first): a close earlier document that was kept.
+    for doc, candidate in sorted(zip(later[close].tolist(), earlier[close].tolist())):
+        if not mask[candidate]:
+            mask[doc] = True
+    return mask
 
+
+def _band_pairs(keys: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """Every pair of documents with some band key in common, once, as (earlier, later) document
+    indices; None when the bands hold more than `limit` such pairs."""
+    documents = len(keys)
+    groups = []
+    for band in keys.T:
+        order = np.argsort(band, kind="stable")  # the documents of one key: consecutive, in corpus order
+        ranked = band[order]
+        starts = np.flatnonzero(np.concatenate([[True], ranked[1:] != ranked[:-1]]))
+        sizes = np.diff(np.append(starts, documents))
+        groups.append((order, starts, sizes))
+    if sum(int((sizes * (sizes - 1) // 2).sum()) for _, _, sizes in groups) > limit:
+        return None
+    pair_ids = [np.zeros(0, dtype=np.int64)]
+    for order, starts, sizes in groups:
+        group = np.repeat(np.arange(len(starts)), sizes)  # of each position in `order`
+        position = np.flatnonzero(sizes[group] > 1)
+        later_count = starts[group[position]] + sizes[group[position]] - 1 - position
+        first = np.repeat(position, later_count)
+        second = first + 1 + np.arange(len(first)) - np.repeat(np.cumsum(later_count) - later_count, later_count)
+        pair_ids.append(order[first].astype(np.int64) * documents + order[second])
+    unique = np.unique(np.concatenate(pair_ids))
+    return unique // documents, unique % documents
+
+
+def _near_duplicates_by_buckets(signatures: np.ndarray, keys: np.ndarray, needed_matches: int) -> np.ndarray:
+    """`near_duplicate_mask` one document at a time against buckets of the kept ones: linear in a key
+    shared by very many documents (mostly duplicates of the first), where listing pairs is quadratic."""
     mask = np.zeros(len(signatures), dtype=bool)
     buckets: list[dict[int, list[int]]] = [{} for _ in range(keys.shape[1])]
     sharing = np.flatnonzero(_shares_a_band(keys))
