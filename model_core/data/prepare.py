@@ -51,6 +51,7 @@ TOKENIZER_NAME = "tokenizer.model"
 CACHE_DIR = ".cache"  # under data.output_dir: the extracted standard-library docstrings
 MAX_REPORTED_RECORDS = 20
 _ENCODE_BATCH_DOCS = 512  # small enough that minhashing one batch overlaps encoding the next
+_LAST_BATCH_DOCS = 128  # the documents left at the end: small batches, so little MinHash follows encoding
 _CLEAN_CHUNK_DOCS = 512  # cleaned at a time, so that encoding starts after the first chunk, not the corpus
 # Reading in worker processes pays for their start (about a second) only on several large files.
 _PARALLEL_READ_BYTES = 64 << 20
@@ -181,10 +182,23 @@ def _build(
         steps.append({"step": "near_duplicate", "in": selection.kept, "out": int((~near_copies).sum())})
     watch.lap("near_dedup")
 
-    splits = {}
-    for split, order in (("train", train_order), ("validation", validation_order)):
-        split_ids, split_lengths = select_documents(token_ids, lengths, order[~near_copies[order]])
-        splits[split] = _pack_and_write(build_dir, split, split_ids, split_lengths, data, tokenizer, model, progress)
+    orders = {
+        "train": train_order[~near_copies[train_order]],
+        "validation": validation_order[~near_copies[validation_order]],
+    }
+    for split in orders:
+        progress(f"write {split}", 0, 1)
+    # The training split packs and writes beside the validation one (numpy, zstd and the writes drop the GIL).
+    with ThreadPoolExecutor(1, thread_name_prefix="write") as writer:
+        train = writer.submit(
+            _pack_and_write, build_dir, "train", token_ids, lengths, orders["train"], data, tokenizer, model
+        )
+        validation = _pack_and_write(
+            build_dir, "validation", token_ids, lengths, orders["validation"], data, tokenizer, model
+        )
+        splits = {"train": train.result(), "validation": validation}
+    for split in splits:
+        progress(f"write {split}", 1, 1)
     watch.lap("pack_and_write")
     if splits["train"]["rows"] == 0:
         raise DataPrepError(
@@ -452,8 +466,8 @@ def _encode(
                     batch = batch[_ENCODE_BATCH_DOCS:]
                 while waiting and waiting[0].done():
                     absorb(waiting.popleft())
-            if batch:
-                submit(batch)
+            for first in range(0, len(batch), _LAST_BATCH_DOCS):
+                submit(batch[first : first + _LAST_BATCH_DOCS])
             total = submitted
             while waiting:
                 absorb(waiting.popleft())
@@ -501,14 +515,15 @@ def _pack_and_write(
     split: str,
     token_ids: np.ndarray,
     lengths: np.ndarray,
+    order: np.ndarray,
     data: DataParams,
     tokenizer: TokenizerParams,
     model: ModelParams,
-    progress: Progress,
 ) -> dict:
-    progress(f"write {split}", 0, 1)
+    """Pack the documents at `order` (indices into `lengths`), shuffle the rows and write the split."""
+    split_ids, lengths = select_documents(token_ids, lengths, order)
     rows = pack_documents(
-        token_ids,
+        split_ids,
         lengths,
         model.seq_len + 1,
         tokenizer.bos_id if data.add_bos else None,
@@ -518,7 +533,6 @@ def _pack_and_write(
     )
     rows = rows.take(_rng(data.shuffle_seed, split).permutation(len(rows)))
     shards = write_shards(rows, build_dir, split, data.rows_per_shard, tokenizer.pad_id)
-    progress(f"write {split}", 1, 1)
     return {
         "documents": len(lengths),
         "tokens": int(lengths.sum()) + len(lengths) * (1 + data.add_bos),
