@@ -71,23 +71,29 @@ def _band_pairs(keys: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray] |
     """Every pair of documents with some band key in common, once, as (earlier, later) document
     indices; None when the bands hold more than `limit` such pairs."""
     documents = len(keys)
+    # Sorting values is faster than argsort, so the low bits of each key carry its document instead: a
+    # key's documents come out consecutive and in corpus order, and keys equal only in the remaining
+    # high bits are told apart when the pairs are checked against the whole keys.
+    bits = max((documents - 1).bit_length(), 1)
+    low = np.uint64((1 << bits) - 1)
+    ids = np.arange(documents, dtype=np.uint64)
     groups = []
     for band in keys.T:
-        order = np.argsort(band, kind="stable")  # the documents of one key: consecutive, in corpus order
-        ranked = band[order]
-        starts = np.flatnonzero(np.concatenate([[True], ranked[1:] != ranked[:-1]]))
-        sizes = np.diff(np.append(starts, documents))
-        groups.append((order, starts, sizes))
+        ranked = np.sort((band & ~low) | ids)
+        starts = np.flatnonzero(np.concatenate([[True], (ranked[1:] ^ ranked[:-1]) > low]))
+        groups.append(((ranked & low).astype(np.int64), starts, np.diff(np.append(starts, documents))))
     if sum(int((sizes * (sizes - 1) // 2).sum()) for _, _, sizes in groups) > limit:
         return None
     pair_ids = [np.zeros(0, dtype=np.int64)]
-    for order, starts, sizes in groups:
+    for band, (order, starts, sizes) in zip(keys.T, groups):
         group = np.repeat(np.arange(len(starts)), sizes)  # of each position in `order`
         position = np.flatnonzero(sizes[group] > 1)
         later_count = starts[group[position]] + sizes[group[position]] - 1 - position
         first = np.repeat(position, later_count)
         second = first + 1 + np.arange(len(first)) - np.repeat(np.cumsum(later_count) - later_count, later_count)
-        pair_ids.append(order[first].astype(np.int64) * documents + order[second])
+        earlier, later = order[first], order[second]
+        same = band[earlier] == band[later]
+        pair_ids.append(earlier[same] * documents + later[same])
     unique = np.unique(np.concatenate(pair_ids))
     return unique // documents, unique % documents
 
