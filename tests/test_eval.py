@@ -13,12 +13,20 @@ import mindspore as ms
 import numpy as np
 import pytest
 import sentencepiece as spm
+from conftest import SMALL_MODEL
 from mindspore import ops
 
-from conftest import SMALL_MODEL
 from model_core.convert.tensors import write_safetensors
 from model_core.data import PackedRows, prepare_dataset
-from model_core.eval import EvalReport, GenerationConfig, PromptOutput, choose_token, generate, held_out_loss, write_report
+from model_core.eval import (
+    EvalReport,
+    GenerationConfig,
+    PromptOutput,
+    choose_token,
+    generate,
+    held_out_loss,
+    write_report,
+)
 from model_core.eval.evaluate import evaluate_checkpoint, evaluate_model, load_model
 from model_core.eval.generate import PREFILL_CHUNK, penalize_repetition, sampling_probabilities, top_k_mask, top_p_mask
 from model_core.eval.perplexity import HeldOutLoss
@@ -36,9 +44,10 @@ TESTS_DIR = Path(__file__).resolve().parent
 
 
 def small_params(**overrides) -> ModelParams:
-    fields = dict(
-        vocab_size=VOCAB, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_hidden_size=176, seq_len=SEQ
-    )
+    fields = {
+        "vocab_size": VOCAB, "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+        "ffn_hidden_size": 176, "seq_len": SEQ,
+    }
     return ModelParams(**{**fields, **overrides})
 
 
@@ -149,7 +158,8 @@ print(json.dumps(out.token_ids))
 def test_same_seed_same_generation_in_a_separate_process(model):
     here = generate(model, prompt(7), SAMPLED, eos_id=EOS, vocab_limit=VOCAB, seed=5)
     result = subprocess.run(
-        [sys.executable, "-c", SUBPROCESS_GENERATION], cwd=TESTS_DIR.parent, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", SUBPROCESS_GENERATION], cwd=TESTS_DIR.parent, capture_output=True, text=True, timeout=300,
+        check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads(result.stdout.strip().splitlines()[-1]) == here.token_ids
@@ -358,7 +368,7 @@ def test_load_model_holds_the_checkpoint_weights_and_the_adapters(prepared, tmp_
 
 
 def test_evaluate_model_scores_held_out_sets_and_generates_from_every_prompt(prepared):
-    params, dataset, checkpoint, model = prepared
+    params, dataset, _, model = prepared
     report = evaluate_model(model, params, dataset.tokenizer_path, {"pretraining": dataset.output_dir}, "ckpt", [])
     rows = load_split(dataset.output_dir, "validation")
     direct = held_out_loss(model, rows, 2, 2, params.tokenizer.pad_id, params.train.reset_at_document_boundaries)

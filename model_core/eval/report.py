@@ -55,8 +55,10 @@ def to_markdown(report: EvalReport) -> str:
         f"# Evaluation of `{report.checkpoint}`",
         "",
         f"- adapters: {', '.join(f'`{a}`' for a in report.adapters) or 'none'}",
-        f"- decoding: {sampling}, repetition_penalty {decoding.repetition_penalty}, "
-        f"max_new_tokens {decoding.max_new_tokens}, stop_token_ids {list(decoding.stop_token_ids)}",
+        (
+            f"- decoding: {sampling}, repetition_penalty {decoding.repetition_penalty}, "
+            f"max_new_tokens {decoding.max_new_tokens}, stop_token_ids {list(decoding.stop_token_ids)}"
+        ),
         f"- seed: {report.seed}",
         "",
         "## Held-out loss",
