@@ -32,8 +32,9 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
 A rank peaks either in the backward (activations, fresh gradients, gradient buckets) or in the update (no
 activations, but ZeRO's all-gather); the estimate is the larger of the two, on the busiest stage. A device
 kind scales the counted activations by what it was measured to hold: the CPU constants are fitted to peak
-RSS of real training steps (within 4% on the fitted configs and 12% on held-out ones, tests/test_planner.py
-re-measures); accelerators are counted, and their runtime's own reserve is the caller's `runtime_bytes`.
+RSS of real training steps (within 4% on the fitted configs, 5% on held-out ones and 8% on a dp2 ZeRO-1 rank
+under msrun; tests/test_planner.py re-measures); accelerators are counted, and their runtime's own reserve
+is the caller's `runtime_bytes`.
 
 Preference among layouts that fit: no ZeRO beyond stage 1 (ZeRO-2/3 repeat collectives every accumulated
 micro-batch and the trainer does not run them yet), then the fewest pipeline stages, then the smallest
@@ -46,7 +47,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from params.schema import ModelParams, PipelineParams
@@ -323,11 +324,11 @@ def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind:
     compute_copies = c * held if c != 4 and zero < 3 else 0
     layers = params.model.num_layers // candidate.pp
     recompute_graph = kind.recompute_bytes_per_layer * layers if candidate.recompute == "all" else 0
-    state = dict(
-        gradients=2 * 4 * (shard if zero >= 2 else held),
-        optimizer=(8 + 4) * shard if zero >= 1 else 8 * held,
-        runtime=runtime + kind.runtime_bytes_per_layer * layers + recompute_graph,
-    )
+    state = {
+        "gradients": 2 * 4 * (shard if zero >= 2 else held),
+        "optimizer": (8 + 4) * shard if zero >= 1 else 8 * held,
+        "runtime": runtime + kind.runtime_bytes_per_layer * layers + recompute_graph,
+    }
     backward = Memory(
         parameters=masters + compute_copies,
         activations=activation_bytes(params, candidate, stage, kind),
@@ -422,11 +423,13 @@ def format_plan_table(plan: Plan) -> str:
     left_aligned = {0, 1, 3}
 
     def line(cells: list[str]) -> str:
-        return "  ".join(cell.ljust(w) if i in left_aligned else cell.rjust(w) for i, (cell, w) in enumerate(zip(cells, widths)))
+        padded = zip(cells, widths)
+        return "  ".join(c.ljust(w) if i in left_aligned else c.rjust(w) for i, (c, w) in enumerate(padded))
 
     kind = plan.device_kind
     lines = [
-        f"per-rank memory in GiB, {plan.device_kind.name} ({kind.source}); runtime reserve {_gib(plan.runtime_bytes)} GiB",
+        f"per-rank memory in GiB on {kind.name} devices ({kind.source}); "
+        f"runtime reserve {_gib(plan.runtime_bytes)} GiB",
         line(header),
         line(["-" * w for w in widths]),
         *(line(row) for row in rows),
