@@ -43,17 +43,21 @@ def evaluate_model(
     checkpoint: str,
     adapters: list[str],
 ) -> EvalReport:
-    """The report of a loaded model; `checkpoint` and `adapters` only name where its weights came from."""
+    """The report of a loaded model; `checkpoint` and `adapters` only name where its weights came from.
+
+    A prompt longer than model.seq_len is an error, raised before any scoring starts.
+    """
     tokenizer = spm.SentencePieceProcessor(model_file=str(tokenizer_path))
     vocab_limit = tokenizer.get_piece_size()
     if vocab_limit > params.model.vocab_size:
-        raise ValueError(f"tokenizer {tokenizer_path} has {vocab_limit} pieces, more than model.vocab_size={params.model.vocab_size}")
+        raise ValueError(
+            f"tokenizer {tokenizer_path} has {vocab_limit} pieces, more than model.vocab_size={params.model.vocab_size}"
+        )
     prompts = [_encode_prompt(tokenizer, prompt, params) for prompt in params.eval.prompts]
+    seq_len = params.model.seq_len
     for index, prompt_ids in enumerate(prompts):
-        if len(prompt_ids) > params.model.seq_len:
-            raise ValueError(
-                f"eval.prompts[{index}] is {len(prompt_ids)} tokens long, more than model.seq_len={params.model.seq_len}"
-            )
+        if len(prompt_ids) > seq_len:
+            raise ValueError(f"eval.prompts[{index}] is {len(prompt_ids)} tokens long, more than model.seq_len={seq_len}")
     metrics = {}
     for name, dataset_dir in held_out.items():
         rows = load_split(dataset_dir, "validation")
