@@ -39,8 +39,8 @@ is the caller's `runtime_bytes`.
 Preference among layouts that fit: no ZeRO beyond stage 1 (ZeRO-2/3 repeat collectives every accumulated
 micro-batch and the trainer does not run them yet), then the fewest pipeline stages, then the smallest
 tensor-parallel degree (so data parallel first, then tensor parallel inside a node, then pipeline stages),
-then no recompute; with dp > 1 always ZeRO-1, which only saves memory. When nothing fits the plan says so
-and names the smallest layout.
+then no recompute; with dp > 1, ZeRO-1 before none (which fits instead only where ZeRO-1's all-gather of the
+updated parameters does not). When nothing fits the plan says so and names the smallest layout.
 """
 
 from __future__ import annotations
@@ -135,15 +135,10 @@ class Candidate:
 
     def preference(self) -> tuple[int, ...]:
         """Smaller is preferred: no ZeRO beyond stage 1, then fewer pipeline stages, then less tensor
-        parallelism, then no recompute; with dp > 1, ZeRO-1 before ZeRO-0 (which only costs memory)."""
+        parallelism, then no recompute; with dp > 1, ZeRO-1 before ZeRO-0."""
         beyond_one = max(self.zero_stage - 1, 0)
-        needless_zero0 = int(self.dp > 1 and self.zero_stage == 0)
-        return (beyond_one, self.pp, self.tp, RECOMPUTE_MODES.index(self.recompute), needless_zero0)
-
-    @property
-    def recommendable(self) -> bool:
-        """ZeRO-1 only saves memory, so a dp > 1 layout without it is never the one to use."""
-        return self.dp == 1 or self.zero_stage >= 1
+        unsharded_dp = int(self.dp > 1 and self.zero_stage == 0)
+        return (beyond_one, self.pp, self.tp, RECOMPUTE_MODES.index(self.recompute), unsharded_dp)
 
     def __str__(self) -> str:
         return f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero_stage} recompute={self.recompute}"
@@ -201,8 +196,8 @@ class Plan:
 
     @property
     def recommended(self) -> Estimate | None:
-        """The most preferred estimate that fits and is worth running."""
-        return next((e for e in self.estimates if e.fits and e.candidate.recommendable), None)
+        """The most preferred estimate that fits."""
+        return next((e for e in self.estimates if e.fits), None)
 
     @property
     def smallest(self) -> Estimate | None:
@@ -407,17 +402,18 @@ def format_plan_table(plan: Plan) -> str:
     """A fixed-width table: one row per layout in order of preference, GiB per category, the recommended row
     marked with `*`; then the excluded degrees with their reasons, and the summary line."""
     header = ["", "layout", "stage", "peak at", *CATEGORIES, "total", "fits"]
+    chosen = plan.recommended
     rows = [
         [
-            "*" if estimate is plan.recommended else "",
-            str(estimate.candidate),
-            str(estimate.stage),
-            estimate.memory.phase,
-            *(_gib(getattr(estimate.memory, name)) for name in CATEGORIES),
-            _gib(estimate.memory.total),
-            "yes" if estimate.fits else "no",
+            "*" if e is chosen else "",
+            str(e.candidate),
+            str(e.stage),
+            e.memory.phase,
+            *(_gib(getattr(e.memory, name)) for name in CATEGORIES),
+            _gib(e.memory.total),
+            "yes" if e.fits else "no",
         ]
-        for estimate in plan.estimates
+        for e in plan.estimates
     ]
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
     left_aligned = {0, 1, 3}
