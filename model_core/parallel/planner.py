@@ -423,9 +423,9 @@ def format_plan_table(plan: Plan) -> str:
         return "  ".join(c.ljust(w) if i in left_aligned else c.rjust(w) for i, (c, w) in enumerate(padded))
 
     kind = plan.device_kind
+    title = f"per-rank memory in GiB on {kind.name} devices ({kind.source}); runtime reserve {_gib(plan.runtime_bytes)}"
     lines = [
-        f"per-rank memory in GiB on {kind.name} devices ({kind.source}); "
-        f"runtime reserve {_gib(plan.runtime_bytes)} GiB",
+        title,
         line(header),
         line(["-" * w for w in widths]),
         *(line(row) for row in rows),
