@@ -336,7 +336,8 @@ class LoraParams(StrictModel):
     steps: int = Field(100, ge=1, description="Fine-tuning optimizer steps.")
     data_paths: list[str] = Field(
         default_factory=list,
-        description="Instruction JSONL files (instruction, optional input, output); empty uses the bundled set.",
+        description="Instruction JSONL files: Alpaca records (instruction, optional input, output) or "
+        '{"messages": [user/assistant turns]}; empty uses the bundled set of standard-library docstring questions.',
     )
     instruction_header: str = Field("### Instruction:", description="Separator before the instruction.")
     input_header: str = Field("### Input:", description="Separator before the optional input.")
