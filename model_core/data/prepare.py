@@ -461,7 +461,8 @@ def _encode(
         with _PROMPT_SWITCHES.lowered():
             for chunk in chunks:
                 batch += chunk
-                while len(batch) >= _ENCODE_BATCH_DOCS:
+                # Full batches, or whatever there is when the encoder has nothing left to do.
+                while len(batch) >= _ENCODE_BATCH_DOCS or (batch and all(f.done() for f in waiting)):
                     submit(batch[:_ENCODE_BATCH_DOCS])
                     batch = batch[_ENCODE_BATCH_DOCS:]
                 while waiting and waiting[0].done():

@@ -105,9 +105,9 @@ def read_input_chunks(item: InputFile, report: FileReport, cache_dir: Path | Non
 def _read_jsonl_chunks(data: bytes, text_field: str, report: FileReport) -> Iterator[list[str]]:
     """Each run of lines parsed by Arrow when it is well formed, else line by line with its problems
     reported; either way the same texts (see `_read_wellformed_jsonl`)."""
-    start = 0
+    start, size = 0, _JSONL_CHUNK_BYTES >> 4  # a small first run, so that its documents are ready soon
     while start < len(data):
-        newline = data.find(b"\n", start + _JSONL_CHUNK_BYTES)
+        newline = data.find(b"\n", start + size)
         end = len(data) if newline < 0 else newline + 1
         chunk = data[start:end]
         texts = _read_wellformed_jsonl(chunk, text_field)
@@ -117,7 +117,7 @@ def _read_jsonl_chunks(data: bytes, text_field: str, report: FileReport) -> Iter
         else:
             report.records += len(texts)
         yield texts
-        start = end
+        start, size = end, min(2 * size, _JSONL_CHUNK_BYTES)
 
 
 def _decode(data: bytes, report: FileReport, first_line: int = 1) -> str:
@@ -153,7 +153,9 @@ def _read_wellformed_jsonl(data: bytes, text_field: str) -> list[str] | None:
         options = pa_json.ParseOptions(
             explicit_schema=pa.schema([(text_field, pa.string())]), unexpected_field_behavior="ignore"
         )
-        column = pa_json.read_json(pa.BufferReader(data), parse_options=options).column(text_field)
+        # One thread: a run of lines is a block or two, and waking Arrow's pool costs more than it gains.
+        reading = pa_json.ReadOptions(use_threads=False)
+        column = pa_json.read_json(pa.BufferReader(data), reading, options).column(text_field)
     except (UnicodeDecodeError, pa.ArrowException):
         return None
     if len(column) != lines or column.null_count:
