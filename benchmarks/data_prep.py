@@ -10,10 +10,11 @@ normal input format. Timed, alternating run by run so both see the same machine:
   same corpus (before filtering and deduplication), with the same tokenizer.
 
 Reported apart: docstring extraction (cold, and from the cache), tokenizer training, and the default
-python_docstrings pipeline with a warm cache. The fastest of `--repeats` runs counts. The last line
-of stdout is one JSON object with the figures.
+python_docstrings pipeline with a warm cache. Throughputs and the ratio are given for the median and
+for the fastest of `--repeats` runs, with the stage seconds of the median prep run and the load
+average. The last line of stdout is one JSON object with the figures.
 
-    python benchmarks/data_prep.py [--repeats 3]
+    python benchmarks/data_prep.py [--repeats 5]
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import sentencepiece as spm
@@ -35,7 +38,7 @@ from params.schema import DataParams, DataSource, ModelParams, TokenizerParams
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each measurement; the fastest counts")
+    parser.add_argument("--repeats", type=int, default=5, help="runs of each measurement")
     args = parser.parse_args()
     cores = len(os.sched_getaffinity(0))
     model = ModelParams()
@@ -57,36 +60,47 @@ def main() -> None:
         for repeat in range(args.repeats):
             raw_runs.append(_timed(lambda: processor.encode(documents, num_threads=cores)))
             data = DataParams(sources=jsonl, output_dir=f"{workdir}/run{repeat}")
-            prep_runs.append(_timed(lambda: prepare_dataset(data, tokenizer, model)))
-        prep, prep_seconds = min(prep_runs, key=lambda run: run[1])
-        assert not prep.reused
-        raw_ids, raw_seconds = min(raw_runs, key=lambda run: run[1])
+            prep_runs.append(_timed(lambda data=data: prepare_dataset(data, tokenizer, model)))
+        assert not any(prep.reused for prep, _ in prep_runs)
+        prep = sorted(prep_runs, key=lambda run: run[1])[len(prep_runs) // 2][0]  # the median run's stages
+        raw_ids = raw_runs[0][0]
 
         default = DataParams(output_dir=f"{workdir}/data")
         _, default_cached_s = _timed(lambda: prepare_dataset(default, tokenizer, model))
 
     prep_tokens = sum(split["tokens"] for split in prep.manifest["splits"].values())
     raw_tokens = sum(map(len, raw_ids))
+    prep_seconds = [seconds for _, seconds in prep_runs]
+    raw_seconds = [seconds for _, seconds in raw_runs]
     result = {
         "cores": cores,
+        "load_average": [round(load, 2) for load in os.getloadavg()],
         "corpus_mb": round(sum(map(len, documents)) / 1e6, 2),
         "documents": len(documents),
         "prep_timed": "prepare_dataset(jsonl, given tokenizer), end to end",
-        "prep_seconds": round(prep_seconds, 3),
+        "prep_seconds": _spread(prep_seconds, min, 3),
         "prep_tokens": prep_tokens,
-        "prep_tokens_per_s": round(prep_tokens / prep_seconds),
+        "prep_tokens_per_s": _spread([prep_tokens / seconds for seconds in prep_seconds], max),
         "prep_stage_seconds": prep.manifest["timings_s"],
         "raw_timed": "processor.encode(all cleaned documents, num_threads=cores)",
-        "raw_encode_seconds": round(raw_seconds, 3),
+        "raw_encode_seconds": _spread(raw_seconds, min, 3),
         "raw_encode_tokens": raw_tokens,
-        "raw_encode_tokens_per_s": round(raw_tokens / raw_seconds),
+        "raw_encode_tokens_per_s": _spread([raw_tokens / seconds for seconds in raw_seconds], max),
         "docstring_extraction_cold_s": round(extraction_cold_s, 3),
         "docstring_extraction_cached_s": round(extraction_cached_s, 3),
         "tokenizer_training_s": trained.manifest["tokenizer"]["seconds"],
         "default_pipeline_cached_docstrings_s": round(default_cached_s, 3),
     }
-    result["ratio"] = round(result["prep_tokens_per_s"] / result["raw_encode_tokens_per_s"], 3)
+    result["ratio"] = {
+        kind: round(result["prep_tokens_per_s"][kind] / result["raw_encode_tokens_per_s"][kind], 3)
+        for kind in ("median", "best")
+    }
     print(json.dumps(result))
+
+
+def _spread(values: list[float], best: Callable[[list[float]], float], digits: int | None = None) -> dict:
+    """The median and the best (min for seconds, max for throughputs) of the runs."""
+    return {"median": round(statistics.median(values), digits), "best": round(best(values), digits)}
 
 
 def _timed(run):
