@@ -69,19 +69,16 @@ def _cmd_prep(args: argparse.Namespace) -> int:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from model_core.convert import convert_for_run
-    from model_core.data import prepare_dataset
     from model_core.parallel import comm
     from model_core.parallel.launch import launch_training
     from model_core.train.callbacks import fan_out, jsonl_writer
     from model_core.train.checkpoint import run_directory
     from model_core.train.trainer import Trainer
     from params import params_hash
-    from tasks.progress import PhaseProgress, TrainingProgress
+    from tasks.progress import TrainingProgress
 
     params = _params(args)
-    preparing = PhaseProgress("data prep")
-    dataset = prepare_dataset(params.data, params.tokenizer, params.model, progress=preparing)
-    preparing.close()
+    dataset = _prepared_pretraining_data(params)
     checkpoints = args.checkpoint_dir or run_directory(
         params.train.output_dir, params.name, params_hash(params), dataset.output_dir, "pretrain"
     )
@@ -105,6 +102,118 @@ def _cmd_train(args: argparse.Namespace) -> int:
         f"{result.skipped_steps} skipped; checkpoint {result.checkpoint}"
     )
     return 0
+
+
+def _prepared_pretraining_data(params: PipelineParams):
+    """The pretraining dataset (prepared or reused): later stages take its tokenizer and validation split."""
+    from model_core.data import prepare_dataset
+    from tasks.progress import PhaseProgress
+
+    preparing = PhaseProgress("data prep")
+    try:
+        return prepare_dataset(params.data, params.tokenizer, params.model, progress=preparing)
+    finally:
+        preparing.close()
+
+
+def _latest_pretrained(params: PipelineParams, dataset_dir: Path) -> Path:
+    """The newest valid checkpoint of this params' pretraining run (the one `llmflow train` writes)."""
+    from model_core.train.checkpoint import latest_valid, run_directory
+    from params import params_hash
+
+    directory = run_directory(params.train.output_dir, params.name, params_hash(params), dataset_dir, "pretrain")
+    found = latest_valid(directory)
+    if found is None:
+        raise ValueError(f"no valid pretraining checkpoint in {directory}; run `llmflow train` first or pass --base")
+    return found.path
+
+
+def _cmd_finetune(args: argparse.Namespace) -> int:
+    from model_core.data import prepare_instructions
+    from model_core.parallel import comm
+    from model_core.parallel.launch import launch
+    from model_core.train.callbacks import fan_out, jsonl_writer
+    from model_core.train.checkpoint import run_directory
+    from model_core.train.finetune import finetune
+    from params import params_hash
+    from tasks.progress import TrainingProgress
+
+    params = _params(args)
+    dataset = _prepared_pretraining_data(params)
+    base = args.base or _latest_pretrained(params, dataset.output_dir)
+    instructions = prepare_instructions(
+        params.lora, params.data, dataset.tokenizer_path, params.model, params.tokenizer,
+        min_validation_rows=params.train.micro_batch_size,
+    )
+    checkpoints = args.checkpoint_dir or run_directory(
+        params.train.output_dir, params.name, params_hash(params), instructions.output_dir, "finetune"
+    )
+    if params.parallel.world_size > 1 and not comm.launched_by_msrun():
+        launch(["-m", "flows.cli", *args.raw_args], params.parallel.world_size, Path(checkpoints) / "logs")
+        return 0
+    bar = TrainingProgress(params.lora.steps, description="finetune")
+    jsonl = jsonl_writer(args.metrics_jsonl) if args.metrics_jsonl else None
+    try:
+        result = finetune(params, instructions.output_dir, base, checkpoints, on_metrics=fan_out(bar, jsonl), resume=args.resume)
+    finally:
+        bar.close()
+    summary, trained = result.summary, result.train
+    print(
+        f"LoRA on {summary.adapted_modules} projections: {summary.trainable_parameters:,} trainable parameters "
+        f"of {summary.total_parameters:,} ({summary.trainable_share:.2%}), "
+        f"{summary.saved_state_bytes / 2**20:,.1f} MiB of gradient and optimizer state saved against full fine-tuning"
+    )
+    print(
+        f"fine-tuned {trained.steps} steps: loss {trained.initial_loss:.4f} -> {trained.final_loss:.4f}; "
+        f"adapters {result.adapters_dir} (base {base})"
+    )
+    return 0
+
+
+def _cmd_lora_merge(args: argparse.Namespace) -> int:
+    from model_core.model.lora import merge_into_checkpoint
+
+    params = _params(args)
+    merged = merge_into_checkpoint(args.base, args.adapters, args.output, params.model)
+    print(f"merged {args.adapters} into {args.base} -> {merged}")
+    return 0
+
+
+def _cmd_eval(args: argparse.Namespace) -> int:
+    from model_core.data import prepare_instructions
+    from model_core.eval.evaluate import evaluate_checkpoint
+    from model_core.eval.report import write_report
+
+    params = _params(args)
+    dataset = _prepared_pretraining_data(params)
+    instructions = prepare_instructions(
+        params.lora, params.data, dataset.tokenizer_path, params.model, params.tokenizer,
+        min_validation_rows=params.train.micro_batch_size,
+    )
+    held_out = {"pretraining": dataset.output_dir, "instructions": instructions.output_dir}
+    report = evaluate_checkpoint(params, args.checkpoint, dataset.tokenizer_path, held_out, args.adapters)
+    suffix = "-lora" if args.adapters else ""
+    output = args.output or Path(params.train.output_dir) / "eval" / f"{args.checkpoint.resolve().name}{suffix}"
+    json_path, markdown_path = write_report(report, output)
+    for name, scores in report.held_out.items():
+        print(f"{name}: loss {scores.mean_loss:.4f}, perplexity {scores.perplexity:.2f} over {scores.tokens:,} tokens")
+    for output_text in report.generations:
+        print(f"--- {output_text.prompt!r} ({output_text.stopped_by})\n{output_text.text}")
+    print(f"report: {markdown_path} and {json_path}")
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from model_core.parallel.planner import format_plan_table, parse_bytes, plan
+
+    params = _params(args)
+    reserve = parse_bytes(args.runtime_reserve) if args.runtime_reserve else None
+    result = plan(
+        params, args.devices, parse_bytes(args.device_memory), devices_per_node=args.devices_per_node,
+        device_kind=args.device_kind, runtime_bytes=reserve,
+    )
+    print(format_plan_table(result))
+    return 0 if result.recommended is not None else 1
 
 
 def _cmd_params_show(args: argparse.Namespace) -> int:
@@ -241,6 +350,69 @@ def build_parser() -> argparse.ArgumentParser:
     scale_out.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
     scale_out.add_argument("--master-port", type=int, help="port on node 0 (default: a free one; set it with --nodes > 1)")
     train.set_defaults(handler=_cmd_train)
+
+    tune = commands.add_parser(
+        "finetune",
+        help="LoRA fine-tune a pretrained checkpoint on instruction data (no Prefect/MLflow)",
+        description="Prepare (or reuse) the instruction data with the pretraining tokenizer, train LoRA adapters "
+        "(lora.rank, lora.alpha, lora.target_modules) for lora.steps steps at lora.lr on the frozen base, and "
+        "save the adapters alone with the base checkpoint's sha256.",
+    )
+    _add_params_arguments(tune)
+    tune.add_argument("--base", type=Path, help="base checkpoint directory (default: the newest of `llmflow train`)")
+    tune.add_argument("--resume", default="auto", metavar="auto|none|DIR", help="default auto: continue an interrupted fine-tune")
+    tune.add_argument("--metrics-jsonl", metavar="PATH", help="append every logged metrics record to PATH as JSON lines")
+    tune.add_argument("--checkpoint-dir", metavar="DIR", help="where fine-tuning checkpoints and adapters/ go")
+    tune.set_defaults(handler=_cmd_finetune)
+
+    evaluate = commands.add_parser(
+        "eval",
+        help="fixed-seed evaluation of a checkpoint (+ adapters): held-out loss, perplexity, generations",
+        description="Score the checkpoint on the validation splits of the pretraining and instruction data "
+        "(eval.batches batches each) and generate from eval.prompts with eval's decoding settings and seed; "
+        "write eval_report.json and eval_report.md.",
+    )
+    _add_params_arguments(evaluate)
+    evaluate.add_argument("--checkpoint", required=True, type=Path, help="checkpoint directory (model.safetensors)")
+    evaluate.add_argument("--adapters", type=Path, help="LoRA adapters directory trained on that checkpoint")
+    evaluate.add_argument("--output", type=Path, help="report directory (default: train.output_dir/eval/<checkpoint>)")
+    evaluate.set_defaults(handler=_cmd_eval)
+
+    lora = commands.add_parser("lora", help="LoRA adapter tools", description="LoRA adapter tools.")
+    lora_actions = lora.add_subparsers(dest="lora_command", required=True, metavar="ACTION")
+    merge = lora_actions.add_parser(
+        "merge",
+        help="fold adapters into their base: a plain checkpoint for export or further training",
+        description="Write base + (alpha/rank) B A, in fp32, to a new checkpoint directory that `convert ms-to-hf` "
+        "and `train` take. Adapters made for another base checkpoint are refused.",
+    )
+    _add_params_arguments(merge)
+    merge.add_argument("--base", required=True, type=Path, help="the base checkpoint the adapters were trained on")
+    merge.add_argument("--adapters", required=True, type=Path, help="the adapters directory (adapters.safetensors)")
+    merge.add_argument("--output", required=True, type=Path, help="new directory for the merged checkpoint")
+    merge.set_defaults(handler=_cmd_lora_merge)
+
+    planner = commands.add_parser(
+        "plan",
+        help="estimate per-rank memory of every valid layout and recommend one",
+        description="Estimate per-rank bytes (parameters, gradients, optimizer state, activations with and without "
+        "recompute, communication buffers) for every dp x tp x pp x ZeRO layout of --devices, and recommend "
+        "one: data parallel if the model fits, then tensor parallel inside a node, then pipeline stages. "
+        "See docs/planner.md.",
+    )
+    _add_params_arguments(planner)
+    planner.add_argument("--devices", type=int, required=True, help="number of devices (ranks)")
+    planner.add_argument("--device-memory", required=True, metavar="BYTES", help="memory per device, e.g. 64GiB, 80GB")
+    planner.add_argument("--devices-per-node", type=int, default=8, help="devices per node; tp stays inside one")
+    planner.add_argument(
+        "--device-kind", choices=["accelerator", "cpu"], default="accelerator",
+        help="accelerator: counted tensors; cpu: calibrated to measured host RSS",
+    )
+    planner.add_argument(
+        "--runtime-reserve", metavar="BYTES", help="memory the device runtime keeps for itself (default: 0 on "
+        "accelerators, the measured MindSpore baseline on cpu)",
+    )
+    planner.set_defaults(handler=_cmd_plan)
 
     params_cmd = commands.add_parser("params", help="inspect params", description="Inspect params.")
     params_sub = params_cmd.add_subparsers(dest="params_command", required=True, metavar="ACTION")

@@ -1,7 +1,7 @@
 """pretrain-flow: the whole pipeline, stage after stage, tracked as one MLflow parent run.
 
     data prep -> weight conversion (when convert.hf_source is set) -> smoke run -> pretraining
-    -> (LoRA fine-tune, evaluation: issue #6)
+    -> LoRA fine-tune (when lora.enabled) -> evaluation (base vs fine-tuned)
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from pydantic import BaseModel
 from params import PipelineParams
 from tasks.convert import ConvertResult, convert_hf
 from tasks.data import DataResult, prepare_data
+from tasks.evaluate import EvaluateStageResult, evaluate_stage
+from tasks.finetune import FinetuneStageResult, finetune_stage
 from tasks.tracking import pipeline_run
 from tasks.train import TrainStageResult, pretrain, smoke_run
 
@@ -22,6 +24,8 @@ class PipelineResult(BaseModel):
     converted: ConvertResult | None
     smoke: TrainStageResult | None
     pretrain: TrainStageResult
+    finetune: FinetuneStageResult | None
+    evaluation: EvaluateStageResult
 
 
 @flow(name="pretrain-flow", log_prints=True)
@@ -32,6 +36,14 @@ def pretrain_flow(params: PipelineParams = PipelineParams()) -> PipelineResult: 
         smoke = smoke_run(params, data, tracking) if params.smoke.enabled else None
         start_from = converted.checkpoint_dir if converted else None
         trained = pretrain(params, data, tracking, start_from)
+        tuned = finetune_stage(params, data, trained.checkpoint, tracking) if params.lora.enabled else None
+        evaluation = evaluate_stage(params, data, trained.checkpoint, tuned, tracking)
         return PipelineResult(
-            mlflow_run_id=tracking.parent_run_id, data=data, converted=converted, smoke=smoke, pretrain=trained
+            mlflow_run_id=tracking.parent_run_id,
+            data=data,
+            converted=converted,
+            smoke=smoke,
+            pretrain=trained,
+            finetune=tuned,
+            evaluation=evaluation,
         )

@@ -81,5 +81,9 @@ def small_pipeline_overrides(corpus: Path, output_dir: Path, experiment: str) ->
         "train.eval_batches=2",
         "train.checkpoint_interval=10",
         f"train.output_dir={output_dir.parent / 'train'}",
+        "lora.enabled=false",
+        "eval.batches=2",
+        "eval.max_new_tokens=4",
+        "eval.prompts=['Return the number of']",  # the default instruction prompt is longer than 32 tokens
         f"tracking.experiment={experiment}",
     ]

@@ -9,6 +9,7 @@ from conftest import small_pipeline_overrides
 from flows.cli import main
 from flows.data_prep import data_prep_flow
 from flows.pretrain import pretrain_flow
+from model_core.model.lora import base_sha256
 from params import load_params, params_hash
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -23,7 +24,9 @@ def _runs(client: MlflowClient, experiment: str):
 
 
 def test_pretrain_flow_records_parent_and_stage_runs(corpus_jsonl, tmp_path, mlflow_uri):
-    params = load_params("tiny", small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "flow-records"))
+    overrides = small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "flow-records")
+    # Long enough rows for the instruction examples, so the fine-tune stage runs too.
+    params = load_params("tiny", [*overrides, "model.seq_len=128", "lora.enabled=true", "lora.steps=10"])
     result = pretrain_flow(params)
 
     assert result.data.manifest_path.is_file() and not result.data.reused
@@ -31,7 +34,7 @@ def test_pretrain_flow_records_parent_and_stage_runs(corpus_jsonl, tmp_path, mlf
     assert result.pretrain.steps == params.train.steps and result.pretrain.checkpoint.is_dir()
     client = MlflowClient(mlflow_uri)
     (parent,), children = _runs(client, "flow-records")
-    assert [run.info.run_name for run in children] == ["data_prep", "smoke", "pretrain"]
+    assert [run.info.run_name for run in children] == ["data_prep", "smoke", "pretrain", "finetune", "evaluate"]
     assert parent.info.run_id == result.mlflow_run_id
     assert {run.info.status for run in (parent, *children)} == {"FINISHED"}
     assert {run.data.tags["mlflow.parentRunId"] for run in children} == {parent.info.run_id}
@@ -44,8 +47,8 @@ def test_pretrain_flow_records_parent_and_stage_runs(corpus_jsonl, tmp_path, mlf
     assert parent.data.params["train.steps"] == str(params.train.steps)
     assert "params.yaml" in [item.path for item in client.list_artifacts(parent.info.run_id)]
 
-    data_run, smoke_run, pretrain_run = children
-    assert data_run.data.params["model.seq_len"] == "32"
+    data_run, smoke_run, pretrain_run, finetune_run, evaluate_run = children
+    assert data_run.data.params["model.seq_len"] == "128"
     assert data_run.data.metrics["seconds"] > 0
     assert any(name.endswith("tokens") and value > 0 for name, value in data_run.data.metrics.items())
     artifacts = {item.path for item in client.list_artifacts(data_run.info.run_id, "data")}
@@ -62,6 +65,20 @@ def test_pretrain_flow_records_parent_and_stage_runs(corpus_jsonl, tmp_path, mlf
         assert {"loss_curve.png", "checkpoint"} <= names
         checkpoint_files = {item.path.rsplit("/", 1)[-1] for item in client.list_artifacts(run.info.run_id, f"checkpoint/step-{steps:08d}")}
         assert {"model.safetensors", "optimizer.safetensors", "state.json", "manifest.json"} <= checkpoint_files
+
+    assert [m.step for m in client.get_metric_history(finetune_run.info.run_id, "loss")] == [5, 10]
+    assert 0 < finetune_run.data.metrics["trainable_share"] < 1
+    assert finetune_run.data.tags["llmflow.base_sha256"] == base_sha256(result.pretrain.checkpoint)
+    names = {item.path for item in client.list_artifacts(finetune_run.info.run_id, "adapters")}
+    assert {"adapters/adapters.safetensors", "adapters/adapter_config.json"} <= names
+    metrics = evaluate_run.data.metrics
+    for model in ("base", "finetuned"):
+        for held_out in ("pretraining", "instructions"):
+            assert metrics[f"{model}.{held_out}.perplexity"] > 1
+    assert evaluate_run.data.params["eval.seed"] == str(params.eval.seed)
+    reports = {item.path for item in client.list_artifacts(evaluate_run.info.run_id, "eval/finetuned")}
+    assert {"eval/finetuned/eval_report.json", "eval/finetuned/eval_report.md"} <= reports
+    assert set(result.evaluation.losses) == {"base", "finetuned"}
 
 
 def test_smoke_failure_stops_before_pretraining(corpus_jsonl, tmp_path, mlflow_uri):
@@ -130,7 +147,7 @@ def test_hugging_face_source_adds_a_convert_stage_that_pretraining_starts_from(c
     result = pretrain_flow(load_params("tiny", overrides))
     assert result.converted is not None and result.smoke is None
     (parent,), children = _runs(MlflowClient(mlflow_uri), "flow-convert")
-    assert [run.info.run_name for run in children] == ["data_prep", "convert", "pretrain"]
+    assert [run.info.run_name for run in children] == ["data_prep", "convert", "pretrain", "evaluate"]
     assert children[2].data.params["stage.initial_weights"] == str(result.converted.checkpoint_dir)
 
 

@@ -297,3 +297,15 @@ if __name__ == "__main__":
         Path(report).mkdir(parents=True, exist_ok=True)
         (Path(report) / f"rank{result['rank']}.json").write_text(json.dumps(result))
     print(json.dumps(result), flush=True)
+
+
+def test_cli_plan_prints_the_table_and_fails_when_nothing_fits(capsys):
+    from flows.cli import main
+
+    assert main(["plan", "--params", "llama2_7b_dp8", "--devices", "8", "--device-memory", "64GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended for 8 x 64.00 GiB: dp4 tp2 pp1 zero1" in out and out.count("\n") > 10
+    assert main(["plan", "--params", "llama2_7b_dp8", "--devices", "2", "--device-memory", "8GiB"]) == 1
+    assert "nothing fits" in capsys.readouterr().out
+    assert main(["plan", "--devices", "2", "--device-memory", "12XB"]) == 1
+    assert "cannot read '12XB' as a size" in capsys.readouterr().err
