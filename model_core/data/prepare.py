@@ -50,7 +50,7 @@ FORMAT_VERSION = 2  # 2: near duplicates are found on token shingles
 TOKENIZER_NAME = "tokenizer.model"
 CACHE_DIR = ".cache"  # under data.output_dir: the extracted standard-library docstrings
 MAX_REPORTED_RECORDS = 20
-_ENCODE_BATCH_DOCS = 512  # small enough that minhashing one batch overlaps encoding the next
+_ENCODE_BATCH_DOCS = 1024  # small enough that minhashing one batch overlaps encoding the next
 _LAST_BATCH_DOCS = 128  # the documents left at the end: small batches, so little MinHash follows encoding
 _CLEAN_CHUNK_DOCS = 512  # cleaned at a time, so that encoding starts after the first chunk, not the corpus
 # Reading in worker processes pays for their start (about a second) only on several large files.
