@@ -9,7 +9,8 @@ dropped by the caller.
 other rule touches), cleaned as one string and split again, so the per-document cost is one join and
 one split instead of a dozen regex calls. ASCII documents are batched apart from the others so that
 their batches stay one byte per character (one emoji would make CPython store the whole string in
-four) and skip NFKC, which never changes ASCII.
+four), skip NFKC, which never changes ASCII, and are cleaned as bytes. `clean_text`, one document with
+regular expressions only, is the reference the batches are tested against.
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ import re
 import unicodedata
 from itertools import accumulate
 
+import numpy as np
+
 _CONTROL_CHARACTERS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # Unicode Cc except \t and \n
 _CONTROL_CHARACTERS_BUT_NUL = re.compile(r"[\x01-\x08\x0b-\x1f\x7f-\x9f]")
 _ASCII_CONTROL_BYTES_BUT_NUL = bytes([*range(0x01, 0x09), *range(0x0B, 0x20), 0x7F])  # bytes.translate: 4x the regex
+_TABS_TO_SPACES = bytes.maketrans(b"\t", b" ")
+_DROPPED = 0x01  # marks the bytes that go: a control byte, so none is left by then
 # Every character for which str.isspace() holds, other than \n, space, \t and the control characters
 # dropped above (tests check this against the Unicode database).
 _OTHER_HORIZONTAL_SPACE = re.compile("[\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]")
@@ -71,14 +76,31 @@ def _clean_batch(texts: list[str], normalize_unicode: bool) -> list[str]:
     if joined.count(_SEPARATOR) != len(texts) - 1:  # some document holds the separator: go one by one
         return [clean_text(text, normalize_unicode) for text in texts]
     joined = _unix_line_endings(joined)
-    if joined.isascii():
-        joined = joined.encode("ascii").translate(None, _ASCII_CONTROL_BYTES_BUT_NUL).decode("ascii")
-    else:
-        joined = _CONTROL_CHARACTERS_BUT_NUL.sub("", joined)
+    if joined.isascii():  # which NFKC never changes
+        return [part.strip() for part in _clean_ascii(joined).split(_SEPARATOR)]
+    joined = _CONTROL_CHARACTERS_BUT_NUL.sub("", joined)
     if normalize_unicode and not unicodedata.is_normalized("NFKC", joined):
         # Normalising the whole batch costs far more than finding the few documents that need it.
         joined = _SEPARATOR.join(map(_nfkc, joined.split(_SEPARATOR)))
     return [part.strip() for part in _tidy_whitespace(joined).split(_SEPARATOR)]
+
+
+def _clean_ascii(text: str) -> str:
+    """The rules after line endings, on the bytes of ASCII text: the space rules by numpy, in half the
+    time of the regular expression over spaces, which visits every character."""
+    data = text.encode("ascii").translate(_TABS_TO_SPACES, _ASCII_CONTROL_BYTES_BUT_NUL)
+    chars = np.frombuffer(data, dtype=np.uint8)
+    space = chars == ord(" ")
+    after_space = np.concatenate([[False], space[:-1]])
+    last_before_newline = space & np.concatenate([chars[1:] == ord("\n"), [False]])
+    # A space after a space goes (a run becomes one), and so does a run that a newline ends.
+    drop = space & after_space | last_before_newline & ~after_space
+    run_ends = np.flatnonzero(last_before_newline & after_space)
+    if len(run_ends):
+        run_starts = np.flatnonzero(space & ~after_space & np.concatenate([space[1:], [False]]))
+        drop[run_starts[np.searchsorted(run_starts, run_ends, side="right") - 1]] = True
+    kept = np.where(drop, np.uint8(_DROPPED), chars).tobytes().translate(None, bytes([_DROPPED]))
+    return _BLANK_LINES.sub("\n\n", kept.decode("ascii"))
 
 
 def _unix_line_endings(text: str) -> str:
