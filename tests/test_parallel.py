@@ -7,11 +7,13 @@ import mindspore as ms
 import numpy as np
 import pytest
 
+from model_core.data import PackedRows
 from model_core.parallel import comm
 from model_core.parallel.data_parallel import bucket_indices
 from model_core.parallel.launch import launch, launch_training, log_tail
 from model_core.parallel.layout import Layout, ParallelConfigError, check_implemented, check_tensor_parallel
 from model_core.parallel.zero import shard_pieces
+from model_core.train.loader import ShuffledBatches
 from params import ParamsError, load_params
 
 
@@ -145,3 +147,19 @@ def test_log_tail_skips_framework_chatter(tmp_path):
     log.write_text("[INFO] noise\nTraceback (most recent call last):\n[WARNING] more\nValueError: boom\n")
     assert log_tail(log) == "Traceback (most recent call last):\nValueError: boom"
     assert "no log" in log_tail(tmp_path / "missing.log")
+
+
+def test_the_data_position_is_global_so_a_checkpoint_resumes_under_another_dp():
+    rows = PackedRows(np.arange(40 * 3, dtype=np.int32).reshape(40, 3), np.zeros(40, np.int32), np.arange(41))
+    single = ShuffledBatches(rows, global_batch_rows=8, seed=1)
+    for _ in range(6):  # into the second epoch
+        single.next_rows()
+    state = single.state_dict()
+    halves = [ShuffledBatches(rows, global_batch_rows=8, seed=1, rank=rank, world=2) for rank in (0, 1)]
+    for half in halves:
+        half.load_state_dict(state)
+    expected = single.next_rows().tokens
+    np.testing.assert_array_equal(np.concatenate([half.next_rows().tokens for half in halves]), expected)
+    bigger = ShuffledBatches(rows, global_batch_rows=16, seed=1, rank=0, world=2)
+    with pytest.raises(ValueError, match="saved with global_batch_rows=8 but this run has global_batch_rows=16"):
+        bigger.load_state_dict(state)

@@ -1,11 +1,13 @@
 """Two msrun workers on this machine: every collective against numpy, dp2 and dp2 + ZeRO-1 training equal to
-one process on the same global batch, ZeRO-1's halved optimizer state, and a killed worker failing fast."""
+one process on the same global batch, ZeRO-1's halved optimizer state and bit-exact resume, and a killed
+worker failing fast. tests/test_tensor_parallel_msrun.py reuses the helpers and the reference run here."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -19,15 +21,15 @@ import pytest
 from conftest import SMALL_MODEL
 from model_core.data import prepare_dataset
 from model_core.parallel.launch import LaunchError, launch
-from model_core.train.trainer import Trainer
+from model_core.train.trainer import Trainer, model_weights
 from params import load_params
 
 pytestmark = pytest.mark.slow
 
 WORKER = str(Path(__file__).with_name("parallel_worker.py"))
-STEPS = 12
+STEPS = 20
 RUN = [
-    *SMALL_MODEL, "train.log_interval=1", "train.eval_interval=1000", "train.checkpoint_interval=1000",
+    *SMALL_MODEL, "train.log_interval=1", "train.eval_interval=10", "train.checkpoint_interval=10",
     f"train.steps={STEPS}", "optimizer.warmup_steps=2", "train.micro_batch_size=2",
 ]
 
@@ -41,11 +43,14 @@ def dataset_dir(corpus_jsonl, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def single_process(dataset_dir, tmp_path_factory):
-    """The reference: one process, the same global batch of 8 rows (4 micro-batches of 2)."""
+    """The reference: one process, the same global batch of 8 rows (4 micro-batches of 2); its metrics,
+    Adam moment bytes, initial and final weights and checkpoint directory (steps 10 and 20)."""
     out = tmp_path_factory.mktemp("single")
     trainer = Trainer(load_params("tiny", [*RUN, "parallel.micro_batches=4", f"train.output_dir={out}"]), dataset_dir, out / "ckpt")
+    initial = model_weights(trainer.model)
     history = trainer.run().history
-    return history, sum(m.asnumpy().nbytes for m in (*trainer.optimizer.exp_avg, *trainer.optimizer.exp_avg_sq))
+    moments = sum(m.asnumpy().nbytes for m in (*trainer.optimizer.exp_avg, *trainer.optimizer.exp_avg_sq))
+    return {"history": history, "moment_bytes": moments, "initial": initial, "final": model_weights(trainer.model), "checkpoints": out / "ckpt"}
 
 
 def run_workers(tmp_path, *args: str) -> list[dict]:
@@ -54,25 +59,67 @@ def run_workers(tmp_path, *args: str) -> list[dict]:
     return [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
 
 
+def train_job(out: Path, dataset_dir: Path, *overrides: str, resume: Path | None = None) -> list[dict]:
+    """A 2-worker training job of RUN + overrides (from `resume` if given); each rank's report."""
+    options = [a for o in (*RUN, f"train.output_dir={out}", *overrides) for a in ("--set", o)]
+    if resume is not None:
+        options += ["--resume", str(resume)]
+    return run_workers(out, "train", str(out / "out"), str(dataset_dir), *options)
+
+
+def assert_same_metrics(got: list[dict], expected: list[dict], rtol: float = 1e-5) -> None:
+    """Loss and gradient norm of every logged step, and the validation loss where both runs measured it."""
+    assert [record["step"] for record in got] == [record["step"] for record in expected]
+    for key in ("loss", "grad_norm", "validation_loss"):
+        pairs = [(g[key], e[key]) for g, e in zip(got, expected) if key in g and key in e]
+        assert len(pairs) == len(expected) or key == "validation_loss", key
+        if pairs:
+            np.testing.assert_allclose(*zip(*pairs), rtol=rtol, err_msg=key)
+
+
+def resume_from_step(checkpoints: Path, step: int, into: Path) -> Path:
+    """A copy of one checkpoint alone in a fresh directory (as if the run had stopped there)."""
+    name = f"step-{step:08d}"
+    shutil.copytree(checkpoints / name, into / name)
+    return into / name
+
+
+@pytest.fixture(scope="module")
+def zero1_run(dataset_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp2-zero1")
+    return out, train_job(out, dataset_dir, "parallel.data_parallel=2", "parallel.micro_batches=2", "parallel.zero_stage=1")
+
+
 def test_every_collective_matches_numpy_native_and_fallback_pynative_and_jit(tmp_path):
     for rank_result in run_workers(tmp_path, "comm", str(tmp_path / "out")):
         assert rank_result and all(rank_result.values()), [k for k, ok in rank_result.items() if not ok]
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])
-def test_dp2_matches_one_process_on_the_global_batch(dataset_dir, single_process, tmp_path, zero_stage):
-    overrides = [*RUN, "parallel.data_parallel=2", "parallel.micro_batches=2", f"parallel.zero_stage={zero_stage}", f"train.output_dir={tmp_path}"]
-    ranks = run_workers(tmp_path, "train", str(tmp_path / "out"), str(dataset_dir), *[a for o in overrides for a in ("--set", o)])
-    reference, full_moment_bytes = single_process
-    for key in ("loss", "grad_norm"):
-        expected = [record[key] for record in reference]
-        for rank in ranks:
-            np.testing.assert_allclose([record[key] for record in rank["history"]], expected, rtol=1e-5, err_msg=key)
+def test_dp2_matches_one_process_on_the_global_batch(dataset_dir, single_process, tmp_path, request, zero_stage):
+    if zero_stage == 1:
+        _, ranks = request.getfixturevalue("zero1_run")
+    else:
+        ranks = train_job(tmp_path, dataset_dir, "parallel.data_parallel=2", "parallel.micro_batches=2")
+    for rank in ranks:
+        assert_same_metrics(rank["history"], single_process["history"])
     held = [rank["moment_bytes"] for rank in ranks]
+    full_moment_bytes = single_process["moment_bytes"]
     if zero_stage == 1:
         assert sum(held) == full_moment_bytes and max(held) - min(held) <= 8  # halves, up to one element each
     else:
         assert held == [full_moment_bytes] * 2
+
+
+def test_dp2_zero1_resume_is_bit_exact(dataset_dir, zero1_run, tmp_path):
+    """Stopped after step 10 and resumed in a new job, steps 11-20 repeat the uninterrupted run to the bit."""
+    first_out, uninterrupted = zero1_run
+    start = resume_from_step(first_out / "out" / "checkpoints", 10, tmp_path / "out" / "checkpoints")
+    resumed = train_job(tmp_path, dataset_dir, "parallel.data_parallel=2", "parallel.micro_batches=2", "parallel.zero_stage=1", resume=start)
+    for rank in (0, 1):
+        tail = [r for r in uninterrupted[rank]["history"] if r["step"] > 10]
+        keys = ("step", "loss", "grad_norm", "lr")
+        assert [[r[k] for k in keys] for r in resumed[rank]["history"]] == [[r[k] for k in keys] for r in tail]
 
 
 def test_a_killed_worker_fails_the_job_fast_with_its_log_tail(dataset_dir, tmp_path):
@@ -122,10 +169,6 @@ def _wait_for_worker(rank: str, log: Path, timeout_s: float, settle_s: float = 8
     raise AssertionError(f"worker {rank} did not start within {timeout_s} s")
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-v"]))
-
-
 def test_llmflow_train_launches_its_ranks_under_msrun(corpus_jsonl, tmp_path, capsys):
     from flows.cli import main
 
@@ -139,5 +182,9 @@ def test_llmflow_train_launches_its_ranks_under_msrun(corpus_jsonl, tmp_path, ca
     logs = list((tmp_path / "train").rglob("logs/worker_1.log"))
     assert logs and "trained 3 steps" in logs[0].read_text()
 
-    assert main([*args, "--set", "parallel.tensor_parallel=2"]) == 1
-    assert "parallel.tensor_parallel=2 is not implemented yet" in capsys.readouterr().err
+    assert main([*args, "--set", "parallel.pipeline_parallel=2", "--set", "parallel.micro_batches=2"]) == 1
+    assert "parallel.pipeline_parallel=2 is not implemented yet" in capsys.readouterr().err
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-v"]))

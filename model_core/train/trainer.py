@@ -103,7 +103,8 @@ class Trainer:
         from instead of a random initialisation; a resumed checkpoint takes precedence over it.
         `adapt_model(model)` changes the model from outside after those weights are loaded and before the
         optimizer is built (LoRA: wrap projections, freeze the base); only parameters it leaves trainable
-        are trained. What it returns is kept as `self.adaptation`."""
+        are trained. What it returns is kept as `self.adaptation`. Under tensor parallelism the model is this
+        rank's block of the full one (`parallelize`), which LoRA adapters do not know, so it is refused."""
         device = device_target()
         check_precision(params.precision, device)
         self.params = params
@@ -152,7 +153,7 @@ class Trainer:
         else:
             self.eval_loss = VocabParallelTokenLoss(self.model, self.tensor_parallelism)
             self.accumulate = TensorParallelAccumulate(self.model, self.eval_loss)
-        names = {id(param): name for name, param in self.model.parameters_and_names()}
+        names = {id(param): name for name, param in named_weights(self.model).items()}
         weight_names = [names[id(param)] for param in self.accumulate.weights]
         if params.parallel.zero_stage == 1 and self.dp_group.size > 1:
             self.optimizer = ShardedAdamW(self.accumulate.weights, params.optimizer, weight_names, self.dp_group)
@@ -378,13 +379,20 @@ def _inputs(batch: Batch) -> tuple:
     return ms.Tensor(batch.tokens), ms.Tensor(batch.labels), ms.Tensor(batch.loss_mask), positions, segments
 
 
+def named_weights(model: ms.nn.Cell) -> dict[str, ms.Parameter]:
+    """The model's weights by their path (`layers.0.self_attn.q_proj.weight`), stable however cells nest.
+    The flags of the communication groups that tensor-parallel layers hold are not weights."""
+    flags = {id(param) for _, cell in model.cells_and_names() if isinstance(cell, comm.Group) for param in cell.get_parameters()}
+    return {name: param for name, param in model.parameters_and_names() if id(param) not in flags}
+
+
 def model_weights(model: ms.nn.Cell) -> dict[str, np.ndarray]:
-    """Weights by their path in the model (`layers.0.self_attn.q_proj.weight`), stable however cells nest."""
-    return {name: param.asnumpy() for name, param in model.parameters_and_names()}
+    """Copies of the weights: on CPU `asnumpy()` shares the Parameter's buffer, which training updates in place."""
+    return {name: param.asnumpy().copy() for name, param in named_weights(model).items()}
 
 
 def load_weights(model: ms.nn.Cell, weights: dict[str, np.ndarray]) -> None:
-    params = dict(model.parameters_and_names())
+    params = named_weights(model)
     missing, unexpected = set(params) - set(weights), set(weights) - set(params)
     if missing or unexpected:
         raise ResumeError(f"checkpoint weights do not fit the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")

@@ -1,0 +1,77 @@
+"""Tensor parallelism over two msrun workers against one process on the same global batch: the same initial
+weights, losses and gradient norms for 20 steps; its checkpoint resharded to one rank holds the single-process
+weights and resumes there; and resuming tp2 from its own checkpoint is bit-exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from model_core.parallel.layout import Layout
+from model_core.parallel.reshard import join_blocks, reshard
+from model_core.train.checkpoint import Checkpoint
+from model_core.train.trainer import Trainer
+from params import load_params
+from test_parallel_msrun import RUN, assert_same_metrics, dataset_dir, resume_from_step, single_process, train_job
+
+pytestmark = pytest.mark.slow
+
+__all__ = ["dataset_dir", "single_process"]  # module fixtures shared with the dp tests
+
+TP2 = ("parallel.tensor_parallel=2", "parallel.micro_batches=4")
+
+
+@pytest.fixture(scope="module")
+def tp2_run(dataset_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("tp2")
+    return out, train_job(out, dataset_dir, *TP2)
+
+
+def test_tp2_starts_from_the_single_process_weights_and_matches_its_training(tp2_run, single_process):
+    out, ranks = tp2_run
+    blocks = [dict(np.load(out / "out" / f"rank{rank}_initial.npz")) for rank in (0, 1)]
+    initial = join_blocks(blocks)
+    assert initial.keys() == single_process["initial"].keys()
+    for name, value in single_process["initial"].items():
+        np.testing.assert_array_equal(initial[name], value, err_msg=name)
+    assert blocks[0]["embed_tokens.weight"].shape[0] == initial["embed_tokens.weight"].shape[0] // 2
+    for rank in ranks:
+        assert_same_metrics(rank["history"], single_process["history"])
+        assert [r["step"] for r in rank["history"] if "validation_loss" in r] == [10, 20]  # both tp ranks evaluate
+
+
+def test_tp2_checkpoint_resharded_to_one_rank_holds_the_single_process_weights(tp2_run, single_process, tmp_path):
+    out, _ = tp2_run
+    saved = out / "out" / "checkpoints" / "step-00000020"
+    assert Checkpoint(saved, 20).layout() == Layout(dp=1, tp=2, pp=1)
+    single = reshard(saved, Layout(), tmp_path / "tp1")
+    assert sorted(p.name for p in single.path.glob("*.safetensors")) == ["model.safetensors", "optimizer.safetensors"]
+    weights, _, _ = single.load()
+    assert weights.keys() == single_process["final"].keys()
+    for name, value in single_process["final"].items():  # 20 AdamW steps on sums taken in another order
+        assert np.linalg.norm(weights[name] - value) <= 1e-5 * np.linalg.norm(value), name
+    back = reshard(single.path, Layout(tp=2), tmp_path / "tp2")
+    for index in (0, 1):
+        for again, original in zip(back.load_shard(index), Checkpoint(saved, 20).load_shard(index)):
+            assert again.keys() == original.keys()
+            assert all(np.array_equal(again[name], original[name]) for name in original)
+
+
+def test_a_tp2_checkpoint_resumes_in_one_process(tp2_run, single_process, dataset_dir, tmp_path):
+    """Resharded in memory at resume: steps 11-20 on one rank follow the single-process run."""
+    out, _ = tp2_run
+    resume_from_step(out / "out" / "checkpoints", 10, tmp_path / "ckpt")
+    params = load_params("tiny", [*RUN, "parallel.micro_batches=4", f"train.output_dir={tmp_path}"])
+    result = Trainer(params, dataset_dir, tmp_path / "ckpt").run(resume="auto")
+    assert result.resumed_from.name == "step-00000010"
+    assert_same_metrics(result.history, [r for r in single_process["history"] if r["step"] > 10])
+
+
+def test_tp2_resume_is_bit_exact(tp2_run, dataset_dir, tmp_path):
+    out, uninterrupted = tp2_run
+    start = resume_from_step(out / "out" / "checkpoints", 10, tmp_path / "out" / "checkpoints")
+    resumed = train_job(tmp_path, dataset_dir, *TP2, resume=start)
+    keys = ("step", "loss", "grad_norm", "lr", "validation_loss")
+    for rank in (0, 1):
+        tail = [r for r in uninterrupted[rank]["history"] if r["step"] > 10]
+        assert [[r.get(k) for k in keys] for r in resumed[rank]["history"]] == [[r.get(k) for k in keys] for r in tail]
