@@ -472,6 +472,7 @@ def _encode(
             total = submitted
             while waiting:
                 absorb(waiting.popleft())
+            progress(phase, submitted, total)  # also when every batch was taken in while chunks still came
     finally:
         encoder.shutdown(cancel_futures=True)  # after a failure, the batches not started yet are dropped
     return np.concatenate(token_ids), np.concatenate(lengths), np.concatenate(signatures) if signatures else None
