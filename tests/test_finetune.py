@@ -109,3 +109,27 @@ def test_cli_finetune_eval_merge_and_a_wrong_base(pretrained, tmp_path, capsys):
         evaluate_checkpoint(params, tmp_path / "m", dataset.tokenizer_path, {}, adapters)
     assert main(["eval", *cli, "--checkpoint", str(tmp_path / "m"), "--adapters", str(adapters)]) == 1
     assert "not this base" in capsys.readouterr().err
+
+
+def test_lora_under_dp2_with_zero1_trains_the_same_adapters_as_one_process(pretrained, tmp_path):
+    from model_core.convert.tensors import read_safetensors
+
+    _, _, _, checkpoint, cli = pretrained
+    # The same global batch of 16 rows: two accumulated micro-batches in one process, one per rank under dp2.
+    common = [*cli, "--set", "lora.dropout=0", "--set", "lora.steps=4", "--base", str(checkpoint)]
+    single = ["--set", "train.grad_accum_steps=2", "--checkpoint-dir", str(tmp_path / "one")]
+    sharded = ["--set", "parallel.data_parallel=2", "--set", "parallel.zero_stage=1", "--checkpoint-dir", str(tmp_path / "dp2")]
+    assert main(["finetune", *common, *single]) == 0
+    assert main(["finetune", *common, *sharded]) == 0
+    one = read_safetensors(tmp_path / "one" / "adapters" / "adapters.safetensors")
+    dp2 = read_safetensors(tmp_path / "dp2" / "adapters" / "adapters.safetensors")
+    assert one.keys() == dp2.keys()
+    for name in one:
+        np.testing.assert_allclose(dp2[name], one[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_lora_with_tensor_parallelism_is_refused_before_anything_runs(pretrained, tmp_path):
+    params, _, instructions, checkpoint, _ = pretrained
+    sharded = params.model_copy(update={"parallel": params.parallel.model_copy(update={"tensor_parallel": 2})})
+    with pytest.raises(ValueError, match="LoRA with parallel.tensor_parallel=2"):
+        finetune(sharded, instructions.output_dir, checkpoint, tmp_path / "tp")

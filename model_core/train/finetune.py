@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from model_core.model.lora import LoraSummary, apply_lora, base_sha256, save_adapters
+from model_core.parallel.layout import ParallelConfigError
 from model_core.train.callbacks import MetricsCallback
 from model_core.train.trainer import Trainer, TrainResult
 from params.schema import PipelineParams
@@ -39,6 +40,18 @@ def finetune_params(params: PipelineParams) -> PipelineParams:
     return params.model_copy(update={"optimizer": optimizer, "train": train})
 
 
+def check_lora_layout(params: PipelineParams) -> None:
+    """Adapters are not sharded yet: under tensor or pipeline parallelism they would have to split like the
+    projection they wrap, so those layouts are refused before anything is built."""
+    parallel = params.parallel
+    for field, value in (("tensor_parallel", parallel.tensor_parallel), ("pipeline_parallel", parallel.pipeline_parallel)):
+        if value > 1:
+            raise ParallelConfigError(
+                f"LoRA with parallel.{field}={value} is not supported: adapters would have to shard like the "
+                "projections they wrap; fine-tune with data_parallel (and zero_stage=1) instead"
+            )
+
+
 def finetune(
     params: PipelineParams,
     dataset_dir: str | Path,
@@ -48,7 +61,9 @@ def finetune(
     resume: str | Path = "auto",
 ) -> FinetuneResult:
     """Train LoRA adapters on top of `base_checkpoint` (a directory with model.safetensors) and save them to
-    `<checkpoint_dir>/adapters`. `resume="auto"` continues from the newest valid fine-tuning checkpoint."""
+    `<checkpoint_dir>/adapters`. `resume="auto"` continues from the newest valid fine-tuning checkpoint.
+    Data parallelism and ZeRO-1 apply as in pretraining (only the adapters are reduced and sharded)."""
+    check_lora_layout(params)
     tuned = finetune_params(params)
     trainer = Trainer(
         tuned, dataset_dir, checkpoint_dir, steps=tuned.train.steps, initial_weights=base_checkpoint,
