@@ -9,6 +9,12 @@ multi-threaded, straight into numpy); drop near duplicates, found on token shing
 pack; shuffle rows; write shards. Length filters run before deduplication so a document that is dropped
 anyway never hides a near-copy of itself. Near-deduplication follows the split, so `validation_fraction`
 is the held-out share before it; it needs the token ids, and encoding has to happen anyway.
+
+A given tokenizer (tokenizer.model_path) is loaded first, and then the corpus streams: each chunk is
+read, cleaned and filtered on this thread while the chunks before it encode and their MinHash
+signatures are computed, and the bad-record and empty-corpus checks come after the last chunk. The
+outcome is the same as in the order above, which a trained tokenizer needs (it sees every training
+document before anything is encoded). The two splits pack and write side by side.
 The dataset is built in a temporary sibling directory and renamed into place, so a failure never
 leaves a final directory behind.
 """
