@@ -49,6 +49,10 @@ def shard_files(index: int, tp: int) -> tuple[str, str]:
     return f"model-tp{index}-of-{tp}.safetensors", f"optimizer-tp{index}-of-{tp}.safetensors"
 
 
+def all_shard_files(tp: int) -> set[str]:
+    return {name for index in range(tp) for name in shard_files(index, tp)}
+
+
 class CheckpointLayoutError(ValueError):
     """The checkpoint's files are split for another layout than the reader asked for."""
 
@@ -78,8 +82,8 @@ class Checkpoint:
         tp = self.layout().tp
         if tp != 1:
             raise CheckpointLayoutError(
-                f"{self.path} is split over tensor_parallel={tp}; read it with model_core.parallel.reshard "
-                "(or `llmflow ckpt reshard --tensor-parallel 1`)"
+                f"{self.path} is split over tensor_parallel={tp}; join its blocks with model_core.parallel.reshard "
+                "(reshard to tensor_parallel=1, or whole_tensors)"
             )
         return (*self.load_shard(0), self.state())
 
@@ -91,13 +95,9 @@ def save_checkpoint(
     optimizer: Tensors,
     state: dict,
     keep: int,
-    layout: Layout | None = None,
 ) -> Checkpoint:
-    """Write a whole checkpoint from one process: every block of `layout` (by default one rank), in order."""
-    layout = layout or Layout()
-    if layout.tp != 1:
-        raise CheckpointLayoutError(f"one weights dict cannot be saved as {layout.tp} tensor-parallel blocks")
-    return save_shards(directory, step, {0: (weights, optimizer)}, state, layout, keep)
+    """Write the checkpoint of a one-rank run from its one process."""
+    return save_shards(directory, step, {0: (weights, optimizer)}, state, Layout(), keep)
 
 
 def save_shards(
@@ -142,7 +142,7 @@ def save_shards(
 
 
 def _commit(building: Path, final: Path, step: int, state: dict, layout: Layout) -> None:
-    expected = {name for index in range(layout.tp) for name in shard_files(index, layout.tp)}
+    expected = all_shard_files(layout.tp)
     missing = sorted(expected - {path.name for path in building.iterdir()})
     if missing:
         raise FileNotFoundError(f"checkpoint step {step}: no rank wrote {missing} into {building}")
@@ -181,8 +181,7 @@ def verify(checkpoint: Checkpoint) -> str | None:
             return f"{name} is missing"
         if file_sha256(path) != expected:
             return f"{name} does not match its sha256"
-    tp = checkpoint.layout().tp
-    required = {name for index in range(tp) for name in shard_files(index, tp)} | {STATE}
+    required = all_shard_files(checkpoint.layout().tp) | {STATE}
     missing = required - set(manifest.get("sha256", {}))
     return f"manifest lists no {sorted(missing)}" if missing else None
 
