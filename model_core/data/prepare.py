@@ -57,7 +57,7 @@ TOKENIZER_NAME = "tokenizer.model"
 CACHE_DIR = ".cache"  # under data.output_dir: the extracted standard-library docstrings
 MAX_REPORTED_RECORDS = 20
 _ENCODE_BATCH_DOCS = 1024  # small enough that minhashing one batch overlaps encoding the next
-_LAST_BATCH_DOCS = 128  # the documents left at the end: small batches, so little MinHash follows encoding
+_LAST_BATCH_DOCS = 128  # encoded apart at the very end, so little MinHash follows encoding (small batches cost)
 _CLEAN_CHUNK_DOCS = 512  # cleaned at a time, so that encoding starts after the first chunk, not the corpus
 # Reading in worker processes pays for their start (about a second) only on several large files.
 _PARALLEL_READ_BYTES = 64 << 20
@@ -473,8 +473,10 @@ def _encode(
                     batch = batch[_ENCODE_BATCH_DOCS:]
                 while waiting and waiting[0].done():
                     absorb(waiting.popleft())
-            for first in range(0, len(batch), _LAST_BATCH_DOCS):
-                submit(batch[first : first + _LAST_BATCH_DOCS])
+            last = _LAST_BATCH_DOCS if len(batch) > 2 * _LAST_BATCH_DOCS else 0
+            for documents in (batch[: len(batch) - last], batch[len(batch) - last :]):
+                if documents:
+                    submit(documents)
             total = submitted
             while waiting:
                 absorb(waiting.popleft())
