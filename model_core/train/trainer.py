@@ -116,7 +116,6 @@ class Trainer:
         self.dp_group = comm.group(self.layout.dp_group(self.rank))
         self.tp_group = comm.group(self.layout.tp_group(self.rank))
         self.is_reporting = self.rank == 0
-        self.evaluates = 0 in self.tp_group.ranks  # validation runs on rank 0's tp group (it is collective)
         self.writes_checkpoints = self.dp_group.index == 0  # the first dp replica holds every tp block
         if adapt_model is not None and self.tp_group.size > 1:
             raise ValueError(
@@ -226,7 +225,7 @@ class Trainer:
             if step % train.log_interval == 0 or step == self.steps:
                 elapsed = time.perf_counter() - window_start
                 record = self._record(loss, grad_norm, window_tokens / max(elapsed, 1e-9))
-                if self.evaluates and (step % train.eval_interval == 0 or step == self.steps):
+                if step % train.eval_interval == 0 or step == self.steps:
                     record["validation_loss"] = self.evaluate()
                 history.append(record)
                 if on_metrics is not None and self.is_reporting:
@@ -313,17 +312,21 @@ class Trainer:
         return record
 
     def evaluate(self) -> float:
-        """Mean token loss over the first `train.eval_batches` validation micro-batches."""
+        """Mean token loss over the first `train.eval_batches` validation micro-batches. Every rank calls it:
+        the dp replicas take turns over the batches and sum (no replica idles at its next collective while
+        another evaluates, which can outlast the backend's collective timeout)."""
         train = self.params.train
         total, counted = 0.0, 0
         batches = sequential_batches(
             self.validation, train.micro_batch_size, train.eval_batches, self.params.tokenizer.pad_id,
             train.reset_at_document_boundaries,
         )
-        for batch in batches:
-            _, summed = self.eval_loss(*_inputs(batch), scalar(1.0))
-            total += float(summed.asnumpy())
-            counted += batch.counted_tokens
+        for index, batch in enumerate(batches):
+            if index % self.dp_group.size == self.dp_group.index:
+                _, summed = self.eval_loss(*_inputs(batch), scalar(1.0))
+                total += float(summed.asnumpy())
+                counted += batch.counted_tokens
+        total, counted = sum_over(self.dp_group, [total, counted])
         return total / counted if counted else math.nan
 
     # ------------------------------------------------------------------------------------- checkpoints
