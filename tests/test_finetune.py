@@ -133,3 +133,23 @@ def test_lora_with_tensor_parallelism_is_refused_before_anything_runs(pretrained
     sharded = params.model_copy(update={"parallel": params.parallel.model_copy(update={"tensor_parallel": 2})})
     with pytest.raises(ValueError, match="LoRA with parallel.tensor_parallel=2"):
         finetune(sharded, instructions.output_dir, checkpoint, tmp_path / "tp")
+
+
+def test_adapter_dropout_acts_in_training_steps_and_not_in_evaluation(pretrained, tmp_path):
+    from model_core.model.lora import adapter_weights, apply_lora
+
+    params, _, instructions, checkpoint, _ = pretrained
+
+    def trainer(dropout: float, name: str) -> Trainer:
+        lora = params.lora.model_copy(update={"dropout": dropout})
+        return Trainer(
+            params, instructions.output_dir, tmp_path / name, steps=2, initial_weights=checkpoint,
+            adapt_model=lambda model: apply_lora(model, lora),
+        )
+
+    plain, dropped = trainer(0.0, "plain"), trainer(0.5, "dropped")
+    plain.run()
+    dropped.run()
+    assert dropped.evaluate() == dropped.evaluate()  # B is no longer zero: random masks would show here
+    changed = [not np.array_equal(a, b) for a, b in zip(adapter_weights(plain.model).values(), adapter_weights(dropped.model).values())]
+    assert all(changed)

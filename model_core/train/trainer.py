@@ -132,6 +132,7 @@ class Trainer:
             parallelize(self.model, self.layout, self.rank, params.model) if self.tp_group.size > 1 else None
         )
         self.adaptation = adapt_model(self.model) if adapt_model is not None else None
+        self.model.set_train(True)  # training-only layers (LoRA's dropout) act in the step, not in evaluate()
 
         train = params.train
         self.micro_batches = params.parallel.micro_batches * train.grad_accum_steps
@@ -321,11 +322,15 @@ class Trainer:
             self.validation, train.micro_batch_size, train.eval_batches, self.params.tokenizer.pad_id,
             train.reset_at_document_boundaries,
         )
-        for index, batch in enumerate(batches):
-            if index % self.dp_group.size == self.dp_group.index:
-                _, summed = self.eval_loss(*_inputs(batch), scalar(1.0))
-                total += float(summed.asnumpy())
-                counted += batch.counted_tokens
+        self.model.set_train(False)
+        try:
+            for index, batch in enumerate(batches):
+                if index % self.dp_group.size == self.dp_group.index:
+                    _, summed = self.eval_loss(*_inputs(batch), scalar(1.0))
+                    total += float(summed.asnumpy())
+                    counted += batch.counted_tokens
+        finally:
+            self.model.set_train(True)
         total, counted = sum_over(self.dp_group, [total, counted])
         return total / counted if counted else math.nan
 
