@@ -281,7 +281,7 @@ def _convert_into(final: Path, plan: _Plan) -> ConvertedCheckpoint:
         (building / RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
     try:
-        _build_atomically(final, write, replace_invalid=True)
+        build_atomically(final, write, replace_invalid=True)
     except OSError:
         if _is_valid(final, plan.key):  # a concurrent run of the same conversion renamed its copy first
             return _result(final, reused=True)
@@ -343,7 +343,7 @@ def ms_to_hf(
         for name, content in tokenizer_files.items():
             (building / name).write_bytes(content)
 
-    _build_atomically(dst, write, replace_invalid=False)
+    build_atomically(dst, write, replace_invalid=False)
     return ExportedModel(dst, config, vocab_size)
 
 
@@ -388,7 +388,7 @@ def _tokenizer_files(path: Path, vocab_size: int, params: ModelParams, config: d
     return {"tokenizer.model": model, "tokenizer_config.json": (json.dumps(tokenizer_config, indent=2) + "\n").encode()}
 
 
-def _build_atomically(final: Path, write, replace_invalid: bool) -> None:
+def build_atomically(final: Path, write, replace_invalid: bool) -> None:
     """Run `write(directory)` on a temporary sibling of `final`, fsync it and rename it into place."""
     final.parent.mkdir(parents=True, exist_ok=True)
     building = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))

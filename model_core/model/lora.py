@@ -248,7 +248,7 @@ def save_adapters(directory: str | Path, model: nn.Cell, lora: LoraParams, base_
         (building / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
     directory = Path(directory)
-    converted._build_atomically(directory, write, replace_invalid=True)
+    converted.build_atomically(directory, write, replace_invalid=True)
     return directory
 
 
@@ -333,7 +333,7 @@ def merge_into_checkpoint(
         record["sha256"] = {name: file_sha256(building / name) for name in (converted.WEIGHTS, converted.PARAMS)}
         (building / converted.RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
-    converted._build_atomically(output, write, replace_invalid=False)
+    converted.build_atomically(output, write, replace_invalid=False)
     return output
 
 
