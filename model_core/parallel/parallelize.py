@@ -71,20 +71,21 @@ def parallelize(model: Llama, layout: Layout, rank: int, params: ModelParams) ->
     group = comm.group(layout.tp_group(rank))
     size, index = group.size, group.index
 
-    def own_block(cell: nn.Cell, attribute: str = "weight") -> Parameter:
-        full = getattr(cell, attribute)
-        block = take_block(full.asnumpy(), split_axis(f"{_name_of(model, cell)}.{attribute}"), size, index)
+    def own_block(cell: nn.Cell) -> Parameter:
+        """This rank's block of `cell.weight`, as a new Parameter under the same name."""
+        full = cell.weight
+        block = take_block(full.asnumpy(), split_axis(f"{_name_of(model, cell)}.weight"), size, index)
         return Parameter(Tensor(block), name=full.name, requires_grad=full.requires_grad)
 
-    for block in model.layers:
-        attention, mlp = block.self_attn, block.mlp
+    for layer in model.layers:
+        attention, mlp = layer.self_attn, layer.mlp
         for linear in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj):
             linear.weight = own_block(linear)
         attention.o_proj = RowParallelLinear(own_block(attention.o_proj), group)
         mlp.down_proj = RowParallelLinear(own_block(mlp.down_proj), group)
         attention.num_heads //= size
         attention.num_kv_heads //= size
-        for norm in (block.input_layernorm, block.post_attention_layernorm):
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             norm.rms_norm = ThenCopyToTensorParallel(norm.rms_norm, group)
     vocab_start = index * (params.vocab_size // size)
     model.embed_tokens = VocabParallelEmbedding(own_block(model.embed_tokens), vocab_start, group)
