@@ -1,0 +1,143 @@
+"""Training throughput of one process against two msrun workers, data- or tensor-parallel, on this machine's cores.
+
+Every layout trains the same reference-size Llama (vocab 8000, hidden 512, 8 layers, 8 heads, FFN 1376,
+seq 256, tied) on the same global batch of 8 sequences (2048 tokens) with the real `Trainer`, fp32:
+  dp1  one process, 2 threads;
+  dp2  two workers of 1 thread, each 4 sequences, gradients summed once per step;
+  tp2  two workers of 1 thread, each all 8 sequences and half of every large matrix.
+tokens/s is the median over the steps after `--warmup` (the first compiles). The share of step time spent
+in communication is measured, not modelled: each multi-worker layout runs a second time with every
+collective replaced by the identity (same compute, no waiting on the other worker; its numbers are
+meaningless, its time is the compute alone), and share = 1 - compute-only step time / real step time.
+Pipeline parallelism (pp2) is not implemented yet (issue #4), so it is absent.
+
+    python benchmarks/parallel_scaling.py [--steps 8] [--warmup 3]
+
+The last line printed is one JSON object: tokens/s keyed by layout (`dp1`, `dp2`, `tp2`), and
+`communication_share` per multi-worker layout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MODEL = [
+    "model.vocab_size=8000", "model.hidden_size=512", "model.num_layers=8", "model.num_heads=8",
+    "model.num_kv_heads=8", "model.ffn_hidden_size=1376", "model.seq_len=256", "model.tie_embeddings=true",
+]
+# layout -> (workers, threads per worker, params overrides); every one trains on 8 sequences a step
+LAYOUTS = {
+    "dp1": (1, 2, ["train.micro_batch_size=8"]),
+    "dp2": (2, 1, ["train.micro_batch_size=4", "parallel.data_parallel=2"]),
+    "tp2": (2, 1, ["train.micro_batch_size=8", "parallel.tensor_parallel=2"]),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the median (compilation)")
+    # internal: one process of one layout. Named so that msrun's own parser, which reads the worker's
+    # arguments too, matches none of its options by prefix (`--worker` would).
+    parser.add_argument("--layout-worker", help=argparse.SUPPRESS)
+    parser.add_argument("--no-communication", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.layout_worker:
+        dataset, out = args.paths
+        run_worker(args.layout_worker, dataset, Path(out), args.steps, args.no_communication)
+        return
+    with tempfile.TemporaryDirectory(prefix="parallel-scaling-") as workdir:
+        figures = measure(Path(workdir), args.steps, args.warmup)
+    print(f"{'layout':<8}{'tokens/s':>10}{'step s':>9}{'communication':>15}")
+    for name, result in figures.items():
+        share = result.get("communication_share")
+        print(f"{name:<8}{result['tokens_per_second']:>10.0f}{result['step_seconds']:>9.2f}{'' if share is None else f'{share:.0%}':>15}")
+    summary = {name: round(result["tokens_per_second"], 1) for name, result in figures.items()}
+    summary["communication_share"] = {n: round(r["communication_share"], 3) for n, r in figures.items() if "communication_share" in r}
+    print(json.dumps(summary))
+
+
+def measure(workdir: Path, steps: int, warmup: int) -> dict[str, dict]:
+    from model_core.data import prepare_dataset
+    from params import load_params
+
+    params = load_params("tiny", [*MODEL, f"data.output_dir={workdir / 'data'}"])
+    dataset = prepare_dataset(params.data, params.tokenizer, params.model).output_dir
+    figures = {}
+    for name, (workers, _, _) in LAYOUTS.items():
+        step_seconds = median_step_seconds(run_layout(name, workers, dataset, workdir / name, steps, False), warmup)
+        figures[name] = {"tokens_per_second": 2048 / step_seconds, "step_seconds": step_seconds}
+        if workers > 1:
+            alone = median_step_seconds(run_layout(name, workers, dataset, workdir / f"{name}-alone", steps, True), warmup)
+            figures[name]["communication_share"] = max(0.0, 1 - alone / step_seconds)
+        print(f"{name}: {figures[name]}", file=sys.stderr, flush=True)
+    return figures
+
+
+def run_layout(name: str, workers: int, dataset: Path, out: Path, steps: int, no_communication: bool) -> list[dict]:
+    """Rank 0's per-step metrics of one run of `name`."""
+    command = [str(Path(__file__)), "--layout-worker", name, "--steps", str(steps), str(dataset), str(out)]
+    if no_communication:
+        command.append("--no-communication")
+    if workers == 1:
+        subprocess.run([sys.executable, *command], check=True, cwd=REPO)
+    else:
+        from model_core.parallel.launch import launch
+
+        with open(out.with_suffix(".log"), "w") as echo:
+            launch(command, workers, out / "logs", echo=echo)
+    return json.loads((out / "history.json").read_text())
+
+
+def median_step_seconds(history: list[dict], warmup: int) -> float:
+    timed = history[warmup:]
+    if not timed:
+        raise ValueError(f"{len(history)} steps leave none to time after {warmup} warm-up steps; raise --steps")
+    return statistics.median(2048 / record["tokens_per_second"] for record in timed)
+
+
+def run_worker(name: str, dataset: str, out: Path, steps: int, no_communication: bool) -> None:
+    import mindspore as ms
+
+    from model_core.parallel import comm
+    from model_core.train.trainer import Trainer
+    from params import load_params
+
+    workers, threads, overrides = LAYOUTS[name]
+    ms.device_context.cpu.op_tuning.threads_num(threads)
+    if no_communication:
+        remove_communication(comm)
+    params = load_params("tiny", [*MODEL, *overrides, f"train.steps={steps}", "train.log_interval=1",
+                                  "train.eval_interval=100000", "train.checkpoint_interval=100000"])
+    trainer = Trainer(params, dataset, out / "checkpoints")
+    # The final checkpoint and validation are not part of a step (and the checkpoint's barriers are collectives).
+    trainer.save = lambda: None
+    trainer.evaluate = lambda: float("nan")
+    history = trainer.run().history
+    if trainer.is_reporting:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "history.json").write_text(json.dumps(history))
+
+
+def remove_communication(comm) -> None:
+    """Every collective of comm.Group returns this rank's input: the compute of a step without its waiting."""
+
+    def alone(self, x, *args):
+        return x
+
+    for method in ("all_reduce", "all_gather", "reduce_scatter", "broadcast"):
+        setattr(comm.Group, method, alone)
+
+
+if __name__ == "__main__":
+    main()
