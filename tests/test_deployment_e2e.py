@@ -106,7 +106,7 @@ def test_deployment_run_completes_and_is_tracked(corpus_jsonl, tmp_path):
         assert len(parents) == 1 and parents[0].info.status == "FINISHED"
         assert parents[0].data.tags["prefect.deployment"] == "nightly"
         stages = [run.info.run_name for run in runs if "mlflow.parentRunId" in run.data.tags]
-        assert stages == ["data_prep", "smoke", "pretrain"]
+        assert stages == ["data_prep", "smoke", "pretrain", "evaluate"]
         assert all(run.info.status == "FINISHED" for run in runs)
 
         schedules = _prefect(["deployment", "inspect", "pretrain-flow/nightly"], env, timeout=60).stdout

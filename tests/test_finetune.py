@@ -70,6 +70,9 @@ def test_finetune_lowers_held_out_instruction_loss_and_leaves_the_base_alone(pre
     base = evaluate_checkpoint(params, checkpoint, dataset.tokenizer_path, held_out)
     tuned = evaluate_checkpoint(params, checkpoint, dataset.tokenizer_path, held_out, result.adapters_dir)
     assert tuned.held_out["instructions"].mean_loss < base.held_out["instructions"].mean_loss - 0.03
+    other_lora = params.model_copy(update={"lora": params.lora.model_copy(update={"rank": 4, "target_modules": ["q"]})})
+    again = evaluate_checkpoint(other_lora, checkpoint, dataset.tokenizer_path, held_out, result.adapters_dir)
+    assert again.held_out == tuned.held_out  # the adapters' own rank and targets, not params.lora's
 
     summary = result.summary
     assert summary.adapted_modules == 7 * 2  # every projection of 2 layers

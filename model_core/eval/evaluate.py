@@ -13,7 +13,7 @@ from model_core.eval.generate import GenerationConfig, generate
 from model_core.eval.perplexity import held_out_loss
 from model_core.eval.report import EvalReport, PromptOutput
 from model_core.model import Llama
-from model_core.model.lora import apply_lora, base_sha256, load_adapters
+from model_core.model.lora import apply_lora, base_sha256, load_adapters, read_adapters
 from model_core.train.loader import load_split
 from model_core.train.precision import check_precision
 from model_core.train.system import device_target
@@ -78,13 +78,17 @@ def evaluate_model(
 
 
 def load_model(params: PipelineParams, checkpoint: str | Path, adapters: str | Path | None = None) -> Llama:
-    """The model of `params.model` with the checkpoint's weights and, if given, its LoRA adapters, in inference mode."""
+    """The model of `params.model` with the checkpoint's weights and, if given, its LoRA adapters (rank, alpha and
+    targets as the adapters were trained, whatever params.lora says), in inference mode."""
     check_precision(params.precision, device_target())
     model = Llama(params.model, params.precision.compute_dtype)
     load_weights(model, read_weights(checkpoint))
     if adapters is not None:
-        apply_lora(model, params.lora)
-        load_adapters(model, adapters, base_sha256(checkpoint))
+        base_hash = base_sha256(checkpoint)
+        _, config = read_adapters(adapters, base_hash)  # the adapters' own shape, whatever params.lora says
+        shape = {key: config[key] for key in ("rank", "alpha", "target_modules")}
+        apply_lora(model, params.lora.model_copy(update={**shape, "dropout": 0.0}))
+        load_adapters(model, adapters, base_hash)
     model.set_train(False)
     return model
 
