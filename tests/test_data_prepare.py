@@ -229,3 +229,30 @@ def test_several_large_files_are_read_in_spawned_workers_with_the_same_result(tm
     parallel = prepare_dataset(data.model_copy(update={"num_workers": 2}), TOKENIZER, MODEL)
     assert contexts.methods == ["spawn"]
     assert parallel.manifest["splits"] == serial.manifest["splits"]
+
+
+def test_streaming_in_tiny_chunks_gives_the_same_dataset(tmp_path, corpus, monkeypatch):
+    from model_core.data import dedup, sources
+
+    lines = corpus.read_text().splitlines()
+    lines[5] = "{broken json"
+    near_copy = json.dumps({"text": json.loads(lines[11])["text"] + " One more sentence at the end."})
+    corpus.write_text("\n".join([*lines, lines[7], lines[9], near_copy]) + "\n")  # a bad line, repeats, a near copy
+    trained = prepare_dataset(params(tmp_path, corpus, max_bad_record_fraction=0.05, near_dup_threshold=0.8), TOKENIZER, MODEL)
+    given = TokenizerParams(model_path=str(trained.tokenizer_path))
+    streamed = prepare_dataset(params(tmp_path, corpus, max_bad_record_fraction=0.05, near_dup_threshold=0.8, output_dir=str(tmp_path / "b")), given, MODEL)
+    monkeypatch.setattr(sources, "_JSONL_CHUNK_BYTES", 300)
+    monkeypatch.setattr(prepare, "_CLEAN_CHUNK_DOCS", 3)
+    monkeypatch.setattr(prepare, "_ENCODE_BATCH_DOCS", 5)
+    monkeypatch.setattr(dedup, "_MAX_PAIRS_PER_DOCUMENT", 0)  # near dedup by its bucket loop, not candidate pairs
+    calls = []
+    tiny = prepare_dataset(
+        params(tmp_path, corpus, max_bad_record_fraction=0.05, near_dup_threshold=0.8, output_dir=str(tmp_path / "c")), given, MODEL,
+        progress=lambda stage, done, total: calls.append((stage, done, total)),
+    )
+    assert tiny.manifest["splits"] == streamed.manifest["splits"] == trained.manifest["splits"]
+    assert tiny.manifest["counts"] == trained.manifest["counts"]
+    assert trained.manifest["counts"]["dropped"]["exact_duplicate"] == 2
+    assert trained.manifest["counts"]["dropped"]["near_duplicate"] == 1 and trained.manifest["counts"]["malformed"] == 1
+    stage, done, total = [call for call in calls if call[0] == "read and tokenize"][-1]
+    assert done == total
