@@ -11,12 +11,14 @@ from pydantic import BaseModel
 
 from model_core.data import prepare_instructions
 from model_core.train.checkpoint import run_directory
-from model_core.train.finetune import finetune
+from model_core.train.finetune import check_lora_layout, finetune
 from params import PipelineParams, params_hash
 from tasks.data import DataResult, numeric_leaves
 from tasks.plots import loss_curve_png
 from tasks.retry import retry_on_transient_io
 from tasks.tracking import MetricsBatcher, Tracking, stage_run
+
+__all__ = ["FinetuneStageResult", "check_lora_layout", "finetune_stage"]
 
 
 class FinetuneStageResult(BaseModel):

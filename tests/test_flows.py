@@ -160,3 +160,12 @@ def test_cli_convert_round_trip_and_tokenizer_check(tmp_path, capsys):
     assert (tmp_path / "back" / "config.json").is_file()
     assert main(["convert", "hf-to-ms", "--src", str(tmp_path / "missing"), "--dst", str(tmp_path / "x")]) == 1
     assert "missing" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_lora_under_tensor_parallelism_is_refused_before_any_stage(corpus_jsonl, tmp_path, mlflow_uri):
+    overrides = small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "flow-lora-tp")
+    params = load_params("tiny", [*overrides, "lora.enabled=true", "parallel.tensor_parallel=2"])
+    with pytest.raises(ValueError, match="LoRA with parallel.tensor_parallel=2 is not supported"):
+        pretrain_flow(params)
+    assert MlflowClient(mlflow_uri).get_experiment_by_name("flow-lora-tp") is None
+    assert not (tmp_path / "data").exists()
