@@ -219,6 +219,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if result.recommended is not None else 1
 
 
+def _cmd_ckpt_reshard(args: argparse.Namespace) -> int:
+    from model_core.parallel.layout import Layout
+    from model_core.parallel.reshard import reshard
+
+    target = Layout(dp=args.data_parallel, tp=args.tensor_parallel)
+    written = reshard(args.checkpoint, target, args.output)
+    print(f"resharded {args.checkpoint} -> {written.path} ({target})")
+    return 0
+
+
 def _cmd_params_show(args: argparse.Namespace) -> int:
     params = _params(args)
     if args.format == "json":
@@ -416,6 +426,22 @@ def build_parser() -> argparse.ArgumentParser:
         "accelerators, the measured MindSpore baseline on cpu)",
     )
     planner.set_defaults(handler=_cmd_plan)
+
+    ckpt = commands.add_parser("ckpt", help="checkpoint tools", description="Checkpoint tools.")
+    ckpt_actions = ckpt.add_subparsers(dest="ckpt_command", required=True, metavar="ACTION")
+    reshard = ckpt_actions.add_parser(
+        "reshard",
+        help="rewrite a training checkpoint for another parallel layout (tp2 -> tp1 and back), exactly",
+        description="Join or split the per-rank tensor-parallel blocks of a step-* checkpoint for another layout. "
+        "Optimizer moments, data position and counters carry over; a round trip gives the same bytes. "
+        "Resuming under another tensor-parallel degree reshards on the fly; this writes it to disk "
+        "(for example a tp1 copy that `finetune --base`, `eval` and `convert ms-to-hf` read).",
+    )
+    reshard.add_argument("--checkpoint", required=True, type=Path, help="a step-* checkpoint directory")
+    reshard.add_argument("--tensor-parallel", type=int, required=True, help="target tensor-parallel degree")
+    reshard.add_argument("--data-parallel", type=int, default=1, help="target data-parallel degree (default 1)")
+    reshard.add_argument("--output", required=True, type=Path, help="directory to write step-*/ into")
+    reshard.set_defaults(handler=_cmd_ckpt_reshard)
 
     params_cmd = commands.add_parser("params", help="inspect params", description="Inspect params.")
     params_sub = params_cmd.add_subparsers(dest="params_command", required=True, metavar="ACTION")

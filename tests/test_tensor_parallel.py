@@ -84,3 +84,18 @@ def test_a_block_no_rank_wrote_stops_the_commit(tp1_checkpoint, tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no rank wrote \['model-tp1-of-2.safetensors', 'optimizer-tp1-of-2"):
         ckpt.save_shards(tmp_path / "run", 3, {0: (weights, moments)}, {"step": 3}, Layout(tp=2), keep=1)
     assert ckpt.list_checkpoints(tmp_path / "run") == [] and not list((tmp_path / "run").iterdir())
+
+
+def test_cli_ckpt_reshard_round_trip_gives_the_same_bytes(tp1_checkpoint, tmp_path, capsys):
+    from flows.cli import main
+
+    original = tp1_checkpoint[0]
+    assert main(["ckpt", "reshard", "--checkpoint", str(original.path), "--tensor-parallel", "2", "--output", str(tmp_path / "tp2")]) == 0
+    assert "(dp1 tp2 pp1)" in capsys.readouterr().out
+    split = tmp_path / "tp2" / original.path.name
+    assert main(["ckpt", "reshard", "--checkpoint", str(split), "--tensor-parallel", "1", "--output", str(tmp_path / "tp1")]) == 0
+    back = tmp_path / "tp1" / original.path.name
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        assert (back / name).read_bytes() == (original.path / name).read_bytes()
+    assert main(["ckpt", "reshard", "--checkpoint", str(split), "--tensor-parallel", "3", "--output", str(tmp_path / "x")]) == 1
+    assert "does not divide" in capsys.readouterr().err
