@@ -14,9 +14,11 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from model_core.train.checkpoint import run_directory
+from model_core.parallel.launch import launch_training
+from model_core.train.callbacks import MetricsCallback, follow_jsonl
+from model_core.train.checkpoint import latest_valid, run_directory
 from model_core.train.trainer import Trainer, TrainResult
-from params import PipelineParams, params_hash
+from params import PipelineParams, params_hash, to_yaml
 from tasks.data import DataResult
 from tasks.plots import loss_curve_png
 from tasks.retry import retry_on_transient_io
@@ -55,9 +57,12 @@ def train_stage(
             "stage.initial_weights": initial_weights or "random init",
         }
     )
-    trainer = Trainer(params, data.dataset_dir, directory, steps=steps, initial_weights=initial_weights)
     with MetricsBatcher(run) as metrics:
-        result = trainer.run(on_metrics=metrics, resume=resume)
+        if params.parallel.world_size > 1:
+            result = _train_on_ranks(params, directory, steps, resume, initial_weights, metrics)
+        else:
+            trainer = Trainer(params, data.dataset_dir, directory, steps=steps, initial_weights=initial_weights)
+            result = trainer.run(on_metrics=metrics, resume=resume)
     run.log_metrics(
         {
             "initial_loss": result.initial_loss,
@@ -72,6 +77,44 @@ def train_stage(
     if result.history:
         run.log_bytes(loss_curve_png(result.history, title=f"{params.name} {stage}"), "loss_curve.png")
     return result
+
+
+def _train_on_ranks(
+    params: PipelineParams,
+    directory: Path,
+    steps: int,
+    resume: str,
+    initial_weights: Path | None,
+    on_metrics: MetricsCallback,
+) -> TrainResult:
+    """`llmflow train` on params.parallel.world_size ranks under msrun, rank 0's metrics streamed to
+    `on_metrics` while it runs; the result is read back from its metrics and its last checkpoint."""
+    directory.mkdir(parents=True, exist_ok=True)
+    run_params = directory / f"params-{steps}-steps.yaml"
+    update = {"train": params.train.model_copy(update={"steps": steps})}
+    if initial_weights is None:  # `llmflow train` starts from convert.hf_source when it is set
+        update["convert"] = params.convert.model_copy(update={"hf_source": None})
+    run_params.write_text(to_yaml(params.model_copy(update=update)))
+    metrics_file = directory / "metrics.jsonl"
+    metrics_file.unlink(missing_ok=True)
+    arguments = ["--params", str(run_params), "--checkpoint-dir", str(directory), "--resume", resume]
+    arguments += ["--metrics-jsonl", str(metrics_file)]
+    with follow_jsonl(metrics_file, on_metrics) as history:
+        launch_training(params, arguments, directory / "logs")
+    found = latest_valid(directory)
+    if found is None:
+        raise RuntimeError(f"the ranks finished but left no valid checkpoint in {directory}")
+    counters = found.state()["counters"]
+    return TrainResult(
+        steps=counters["step"],
+        initial_loss=counters["initial_loss"],
+        final_loss=counters["last_loss"],
+        skipped_steps=counters["skipped"],
+        nonfinite_steps=counters["nonfinite"],
+        checkpoint=found.path,
+        resumed_from=None,
+        history=history,
+    )
 
 
 def _summary(result: TrainResult) -> TrainStageResult:

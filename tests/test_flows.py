@@ -169,3 +169,20 @@ def test_lora_under_tensor_parallelism_is_refused_before_any_stage(corpus_jsonl,
         pretrain_flow(params)
     assert MlflowClient(mlflow_uri).get_experiment_by_name("flow-lora-tp") is None
     assert not (tmp_path / "data").exists()
+
+
+@pytest.mark.slow
+def test_pretrain_stage_runs_sharded_under_msrun_and_streams_rank_0_metrics(corpus_jsonl, tmp_path, mlflow_uri):
+    overrides = small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "flow-tp2")
+    params = load_params("tiny", [*overrides, "parallel.tensor_parallel=2", "smoke.enabled=false", "train.steps=10"])
+    result = pretrain_flow(params)
+    checkpoint = result.pretrain.checkpoint
+    assert result.pretrain.steps == 10 and (checkpoint / "model-tp1-of-2.safetensors").is_file()
+    assert (checkpoint.parent / "logs").is_dir()
+    client = MlflowClient(mlflow_uri)
+    _, children = _runs(client, "flow-tp2")
+    assert [run.info.run_name for run in children] == ["data_prep", "pretrain", "evaluate"]
+    pretrain_run = children[1]
+    assert [m.step for m in client.get_metric_history(pretrain_run.info.run_id, "loss")] == [5, 10]
+    assert pretrain_run.data.metrics["final_loss"] == result.pretrain.final_loss < result.pretrain.initial_loss
+    assert children[2].data.metrics["base.pretraining.perplexity"] > 1  # evaluated from the joined blocks

@@ -135,3 +135,32 @@ def test_dynamic_loss_scale_backs_off_and_grows():
     fixed = LossScale.from_params(PrecisionParams(compute_dtype="float32"))
     fixed.update(False)
     assert fixed.scale == 1.0
+
+
+def test_follow_jsonl_hands_over_every_line_in_order_while_it_is_written(tmp_path):
+    import json
+    import threading
+
+    from model_core.train.callbacks import follow_jsonl, jsonl_writer
+
+    path, seen, first_delivered = tmp_path / "m.jsonl", [], threading.Event()
+    write = jsonl_writer(path)
+
+    def on_record(record):
+        seen.append(record)
+        first_delivered.set()
+
+    def writer():
+        write({"step": 1})
+        live.append(first_delivered.wait(timeout=30))  # the follower reads while the file is still growing
+        for step in range(2, 21):
+            write({"step": step})
+
+    live = []
+    with follow_jsonl(path, on_record, poll_seconds=0.02) as records:
+        thread = threading.Thread(target=writer)
+        thread.start()
+        thread.join()
+    assert live == [True]
+    assert [r["step"] for r in seen] == [r["step"] for r in records] == list(range(1, 21))
+    assert json.loads(path.read_text().splitlines()[-1]) == {"step": 20}

@@ -14,6 +14,8 @@ from model_core.eval.perplexity import held_out_loss
 from model_core.eval.report import EvalReport, PromptOutput
 from model_core.model import Llama
 from model_core.model.lora import apply_lora, base_sha256, load_adapters, read_adapters
+from model_core.parallel.reshard import whole_tensors
+from model_core.train.checkpoint import Checkpoint
 from model_core.train.loader import load_split
 from model_core.train.precision import check_precision
 from model_core.train.system import device_target
@@ -82,7 +84,7 @@ def load_model(params: PipelineParams, checkpoint: str | Path, adapters: str | P
     targets as the adapters were trained, whatever params.lora says), in inference mode."""
     check_precision(params.precision, device_target())
     model = Llama(params.model, params.precision.compute_dtype)
-    load_weights(model, read_weights(checkpoint))
+    load_weights(model, _whole_weights(checkpoint))
     if adapters is not None:
         base_hash = base_sha256(checkpoint)
         _, config = read_adapters(adapters, base_hash)  # the adapters' own shape, whatever params.lora says
@@ -96,3 +98,11 @@ def load_model(params: PipelineParams, checkpoint: str | Path, adapters: str | P
 def _encode_prompt(tokenizer: spm.SentencePieceProcessor, prompt: str, params: PipelineParams) -> list[int]:
     """Token ids of a prompt, starting with BOS where data prep starts documents with one."""
     return ([params.tokenizer.bos_id] if params.data.add_bos else []) + tokenizer.encode(prompt)
+
+
+def _whole_weights(checkpoint: str | Path) -> dict:
+    """Weights of a converted or training checkpoint, its tensor-parallel blocks joined if it has several."""
+    stored = Checkpoint(Path(checkpoint), -1)
+    if stored.layout().tp > 1:
+        return whole_tensors(stored)[0]
+    return read_weights(checkpoint)
