@@ -70,7 +70,8 @@ def check_comm(out_dir: Path) -> None:
 
 def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     """Train with params `tiny` + `--set` overrides, resuming from `--resume` (default: start fresh); write
-    this rank's metrics history, held optimizer-state bytes and its initial weights (rank<r>_initial.npz)."""
+    this rank's metrics history, held optimizer-state and gradient-buffer bytes (read back from the arrays)
+    and its initial weights (rank<r>_initial.npz)."""
     from model_core.parallel.zero import moment_bytes
     from model_core.train.trainer import Trainer, model_weights
     from params import load_params
@@ -83,7 +84,11 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     result = trainer.run(resume=resume)
     optimizer = trainer.optimizer
     held = optimizer.moment_bytes() if hasattr(optimizer, "moment_bytes") else moment_bytes(optimizer)
-    report = {"history": result.history, "moment_bytes": held, "checkpoint": str(result.checkpoint)}
+    gradient_bytes = sum(buffer.asnumpy().nbytes for buffer in trainer.accumulate.buffers)
+    report = {
+        "history": result.history, "moment_bytes": held, "gradient_bytes": gradient_bytes,
+        "checkpoint": str(result.checkpoint),
+    }
     (out_dir / f"rank{trainer.rank}.json").write_text(json.dumps(report))
 
 

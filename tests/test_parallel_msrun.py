@@ -1,6 +1,6 @@
-"""Two msrun workers on this machine: every collective against numpy, dp2 and dp2 + ZeRO-1 training equal to
-one process on the same global batch, ZeRO-1's halved optimizer state and bit-exact resume, and a killed
-worker failing fast. tests/test_tensor_parallel_msrun.py reuses the helpers and the reference run here."""
+"""Two msrun workers on this machine: every collective against numpy, dp2 and dp2 + ZeRO-1/ZeRO-2 training
+equal to one process on the same global batch, ZeRO's halved optimizer state (and ZeRO-2's halved gradient
+buffers), bit-exact resume, and a killed worker failing fast. tests/test_tensor_parallel_msrun.py reuses the helpers and the reference run here."""
 
 from __future__ import annotations
 
@@ -84,10 +84,18 @@ def resume_from_step(checkpoints: Path, step: int, into: Path) -> Path:
     return into / name
 
 
+def zero_run(dataset_dir: Path, out: Path, stage: int) -> tuple[Path, list[dict]]:
+    return out, train_job(out, dataset_dir, "parallel.data_parallel=2", "parallel.micro_batches=2", f"parallel.zero_stage={stage}")
+
+
 @pytest.fixture(scope="module")
 def zero1_run(dataset_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("dp2-zero1")
-    return out, train_job(out, dataset_dir, "parallel.data_parallel=2", "parallel.micro_batches=2", "parallel.zero_stage=1")
+    return zero_run(dataset_dir, tmp_path_factory.mktemp("dp2-zero1"), 1)
+
+
+@pytest.fixture(scope="module")
+def zero2_run(dataset_dir, tmp_path_factory):
+    return zero_run(dataset_dir, tmp_path_factory.mktemp("dp2-zero2"), 2)
 
 
 def test_every_collective_matches_numpy_native_and_fallback_pynative_and_jit(tmp_path):
@@ -95,27 +103,38 @@ def test_every_collective_matches_numpy_native_and_fallback_pynative_and_jit(tmp
         assert rank_result and all(rank_result.values()), [k for k, ok in rank_result.items() if not ok]
 
 
-@pytest.mark.parametrize("zero_stage", [0, 1])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2])
 def test_dp2_matches_one_process_on_the_global_batch(dataset_dir, single_process, tmp_path, request, zero_stage):
-    if zero_stage == 1:
-        _, ranks = request.getfixturevalue("zero1_run")
+    if zero_stage:
+        _, ranks = request.getfixturevalue(f"zero{zero_stage}_run")
     else:
         ranks = train_job(tmp_path, dataset_dir, "parallel.data_parallel=2", "parallel.micro_batches=2")
     for rank in ranks:
         assert_same_metrics(rank["history"], single_process["history"])
     held = [rank["moment_bytes"] for rank in ranks]
     full_moment_bytes = single_process["moment_bytes"]
-    if zero_stage == 1:
+    if zero_stage:
         assert sum(held) == full_moment_bytes and max(held) - min(held) <= 8  # halves, up to one element each
     else:
         assert held == [full_moment_bytes] * 2
 
 
-def test_dp2_zero1_resume_is_bit_exact(dataset_dir, zero1_run, tmp_path):
+def test_dp2_zero2_holds_half_the_gradient_buffers_of_zero1(zero1_run, zero2_run):
+    full = [rank["gradient_bytes"] for rank in zero1_run[1]]
+    held = [rank["gradient_bytes"] for rank in zero2_run[1]]
+    assert full[0] == full[1] and sum(held) == full[0]
+    assert max(held) - min(held) <= 4  # halves, up to one fp32 element of padding
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_dp2_zero_resume_is_bit_exact(dataset_dir, tmp_path, request, zero_stage):
     """Stopped after step 10 and resumed in a new job, steps 11-20 repeat the uninterrupted run to the bit."""
-    first_out, uninterrupted = zero1_run
+    first_out, uninterrupted = request.getfixturevalue(f"zero{zero_stage}_run")
     start = resume_from_step(first_out / "out" / "checkpoints", 10, tmp_path / "out" / "checkpoints")
-    resumed = train_job(tmp_path, dataset_dir, "parallel.data_parallel=2", "parallel.micro_batches=2", "parallel.zero_stage=1", resume=start)
+    resumed = train_job(
+        tmp_path, dataset_dir, "parallel.data_parallel=2", "parallel.micro_batches=2", f"parallel.zero_stage={zero_stage}",
+        resume=start,
+    )
     for rank in (0, 1):
         tail = [r for r in uninterrupted[rank]["history"] if r["step"] > 10]
         keys = ("step", "loss", "grad_norm", "lr")

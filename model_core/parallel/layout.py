@@ -114,7 +114,12 @@ def check_implemented(params: PipelineParams) -> None:
         raise ParallelConfigError(
             f"parallel.pipeline_parallel={parallel.pipeline_parallel} is not implemented yet (issue #4); use 1"
         )
-    if parallel.zero_stage > 1:
+    if parallel.zero_stage > 2:
         raise ParallelConfigError(
-            f"parallel.zero_stage={parallel.zero_stage} is not implemented yet (issue #4); use 0 or 1"
+            f"parallel.zero_stage={parallel.zero_stage} is not implemented yet (issue #4); use 0, 1 or 2"
+        )
+    if parallel.zero_stage == 2 and parallel.tensor_parallel > 1:
+        raise ParallelConfigError(
+            f"parallel.zero_stage=2 with parallel.tensor_parallel={parallel.tensor_parallel} is not implemented "
+            "yet (issue #4): ZeRO-2 shards whole-model gradients; use zero_stage 1 or tensor_parallel 1"
         )

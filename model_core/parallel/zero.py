@@ -1,12 +1,17 @@
-"""ZeRO stage 1: AdamW whose moments are sharded over the data-parallel group.
+"""ZeRO stages 1 and 2: AdamW moments (1) and gradients too (2) sharded over the data-parallel group.
 
 All parameters, flattened and concatenated in order, are cut into `dp` equal shards (the last one padded).
 A rank keeps Adam moments only for its shard, which falls into pieces, one per parameter it touches. A step
-copies its pieces of the parameters, updates them with the full (already summed) gradient's matching
-pieces through the same fused AdamW as unsharded training, and all-gathers the updated shards into every
-parameter. The arithmetic is element-wise, so the result is the unsharded update, bit for bit up to the
-gradient sum. `state_dict`/`load_state_dict` speak the unsharded format (full moments keyed by parameter
-path), so checkpoints stay independent of the layout; `state_dict` is a collective: every rank calls it.
+copies its pieces of the parameters, updates them with the gradient's matching pieces through the same fused
+AdamW as unsharded training, and all-gathers the updated shards into every parameter. The arithmetic is
+element-wise, so the result is the unsharded update, bit for bit up to the gradient sum. `state_dict`/
+`load_state_dict` speak the unsharded format (full moments keyed by parameter path), so checkpoints stay
+independent of the layout; `state_dict` is a collective: every rank calls it.
+
+ZeRO-1 sums the full gradients over the group once per step and lets each rank slice its pieces out.
+ZeRO-2 keeps no full gradient buffer: each micro-batch's gradients, flattened the same way, are
+reduce-scattered over the group at once and only this rank's shard is added into shard-sized buffers, one
+per piece; the gradient norm sums the shards' squares over the group.
 """
 
 from __future__ import annotations
@@ -16,10 +21,11 @@ from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
 
 from model_core.parallel.comm import Group
 from model_core.train.optim import AdamW, applies_weight_decay
+from model_core.train.step import AccumulateGradients
 from params.schema import OptimizerParams
 
 
@@ -47,15 +53,24 @@ def shard_pieces(sizes: Sequence[int], shards: int, shard: int) -> tuple[list[Pi
 
 
 class ShardedAdamW(nn.Cell):
-    """AdamW over `parameters` with this rank's 1/dp of the moments; called like AdamW: (grads, lr, step)."""
+    """AdamW over `parameters` with this rank's 1/dp of the moments; called like AdamW: (grads, lr, step).
+
+    grads are one full gradient per parameter, or with `sharded_gradients` (ZeRO-2) one per piece of this
+    rank's shard, in the order of `ShardedAccumulateGradients.buffers`."""
 
     def __init__(
-        self, parameters: Sequence[Parameter], optimizer: OptimizerParams, names: Sequence[str], group: Group
+        self,
+        parameters: Sequence[Parameter],
+        optimizer: OptimizerParams,
+        names: Sequence[str],
+        group: Group,
+        sharded_gradients: bool = False,
     ) -> None:
         super().__init__()
         self.params = ParameterTuple(parameters)
         self.param_names = tuple(names)
         self.group = group
+        self.sharded_gradients = sharded_gradients
         self.shapes = tuple(tuple(p.shape) for p in parameters)
         self.sizes = tuple(int(np.prod(shape)) for shape in self.shapes)
         pieces, self.shard_length = shard_pieces(self.sizes, group.size, group.index)
@@ -74,7 +89,9 @@ class ShardedAdamW(nn.Cell):
     def construct(self, grads, lr, step):
         for k, (i, start, end) in enumerate(self.pieces):
             ops.assign(self.inner.params[k], self.params[i].reshape(-1)[start:end])
-        self.inner(tuple(grads[i].reshape(-1)[start:end] for i, start, end in self.pieces), lr, step)
+        if not self.sharded_gradients:
+            grads = tuple(grads[i].reshape(-1)[start:end] for i, start, end in self.pieces)
+        self.inner(grads, lr, step)
         full = self.group.all_gather(self._padded([self.inner.params[k] for k in range(len(self.pieces))]))
         offset = 0
         for i in range(len(self.params)):
@@ -110,6 +127,58 @@ class ShardedAdamW(nn.Cell):
             for moment, (i, start, end) in zip(moments, self.pieces):
                 value = np.asarray(state[f"{prefix}.{self.param_names[i]}"], dtype=np.float32).reshape(-1)
                 ops.assign(moment, Tensor(value[start:end]))
+
+
+class ShardedAccumulateGradients(AccumulateGradients):
+    """ZeRO-2 accumulation: forward + backward of one micro-batch, its gradients reduce-scattered over the
+    group and this rank's shard added into fp32 buffers, one per piece (the pieces `ShardedAdamW` updates)."""
+
+    def __init__(self, model: nn.Cell, group: Group) -> None:
+        weights = model.trainable_params()
+        sizes = [int(np.prod(w.shape)) for w in weights]
+        pieces, shard_length = shard_pieces(sizes, group.size, group.index)
+        buffers = ParameterTuple(
+            Parameter(
+                ops.zeros((p.end - p.start,), ms.float32),
+                name=f"grad_shard.{weights[p.index].name}.{p.start}",
+                requires_grad=False,
+            )
+            for p in pieces
+        )
+        super().__init__(model, buffers)
+        self.group = group
+        self.padding = shard_length * group.size - sum(sizes)
+        self.piece_lengths = tuple(p.end - p.start for p in pieces)
+
+    @ms.jit
+    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
+        (_, summed), grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale)
+        flat = [grad.reshape(-1).astype(ms.float32) for grad in grads]
+        if self.padding:
+            flat.append(ops.zeros((self.padding,), ms.float32))
+        shard = self.group.reduce_scatter(ops.cat(flat))
+        offset = 0
+        for buffer, length in zip(self.buffers, self.piece_lengths):
+            ops.assign_add(buffer, shard[offset : offset + length])
+            offset += length
+        return summed
+
+
+class ShardedGradientNorm(nn.Cell):
+    """Global L2 norm of gradients sharded over `group` (ZeRO-2) times `grad_scale`: the shards' sums of
+    squares are summed over the group."""
+
+    def __init__(self, buffers: ParameterTuple, group: Group) -> None:
+        super().__init__()
+        self.buffers = buffers
+        self.group = group
+
+    @ms.jit
+    def construct(self, grad_scale):
+        total = ops.zeros((1,), ms.float32)
+        for buffer in self.buffers:
+            total = total + mint.sum(buffer * buffer)
+        return mint.sqrt(self.group.all_reduce(total)).reshape(()) * grad_scale
 
 
 def moment_bytes(optimizer: AdamW) -> int:

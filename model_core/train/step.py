@@ -33,13 +33,15 @@ class SummedTokenLoss(nn.Cell):
 
 
 class AccumulateGradients(nn.Cell):
-    """Forward + backward of one micro-batch, adding its gradients into fp32 buffers."""
+    """Forward + backward of one micro-batch, adding its gradients into fp32 buffers.
 
-    def __init__(self, model: nn.Cell) -> None:
+    `buffers` replaces the default one-per-weight full-size buffers (ZeRO-2 passes this rank's shard)."""
+
+    def __init__(self, model: nn.Cell, buffers: ParameterTuple | None = None) -> None:
         super().__init__()
         self.loss = SummedTokenLoss(model)
         self.weights = ParameterTuple(model.trainable_params())
-        self.buffers = ParameterTuple(
+        self.buffers = buffers if buffers is not None else ParameterTuple(
             Parameter(ops.zeros(w.shape, ms.float32), name=f"grad_accum.{w.name}", requires_grad=False)
             for w in self.weights
         )

@@ -10,9 +10,10 @@ Under msrun (params.parallel world size > 1) every rank builds the same full mod
 with tensor parallelism each then keeps its tp block (`model_core.parallel.parallelize`). Each data-parallel
 replica trains on its slice of each global batch and sums gradients over its dp group once per optimizer
 step; token counts and summed losses are summed too, so the update is the one a single process makes on the
-whole global batch. Only rank 0 reports metrics. Checkpoints are written by the ranks of the first dp
-replica, one file per tp block, and resume under another tp (resharded in memory) or, with the same global
-batch, another dp.
+whole global batch. ZeRO-1 shards the Adam moments over the dp group; ZeRO-2 the gradient buffers too,
+reduce-scattering each micro-batch's gradients instead of summing once per step. Only rank 0 reports
+metrics. Checkpoints are written by the ranks of the first dp replica, one file per tp block, and resume
+under another tp (resharded in memory) or, with the same global batch, another dp.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from model_core.parallel.parallelize import (
     split_axis,
 )
 from model_core.parallel.reshard import blocks_for
-from model_core.parallel.zero import ShardedAdamW
+from model_core.parallel.zero import ShardedAccumulateGradients, ShardedAdamW, ShardedGradientNorm
 from model_core.train import checkpoint as ckpt
 from model_core.train.callbacks import MetricsCallback
 from model_core.train.flops import flops_per_token, mfu, peak_flops_for_current_device
@@ -147,20 +148,29 @@ class Trainer:
         )
         self.validation = load_split(dataset_dir, "validation")
 
-        if self.tensor_parallelism is None:
-            self.accumulate = AccumulateGradients(self.model)
-            self.eval_loss = SummedTokenLoss(self.model)
-        else:
+        zero_stage = params.parallel.zero_stage if self.dp_group.size > 1 else 0
+        if self.tensor_parallelism is not None:
             self.eval_loss = VocabParallelTokenLoss(self.model, self.tensor_parallelism)
             self.accumulate = TensorParallelAccumulate(self.model, self.eval_loss)
+        elif zero_stage == 2:  # gradients reduce-scattered per micro-batch into this rank's shard
+            self.eval_loss = SummedTokenLoss(self.model)
+            self.accumulate = ShardedAccumulateGradients(self.model, self.dp_group)
+        else:
+            self.eval_loss = SummedTokenLoss(self.model)
+            self.accumulate = AccumulateGradients(self.model)
         names = {id(param): name for name, param in named_weights(self.model).items()}
         weight_names = [names[id(param)] for param in self.accumulate.weights]
-        if params.parallel.zero_stage == 1 and self.dp_group.size > 1:
-            self.optimizer = ShardedAdamW(self.accumulate.weights, params.optimizer, weight_names, self.dp_group)
+        if zero_stage >= 1:
+            self.optimizer = ShardedAdamW(
+                self.accumulate.weights, params.optimizer, weight_names, self.dp_group, sharded_gradients=zero_stage == 2
+            )
         else:
             self.optimizer = AdamW.from_params(self.accumulate.weights, params.optimizer, weight_names)
-        self.sum_gradients = GradientAllReduce(self.accumulate.buffers, self.dp_group) if self.dp_group.size > 1 else None
-        if self.tensor_parallelism is None:
+        summed_once_per_step = self.dp_group.size > 1 and zero_stage < 2
+        self.sum_gradients = GradientAllReduce(self.accumulate.buffers, self.dp_group) if summed_once_per_step else None
+        if zero_stage == 2:
+            self.norm = ShardedGradientNorm(self.accumulate.buffers, self.dp_group)
+        elif self.tensor_parallelism is None:
             self.norm = GradientNorm(self.accumulate.buffers)
         else:
             split = [split_axis(name) is not None for name in weight_names]
