@@ -37,7 +37,7 @@ under msrun; tests/test_planner.py re-measures); accelerators are counted, and t
 is the caller's `runtime_bytes`.
 
 Preference among layouts that fit: no ZeRO beyond stage 1 (ZeRO-2/3 repeat collectives every accumulated
-micro-batch and the trainer does not run them yet), then the fewest pipeline stages, then the smallest
+micro-batch; the trainer runs ZeRO-2 with tp = 1 and not ZeRO-3 yet), then the fewest pipeline stages, then the smallest
 tensor-parallel degree (so data parallel first, then tensor parallel inside a node, then pipeline stages),
 then no recompute; with dp > 1, ZeRO-1 before none (which fits instead only where ZeRO-1's all-gather of the
 updated parameters does not). When nothing fits the plan says so and names the smallest layout.
