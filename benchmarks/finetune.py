@@ -5,7 +5,7 @@ micro-batch 8 = 2,048 tokens a step, 29.4M parameters). One step is forward, bac
 AdamW over the trainable parameters, through model_core.train.step as the trainer runs it. `full` trains every
 weight; the LoRA variants (model_core.model.lora, LoraParams defaults: rank 16, alpha 32, dropout 0.05, in
 training mode) train only adapters, on q/k/v/o or on all seven projections, the latter also without dropout. Every variant runs in its own
-subprocess, so its peak RSS (ru_maxrss of that child) is its own.
+subprocess, so its peak RSS (VmHWM of that child, see model_core.train.system.peak_rss_bytes) is its own.
 
     python benchmarks/finetune.py                                    # every variant
     python benchmarks/finetune.py --variant full --variant lora-qkvo  # some of them

@@ -3,7 +3,7 @@
 One full optimizer step is forward, backward and AdamW on one micro-batch. Ours runs the compiled pieces of
 model_core.train.step (AccumulateGradients, GradientNorm, ApplyGradients with model_core.train.optim.AdamW),
 as the trainer does; PyTorch runs a compact Llama of the same architecture and init with torch.optim.AdamW.
-Every variant runs in its own subprocess, so its peak RSS (ru_maxrss of that child) is its own.
+Every variant runs in its own subprocess, so its peak RSS (VmHWM of that child, see model_core.train.system.peak_rss_bytes) is its own.
 
     python benchmarks/train_throughput.py                 # every variant, reference size
     python benchmarks/train_throughput.py --variants torch-fp32,ours-fp32   # just the fp32 pair
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import resource
 import statistics
 import subprocess
 import sys
@@ -49,7 +48,9 @@ VARIANTS = {
 
 
 def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
+    from model_core.train.system import peak_rss_bytes
+
+    return peak_rss_bytes() / 2**20
 
 
 def random_batch(seed: int) -> tuple[np.ndarray, np.ndarray]:

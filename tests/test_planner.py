@@ -12,7 +12,6 @@ import io
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -253,6 +252,7 @@ def run_measured_steps(overrides: list[str]) -> dict:
     from model_core.parallel.zero import ShardedAdamW
     from model_core.train.optim import AdamW
     from model_core.train.step import AccumulateGradients, ApplyGradients, GradientNorm, scalar
+    from model_core.train.system import peak_rss_bytes
     from model_core.train.trainer import apply_recompute
 
     params = load_params("tiny", overrides)
@@ -285,7 +285,7 @@ def run_measured_steps(overrides: list[str]) -> dict:
         grad_norm = float(norm(scalar(1.0)).asnumpy())
         apply(scalar(1e-3), scalar(step + 1), scalar(min(1.0, 1.0 / (grad_norm + 1e-6))))
     comm.barrier()
-    return {"rank": comm.rank(), "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    return {"rank": comm.rank(), "peak_rss_bytes": peak_rss_bytes()}
 
 
 if __name__ == "__main__":
