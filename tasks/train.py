@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from model_core.parallel.launch import launch_training
 from model_core.train.callbacks import MetricsCallback, follow_jsonl
-from model_core.train.checkpoint import latest_valid, run_directory
+from model_core.train.checkpoint import list_checkpoints, run_directory, verify
 from model_core.train.trainer import Trainer, TrainResult
 from params import PipelineParams, params_hash, to_yaml
 from tasks.data import DataResult
@@ -101,9 +101,10 @@ def _train_on_ranks(
     arguments += ["--metrics-jsonl", str(metrics_file)]
     with follow_jsonl(metrics_file, on_metrics) as history:
         launch_training(params, arguments, directory / "logs")
-    found = latest_valid(directory)
+    # The checkpoint of this run's last step: an earlier run in the same directory may have gone further.
+    found = next((c for c in list_checkpoints(directory) if c.step == steps and verify(c) is None), None)
     if found is None:
-        raise RuntimeError(f"the ranks finished but left no valid checkpoint in {directory}")
+        raise RuntimeError(f"the ranks finished but left no valid checkpoint of step {steps} in {directory}")
     counters = found.state()["counters"]
     return TrainResult(
         steps=counters["step"],
