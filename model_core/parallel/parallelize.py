@@ -33,7 +33,6 @@ from model_core.parallel.tensor import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from model_core.train.step import AccumulateGradients
 from params.schema import ModelParams
 
 # The owning cell's attribute name -> the axis of its [out, in] weight that tensor parallelism splits.
@@ -117,16 +116,6 @@ class VocabParallelTokenLoss(nn.Cell):
         per_token = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))[0]
         summed = (per_token * (loss_mask.reshape(-1) != 0).astype(ms.float32)).sum()
         return summed * scale, summed
-
-
-class TensorParallelAccumulate(AccumulateGradients):
-    """`AccumulateGradients` differentiating `loss` (a `VocabParallelTokenLoss`) instead of the
-    single-device token loss."""
-
-    def __init__(self, model: nn.Cell, loss: nn.Cell) -> None:
-        super().__init__(model)
-        self.loss = loss
-        self.value_and_grad = ops.value_and_grad(loss, None, self.weights, has_aux=True)
 
 
 class TensorParallelGradientNorm(nn.Cell):

@@ -35,11 +35,12 @@ class SummedTokenLoss(nn.Cell):
 class AccumulateGradients(nn.Cell):
     """Forward + backward of one micro-batch, adding its gradients into fp32 buffers.
 
-    `buffers` replaces the default one-per-weight full-size buffers (ZeRO-2 passes this rank's shard)."""
+    `buffers` replaces the default one-per-weight full-size buffers (ZeRO-2 passes this rank's shard); `loss`
+    replaces the single-device token loss (tensor parallelism passes its vocab-parallel one)."""
 
-    def __init__(self, model: nn.Cell, buffers: ParameterTuple | None = None) -> None:
+    def __init__(self, model: nn.Cell, buffers: ParameterTuple | None = None, loss: nn.Cell | None = None) -> None:
         super().__init__()
-        self.loss = SummedTokenLoss(model)
+        self.loss = loss if loss is not None else SummedTokenLoss(model)
         self.weights = ParameterTuple(model.trainable_params())
         self.buffers = buffers if buffers is not None else ParameterTuple(
             Parameter(ops.zeros(w.shape, ms.float32), name=f"grad_accum.{w.name}", requires_grad=False)

@@ -35,7 +35,6 @@ from model_core.parallel import comm
 from model_core.parallel.data_parallel import GradientAllReduce, broadcast_parameters, sum_over
 from model_core.parallel.layout import Layout, check_implemented
 from model_core.parallel.parallelize import (
-    TensorParallelAccumulate,
     TensorParallelGradientNorm,
     VocabParallelTokenLoss,
     parallelize,
@@ -50,7 +49,14 @@ from model_core.train.loader import Batch, ShuffledBatches, load_split, make_bat
 from model_core.train.optim import AdamW
 from model_core.train.precision import LossScale, check_precision
 from model_core.train.schedule import learning_rate
-from model_core.train.step import AccumulateGradients, ApplyGradients, GradientNorm, SummedTokenLoss, ZeroGradients, scalar
+from model_core.train.step import (
+    AccumulateGradients,
+    ApplyGradients,
+    GradientNorm,
+    SummedTokenLoss,
+    ZeroGradients,
+    scalar,
+)
 from model_core.train.system import device_target, peak_memory_bytes
 from params.schema import PipelineParams
 
@@ -151,7 +157,7 @@ class Trainer:
         zero_stage = params.parallel.zero_stage if self.dp_group.size > 1 else 0
         if self.tensor_parallelism is not None:
             self.eval_loss = VocabParallelTokenLoss(self.model, self.tensor_parallelism)
-            self.accumulate = TensorParallelAccumulate(self.model, self.eval_loss)
+            self.accumulate = AccumulateGradients(self.model, loss=self.eval_loss)
         elif zero_stage == 2:  # gradients reduce-scattered per micro-batch into this rank's shard
             self.eval_loss = SummedTokenLoss(self.model)
             self.accumulate = ShardedAccumulateGradients(self.model, self.dp_group)
