@@ -1,15 +1,18 @@
-"""Checkpoints across layouts: tensor-parallel blocks joined into whole tensors and split again, exactly.
+"""Checkpoints across layouts: tensor-parallel blocks and pipeline stages joined into whole tensors and
+split again, exactly.
 
 Nothing is computed: a split tensor is the concatenation of its blocks along `split_axis(name)` (an
 optimizer moment `adam_m.<name>` along its parameter's axis), and a replicated one is stored whole in every
-block, where the copies must agree bit for bit. `reshard(checkpoint_dir, to_layout, output_dir)` writes a
-checkpoint for another tensor-parallel size; `blocks_for(checkpoint, tp, index)` gives one rank of a
-resumed run its block in memory, whatever tp the checkpoint was saved under.
+block, where the copies must agree bit for bit. Pipeline stages hold disjoint sets of tensors, so joining
+them is a union; a tied embedding table is held by the first and the last stage, whose copies must agree
+too. `reshard(checkpoint_dir, to_layout, output_dir)` writes a checkpoint for another tp x pp layout;
+`blocks_for(checkpoint, tp, index)` gives one rank of a resumed run its tp block of every stage in memory,
+whatever layout the checkpoint was saved under (a pipeline stage then keeps what it owns).
 
-Only tp shapes the files. Moments are stored whole over dp (ZeRO-1 gathers them when saving), and the
+Only tp and pp shape the files. Moments are stored whole over dp (ZeRO gathers them when saving), and the
 data-loader position counts rows of the global sample stream, so a checkpoint resumes under another dp as
 long as the global batch (micro-batch x micro_batches x accumulation x dp) stays the same; otherwise the
-loader stops with both sizes. Pipeline layouts are not implemented (issue #4).
+loader stops with both sizes.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ import numpy as np
 
 from model_core.parallel.layout import Layout, ParallelConfigError, check_tensor_parallel
 from model_core.parallel.parallelize import split_axis, take_block
-from model_core.train.checkpoint import Checkpoint, Tensors, save_shards, verify
+from model_core.parallel.pipeline import stage_owns
+from model_core.train.checkpoint import Checkpoint, Tensors, block_index, save_shards, verify
 from params.schema import ModelParams
 
 _MOMENT_PREFIXES = ("adam_m.", "adam_v.")
@@ -58,19 +62,44 @@ def split_into_blocks(whole: Tensors, tp: int, index: int) -> Tensors:
     return {name: np.ascontiguousarray(take_block(value, tensor_axis(name), tp, index)) for name, value in whole.items()}
 
 
+def join_stages(stages: list[Tensors]) -> Tensors:
+    """The union of the pipeline stages' tensors; one held by several stages (a tied table) must agree."""
+    joined: Tensors = {}
+    for stage, tensors in enumerate(stages):
+        for name, value in tensors.items():
+            if name in joined and not np.array_equal(joined[name], value):
+                raise ValueError(f"{name} is held by several pipeline stages and differs on stage {stage}")
+            joined.setdefault(name, value)
+    return joined
+
+
 def whole_tensors(checkpoint: Checkpoint) -> tuple[Tensors, Tensors]:
-    """(weights, moments) of a checkpoint as whole tensors, whatever tp it was saved under."""
-    blocks = [checkpoint.load_shard(index) for index in range(checkpoint.layout().tp)]
-    return join_blocks([weights for weights, _ in blocks]), join_blocks([moments for _, moments in blocks])
+    """(weights, moments) of a checkpoint as whole tensors, whatever layout it was saved under."""
+    layout = checkpoint.layout()
+    stages = []
+    for stage in range(layout.pp):
+        blocks = [checkpoint.load_shard(block_index(layout, stage, t)) for t in range(layout.tp)]
+        stages.append((join_blocks([w for w, _ in blocks]), join_blocks([m for _, m in blocks])))
+    return join_stages([w for w, _ in stages]), join_stages([m for _, m in stages])
 
 
 def blocks_for(checkpoint: Checkpoint, tp: int, index: int) -> tuple[Tensors, Tensors]:
-    """(weights, moments) for tp rank `index` of a run under `tp` ranks: read as stored when the checkpoint
-    was saved under the same tp, else joined and split again."""
-    if checkpoint.layout().tp == tp:
-        return checkpoint.load_shard(index)
+    """(weights, moments) of every layer for tp rank `index` of a run under `tp` ranks: read as stored when
+    the checkpoint was saved under the same tp, else joined and split again."""
+    layout = checkpoint.layout()
+    if layout.tp == tp:
+        blocks = [checkpoint.load_shard(block_index(layout, stage, index)) for stage in range(layout.pp)]
+        return join_stages([w for w, _ in blocks]), join_stages([m for _, m in blocks])
     weights, moments = whole_tensors(checkpoint)
     return split_into_blocks(weights, tp, index), split_into_blocks(moments, tp, index)
+
+
+def stage_tensors(tensors: Tensors, model: ModelParams, stages: int, stage: int) -> Tensors:
+    """The tensors (weights or moments) that pipeline stage `stage` of `stages` holds."""
+    return {
+        name: value for name, value in tensors.items()
+        if stage_owns(name, model.num_layers, stages, stage, model.tie_embeddings)
+    }
 
 
 def reshard(checkpoint_dir: str | Path, to_layout: Layout, output_dir: str | Path) -> Checkpoint:
@@ -81,13 +110,17 @@ def reshard(checkpoint_dir: str | Path, to_layout: Layout, output_dir: str | Pat
     problem = verify(source)
     if problem:
         raise ValueError(f"checkpoint {checkpoint_dir} is not usable: {problem}")
-    if to_layout.pp != 1:
-        raise ParallelConfigError(f"pipeline_parallel={to_layout.pp} is not implemented yet (issue #4); use 1")
     state = source.state()
-    check_tensor_parallel(to_layout.tp, ModelParams(**state["model"]))
+    model = ModelParams(**state["model"])
+    check_tensor_parallel(to_layout.tp, model)
+    if model.num_layers % to_layout.pp:
+        raise ParallelConfigError(
+            f"pipeline_parallel={to_layout.pp} does not divide model.num_layers={model.num_layers} into equal stages"
+        )
     weights, moments = whole_tensors(source)
-    shards = {
-        index: (split_into_blocks(weights, to_layout.tp, index), split_into_blocks(moments, to_layout.tp, index))
-        for index in range(to_layout.tp)
-    }
+    shards = {}
+    for stage in range(to_layout.pp):
+        staged = stage_tensors(weights, model, to_layout.pp, stage), stage_tensors(moments, model, to_layout.pp, stage)
+        for t in range(to_layout.tp):
+            shards[block_index(to_layout, stage, t)] = tuple(split_into_blocks(part, to_layout.tp, t) for part in staged)
     return save_shards(output_dir, state["step"], shards, state, to_layout, keep=None)

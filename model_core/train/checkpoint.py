@@ -5,9 +5,11 @@ A checkpoint is a directory `step-00000100/` holding the weights by their model 
 moments, `state.json` (step, loss scale, data position, counters, the params it was made with),
 `layout.json` (the dp x tp x pp layout it was trained under) and `manifest.json` (sha256 of all the others).
 Under tensor parallelism each tp rank's block is a file of its own (`model-tp1-of-2.safetensors`,
-`optimizer-tp1-of-2.safetensors`; replicated tensors are in every file); with one tp rank the files are
-`model.safetensors` and `optimizer.safetensors`. Optimizer moments are always whole over dp (ZeRO shards are
-gathered), so only tp changes the files; `model_core.parallel.reshard` converts between tp sizes.
+`optimizer-tp1-of-2.safetensors`; replicated tensors are in every file); under pipeline parallelism each
+stage's (`model-pp1-of-2.safetensors`, or `model-pp1-of-2-tp0-of-2.safetensors` with both), holding the
+weights of its layers; with one rank of each the files are `model.safetensors` and `optimizer.safetensors`.
+Optimizer moments are always whole over dp (ZeRO shards are gathered), so only tp and pp change the files;
+`model_core.parallel.reshard` converts between layouts.
 
 A checkpoint is built in a temporary sibling and renamed into place, so a crash never leaves a
 half-written `step-*` directory; the newest `keep` checkpoints are kept. Under msrun the ranks that hold a
@@ -42,15 +44,24 @@ TENSOR_FILES = ("model.safetensors", "optimizer.safetensors")
 Tensors = dict[str, np.ndarray]
 
 
-def shard_files(index: int, tp: int) -> tuple[str, str]:
-    """(weights, moments) file names of tensor-parallel block `index` of `tp`."""
-    if tp == 1:
+def block_index(layout: Layout, stage: int, tp_index: int) -> int:
+    """The number of the block that pipeline stage `stage`, tensor-parallel rank `tp_index` writes."""
+    return stage * layout.tp + tp_index
+
+
+def shard_files(index: int, layout: Layout) -> tuple[str, str]:
+    """(weights, moments) file names of block `index` (`block_index`) of `layout`."""
+    stage, tp_index = divmod(index, layout.tp)
+    parts = [f"pp{stage}-of-{layout.pp}"] if layout.pp > 1 else []
+    parts += [f"tp{tp_index}-of-{layout.tp}"] if layout.tp > 1 else []
+    if not parts:
         return TENSOR_FILES
-    return f"model-tp{index}-of-{tp}.safetensors", f"optimizer-tp{index}-of-{tp}.safetensors"
+    suffix = "-".join(parts)
+    return f"model-{suffix}.safetensors", f"optimizer-{suffix}.safetensors"
 
 
-def all_shard_files(tp: int) -> set[str]:
-    return {name for index in range(tp) for name in shard_files(index, tp)}
+def all_shard_files(layout: Layout) -> set[str]:
+    return {name for index in range(layout.tp * layout.pp) for name in shard_files(index, layout)}
 
 
 class CheckpointLayoutError(ValueError):
@@ -73,17 +84,17 @@ class Checkpoint:
         return json.loads((self.path / STATE).read_text())
 
     def load_shard(self, index: int) -> tuple[Tensors, Tensors]:
-        """(weights, optimizer moments) of tensor-parallel block `index`."""
-        weights, moments = shard_files(index, self.layout().tp)
+        """(weights, optimizer moments) of block `index` (`block_index`: the tp rank when pp is 1)."""
+        weights, moments = shard_files(index, self.layout())
         return load_file(self.path / weights), load_file(self.path / moments)
 
     def load(self) -> tuple[Tensors, Tensors, dict]:
-        """(weights, optimizer moments, trainer state) of a checkpoint with one tensor-parallel block."""
-        tp = self.layout().tp
-        if tp != 1:
+        """(weights, optimizer moments, trainer state) of a checkpoint stored as one block."""
+        layout = self.layout()
+        if layout.tp != 1 or layout.pp != 1:
             raise CheckpointLayoutError(
-                f"{self.path} is split over tensor_parallel={tp}; join its blocks with model_core.parallel.reshard "
-                "(reshard to tensor_parallel=1, or whole_tensors)"
+                f"{self.path} is split over tensor_parallel={layout.tp} x pipeline_parallel={layout.pp}; join its "
+                "blocks with model_core.parallel.reshard (reshard to tp 1 pp 1, or whole_tensors)"
             )
         return (*self.load_shard(0), self.state())
 
@@ -109,7 +120,7 @@ def save_shards(
     keep: int | None,
     barrier: Callable[[], None] = lambda: None,
 ) -> Checkpoint | None:
-    """Write this process's tensor-parallel blocks {index: (weights, moments)} of a checkpoint.
+    """Write this process's blocks {block index: (weights, moments)} of a checkpoint.
 
     Every process of the job calls it with the same step (`barrier` waits for all of them); exactly one
     passes `state` and commits: it prepares the temporary directory, and once every block is written, adds
@@ -126,7 +137,7 @@ def save_shards(
         building.mkdir()
     barrier()
     for index, (weights, moments) in shards.items():
-        weights_file, moments_file = shard_files(index, layout.tp)
+        weights_file, moments_file = shard_files(index, layout)
         save_file(weights, str(building / weights_file))
         save_file(moments, str(building / moments_file))
     barrier()
@@ -142,7 +153,7 @@ def save_shards(
 
 
 def _commit(building: Path, final: Path, step: int, state: dict, layout: Layout) -> None:
-    expected = all_shard_files(layout.tp)
+    expected = all_shard_files(layout)
     missing = sorted(expected - {path.name for path in building.iterdir()})
     if missing:
         raise FileNotFoundError(f"checkpoint step {step}: no rank wrote {missing} into {building}")
@@ -181,7 +192,7 @@ def verify(checkpoint: Checkpoint) -> str | None:
             return f"{name} is missing"
         if file_sha256(path) != expected:
             return f"{name} does not match its sha256"
-    required = all_shard_files(checkpoint.layout().tp) | {STATE}
+    required = all_shard_files(checkpoint.layout()) | {STATE}
     missing = required - set(manifest.get("sha256", {}))
     return f"manifest lists no {sorted(missing)}" if missing else None
 

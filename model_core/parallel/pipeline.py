@@ -1,0 +1,518 @@
+"""Pipeline parallelism: the model's layers split into stages, micro-batches streamed through them.
+
+Stage s of `pp` holds layers [s L/pp, (s+1) L/pp), the first stage also the token embedding, the last the
+final norm, the head and the loss. `PipelineStage(model, ...)` prunes a built full model (in place, from
+outside, like `parallelize`) to its stage: parameter paths do not move (`layers.4.mlp.down_proj.weight`
+on stage 1 of a 8-layer pp2 model), so checkpoints and optimizer state keep their names. A tied head
+needs the embedding table on the last stage too: both stages hold a copy, start equal, and their
+gradients are summed over the two before every update, so the copies stay bit-identical (Megatron's
+embedding group); the gradient norm counts the table once.
+
+A step runs its micro-batches through a schedule, each stage's list of actions:
+  gpipe  every forward, then every backward;
+  1f1b   stage s first runs pp - 1 - s forwards (warm-up), then alternates one backward and one forward,
+         so at most pp - s micro-batches are in flight on stage s, not all of them as in GPipe.
+The last stage's forward is forward + loss + backward at once (nothing waits between them there).
+Execution goes in ticks: in a tick each stage runs its next actions whose inputs have arrived, at most
+one forward and one backward, then the pipeline group exchanges what they produced (activations to the
+next stage, input gradients to the previous one) in one all-reduce of the tick's messages, each rank
+writing its blocks into zeros (exact). Every rank derives the same ticks from the same schedule, so all
+ranks run the same collectives in the same order: nothing can deadlock, and the exchange needs only
+the all-reduce that every backend has (MindSpore's CPU backend has no Send/Receive).
+
+Activations are not kept from a forward to its backward: a stage stores only its input for each
+micro-batch in flight and the backward recomputes the stage's forward from it (graph-mode compiled
+cells; PyNative's deferred vjp would keep them but runs ~5x slower here). The arithmetic is that of one
+process: the same layers in the same order on the same inputs, gradients summed over micro-batches.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
+
+from model_core.model import Llama, token_cross_entropy
+from model_core.parallel import comm
+from model_core.parallel.layout import Layout
+from model_core.parallel.tensor import VocabParallelCrossEntropy
+from params.schema import ModelParams
+
+SCHEDULES = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: str  # "F" forward (on the last stage: forward, loss and backward), "B" backward
+    micro_batch: int
+
+
+def stage_layers(num_layers: int, stages: int, stage: int) -> range:
+    """The layer indices of `stage` (equal stages; the layout checked that `stages` divides `num_layers`)."""
+    per_stage = num_layers // stages
+    return range(stage * per_stage, (stage + 1) * per_stage)
+
+
+def stage_owns(name: str, num_layers: int, stages: int, stage: int, tie_embeddings: bool) -> bool:
+    """Whether the weight (or its optimizer moment, `adam_m.<name>`) at path `name` lives on `stage`."""
+    path = name.split(".", 1)[1] if name.startswith(("adam_m.", "adam_v.")) else name
+    first, last = stage == 0, stage == stages - 1
+    if path.startswith("layers."):
+        return int(path.split(".")[1]) in stage_layers(num_layers, stages, stage)
+    if path.startswith("embed_tokens."):
+        return first or (last and tie_embeddings)
+    return last  # norm.weight, lm_head.weight
+
+
+def schedule(kind: str, stages: int, micro_batches: int) -> list[list[Action]]:
+    """Each stage's actions, in order. The last stage has forwards only (each includes its backward)."""
+    if kind not in SCHEDULES:
+        raise ValueError(f"parallel.pipeline_schedule={kind!r} is not one of {SCHEDULES}")
+    orders = []
+    for stage in range(stages):
+        forwards = [Action("F", m) for m in range(micro_batches)]
+        backwards = [Action("B", m) for m in range(micro_batches)]
+        if stage == stages - 1:
+            orders.append(forwards)
+        elif kind == "gpipe":
+            orders.append(forwards + backwards)
+        else:
+            warmup = min(stages - 1 - stage, micro_batches)
+            order = forwards[:warmup]
+            for m in range(micro_batches - warmup):
+                order += [forwards[warmup + m], backwards[m]]
+            orders.append(order + backwards[micro_batches - warmup :])
+    return orders
+
+
+def forward_only(stages: int, micro_batches: int) -> list[list[Action]]:
+    """Evaluation: forwards only (the last stage's computes the loss and no gradient)."""
+    return [[Action("F", m) for m in range(micro_batches)] for _ in range(stages)]
+
+
+@dataclass(frozen=True)
+class Message:
+    """What `sender` produced in a tick for its neighbour: an activation ("act", to sender + 1) or the
+    gradient of its input ("grad", to sender - 1), of `micro_batch`."""
+
+    sender: int
+    kind: str
+    micro_batch: int
+
+
+@dataclass(frozen=True)
+class Tick:
+    actions: tuple[tuple[Action, ...], ...]  # per stage, run in this order
+    messages: tuple[Message, ...]  # exchanged after the actions, in this order
+
+
+def ticks(orders: Sequence[Sequence[Action]], backward: bool = True) -> list[Tick]:
+    """The lock-step execution of per-stage `orders`: in each tick every stage runs its next actions whose
+    inputs arrived in earlier ticks (at most one forward and one backward), then the tick's messages move.
+    `backward=False`: the last stage's forwards send no gradient (evaluation)."""
+    stages = len(orders)
+    arrived: set[tuple[int, str, int]] = set()  # (receiving stage, kind, micro-batch)
+    position = [0] * stages
+    result = []
+    while any(position[s] < len(orders[s]) for s in range(stages)):
+        actions, messages = [], []
+        for stage, order in enumerate(orders):
+            done: list[Action] = []
+            while position[stage] < len(order):
+                action = order[position[stage]]
+                if any(a.kind == action.kind for a in done) or not _ready(action, stage, arrived):
+                    break
+                done.append(action)
+                position[stage] += 1
+                messages.extend(_sent(action, stage, stages, backward))
+            actions.append(tuple(done))
+        if not messages and not any(actions):
+            raise RuntimeError(f"pipeline schedule is stuck at positions {position}")  # a bad order
+        arrived |= {(m.sender + (1 if m.kind == "act" else -1), m.kind, m.micro_batch) for m in messages}
+        result.append(Tick(tuple(actions), tuple(messages)))
+    return result
+
+
+def _ready(action: Action, stage: int, arrived: set[tuple[int, str, int]]) -> bool:
+    if action.kind == "F":
+        return stage == 0 or (stage, "act", action.micro_batch) in arrived
+    return (stage, "grad", action.micro_batch) in arrived
+
+
+def _sent(action: Action, stage: int, stages: int, backward: bool) -> list[Message]:
+    last = stage == stages - 1
+    if action.kind == "F" and not last:
+        return [Message(stage, "act", action.micro_batch)]
+    if backward and stage > 0 and (action.kind == "B" or last):
+        return [Message(stage, "grad", action.micro_batch)]
+    return []
+
+
+def idle_fraction(schedule_ticks: Sequence[Tick], forward_cost: float = 1.0, backward_cost: float = 2.0) -> float:
+    """The modelled bubble of lock-step ticks: idle stage-time over all stage-time, where a tick lasts as long
+    as its busiest stage. A backward recomputes its forward (forward + backward cost), and so does the last
+    stage's forward, which includes its backward."""
+    stages = len(schedule_ticks[0].actions)
+    both = forward_cost + backward_cost
+    busy_total, wall = 0.0, 0.0
+    for tick in schedule_ticks:
+        costs = [
+            sum(both if a.kind == "B" or stage == stages - 1 else forward_cost for a in actions)
+            for stage, actions in enumerate(tick.actions)
+        ]
+        busy_total += sum(costs)
+        wall += max(costs)
+    return 1.0 - busy_total / (wall * stages)
+
+
+def most_in_flight(orders: Sequence[Sequence[Action]]) -> list[int]:
+    """Per stage, the most micro-batch inputs held at once (forwarded, not yet backwarded)."""
+    peaks = []
+    for order in orders[:-1]:
+        held = peak = 0
+        for action in order:
+            held += 1 if action.kind == "F" else -1
+            peak = max(peak, held)
+        peaks.append(peak)
+    return peaks + [1]  # the last stage holds one input at a time
+
+
+# ------------------------------------------------------------------------------------------- the stage
+
+
+class _StageLayers(nn.Cell):
+    """Some blocks of the model, kept under their global indices (`layers.4`), run in order."""
+
+    def __init__(self, blocks: dict[int, nn.Cell]) -> None:
+        super().__init__()
+        for index, block in blocks.items():
+            self.insert_child_to_cell(str(index), block)
+        self.order = tuple(str(index) for index in blocks)
+
+    def construct(self, x, cos, sin, mask):
+        for name in self.order:
+            x = getattr(self, name)(x, cos, sin, mask)
+        return x
+
+
+def prune_to_stage(model: Llama, num_layers: int, stages: int, stage: int, tie_embeddings: bool) -> None:
+    """Keep only what `stage` holds, in place; the parameter paths of what stays do not change."""
+    keep = stage_layers(num_layers, stages, stage)
+    model.layers = _StageLayers({index: model.layers[index] for index in keep})
+    first, last = stage == 0, stage == stages - 1
+    if not (first or (last and tie_embeddings)):
+        del model.embed_tokens
+    if not last:
+        del model.norm
+        if not tie_embeddings:
+            del model.lm_head
+
+
+class _StageBody(nn.Cell):
+    """The stage's forward: (token ids on the first stage | the previous stage's activation) -> activation,
+    or on the last stage the summed token loss of the micro-batch."""
+
+    def __init__(self, model: Llama, first: bool, last: bool, loss: nn.Cell) -> None:
+        super().__init__()
+        self.model = model
+        self.first, self.last = first, last
+        self.loss = loss
+
+    def construct(self, x, position_ids, segment_ids, labels, loss_mask):
+        model = self.model
+        seq = x.shape[1]
+        cos, sin = model._rotary_angles(seq, position_ids)
+        mask = model._attention_mask(seq, segment_ids)
+        if self.first:
+            x = model.embed_tokens(x).astype(model.compute_dtype)
+        x = model.layers(x, cos, sin, mask)
+        if not self.last:
+            return x
+        x = model.norm(x)
+        head = model.embed_tokens.weight if model.tie_embeddings else model.lm_head.weight
+        logits = model.head(x, head.astype(x.dtype)).astype(ms.float32)
+        return self.loss(logits, labels, loss_mask)
+
+
+class SummedTokenLoss(nn.Cell):
+    """Summed cross-entropy of the counted tokens, from full-vocabulary logits."""
+
+    def construct(self, logits, labels, loss_mask):
+        mean, count = token_cross_entropy(logits, labels, loss_mask)
+        return mean * count
+
+
+class SummedVocabParallelLoss(nn.Cell):
+    """Summed cross-entropy of the counted tokens, from this tensor-parallel rank's logit block."""
+
+    def __init__(self, vocab_start: int, group: comm.Group) -> None:
+        super().__init__()
+        self.cross_entropy = VocabParallelCrossEntropy(vocab_start, group)
+
+    def construct(self, logits, labels, loss_mask):
+        per_token = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))[0]
+        return (per_token * (loss_mask.reshape(-1) != 0).astype(ms.float32)).sum()
+
+
+class _Forward(nn.Cell):
+    def __init__(self, body: _StageBody) -> None:
+        super().__init__()
+        self.body = body
+
+    @ms.jit
+    def construct(self, x, position_ids, segment_ids, labels, loss_mask):
+        return self.body(x, position_ids, segment_ids, labels, loss_mask)
+
+
+class _Backward(nn.Cell):
+    """Recompute the stage's forward from its stored input and backpropagate: the objective is
+    sum(output * gradient of the output) (on the last stage: summed loss x scale), whose gradients are the
+    stage's vector-Jacobian products. Weight gradients are added into `buffers`; returns the input's
+    gradient (zeros on the first stage, whose input is token ids) and, on the last stage, the summed loss."""
+
+    def __init__(self, body: _StageBody, weights: ParameterTuple, buffers: ParameterTuple) -> None:
+        super().__init__()
+        self.body = body
+        self.weights = weights
+        self.buffers = buffers
+        self.first = body.first
+        position = None if body.first else 0
+        self.value_and_grad = ops.value_and_grad(self._objective, position, weights, has_aux=True)
+
+    def _objective(self, x, position_ids, segment_ids, labels, loss_mask, output_grad):
+        out = self.body(x, position_ids, segment_ids, labels, loss_mask)
+        if self.body.last:
+            return out * output_grad, out  # output_grad is the loss scale here
+        return (out.astype(ms.float32) * output_grad).sum(), out.sum()
+
+    @ms.jit
+    def construct(self, x, position_ids, segment_ids, labels, loss_mask, output_grad):
+        (_, loss), grads = self.value_and_grad(x, position_ids, segment_ids, labels, loss_mask, output_grad)
+        if self.first:
+            weight_grads, input_grad = grads, ops.zeros((1,), ms.float32)
+        else:
+            input_grad, weight_grads = grads
+        for buffer, grad in zip(self.buffers, weight_grads):
+            ops.assign_add(buffer, grad)
+        return input_grad, loss
+
+
+class _Exchange(nn.Cell):
+    def __init__(self, group: comm.Group) -> None:
+        super().__init__()
+        self.group = group
+
+    @ms.jit
+    def construct(self, x):
+        return self.group.all_reduce(x)
+
+
+class _PairSum(nn.Cell):
+    """Sum a gradient buffer over a group, in place (the tied embedding's two copies)."""
+
+    def __init__(self, buffer: Parameter, group: comm.Group) -> None:
+        super().__init__()
+        self.buffer = buffer
+        self.group = group
+
+    @ms.jit
+    def construct(self):
+        ops.assign(self.buffer, self.group.all_reduce(self.buffer))
+        return True
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch's tensors; every stage of a pipeline reads the same rows."""
+
+    tokens: Tensor
+    labels: Tensor
+    loss_mask: Tensor
+    position_ids: Tensor | None
+    segment_ids: Tensor | None
+
+
+@dataclass
+class PassTiming:
+    """Seconds of one pipeline pass on this rank: computing, and in all (the rest is waiting + exchange)."""
+
+    compute: float = 0.0
+    wall: float = 0.0
+    per_stage: list[tuple[float, float]] = field(default_factory=list)  # (compute, wall) of every stage
+
+    def bubble(self) -> float:
+        """1 - compute / wall over the pipeline's stages: time they spent not computing."""
+        compute = sum(c for c, _ in self.per_stage)
+        wall = sum(w for _, w in self.per_stage)
+        return 1.0 - compute / wall if wall > 0 else 0.0
+
+
+class PipelineStage:
+    """This rank's stage of the pipeline through its (dp, tp) position: pruned model, compiled forward and
+    backward, and the per-step driver. `weights` and `buffers` (fp32 gradient accumulators) are the
+    stage's; `run` adds a step's gradients into `buffers` and returns the summed loss of its micro-batches.
+    """
+
+    def __init__(
+        self,
+        model: Llama,
+        layout: Layout,
+        rank: int,
+        params: ModelParams,
+        kind: str,
+        loss: nn.Cell,
+    ) -> None:
+        self.group = comm.group(layout.pp_group(rank))
+        self.stages, self.stage = layout.pp, self.group.index
+        self.first, self.last = self.stage == 0, self.stage == self.stages - 1
+        self.kind = kind
+        prune_to_stage(model, params.num_layers, self.stages, self.stage, params.tie_embeddings)
+        self.model = model
+        self.hidden_size = params.hidden_size
+        self.compute_dtype = model.compute_dtype
+        self.weights = ParameterTuple(model.trainable_params())
+        self.buffers = ParameterTuple(
+            Parameter(ops.zeros(w.shape, ms.float32), name=f"grad_accum.{w.name}", requires_grad=False)
+            for w in self.weights
+        )
+        body = _StageBody(model, self.first, self.last, loss)
+        self.forward = _Forward(body)
+        self.backward = _Backward(body, self.weights, self.buffers)
+        self.exchange = _Exchange(self.group)
+        # The tied table's copies on the first and last stages: gradients summed over the two.
+        self.tied = params.tie_embeddings and self.stages > 1 and (self.first or self.last)
+        self.tied_sum = None
+        if self.tied:
+            ends = comm.group((self.group.ranks[0], self.group.ranks[-1]))
+            table = model.embed_tokens.weight
+            index = next(i for i, w in enumerate(self.weights) if w is table)
+            self.tied_sum = _PairSum(self.buffers[index], ends)
+        self.last_timing = PassTiming()
+
+    def counted_in_norm(self, weights: Sequence[Parameter]) -> list[bool]:
+        """Whether each weight's gradient counts in the global norm: the last stage's copy of a tied table
+        does not (the first stage's, equal to it, does)."""
+        table = self.model.embed_tokens.weight if self.tied and self.last else None
+        return [w is not table for w in weights]
+
+    def run(self, micro_batches: Sequence[MicroBatch], scale: Tensor) -> float:
+        """Forward and backward of a step's micro-batches through the schedule; gradients added into
+        `buffers` (the tied table's summed over its two copies). Returns the summed token loss of all of
+        them, on every stage."""
+        orders = schedule(self.kind, self.stages, len(micro_batches))
+        summed = self._execute(orders, micro_batches, scale, backward=True)
+        if self.tied_sum is not None:
+            self.tied_sum()
+        return summed
+
+    def loss(self, batch: MicroBatch) -> float:
+        """The summed token loss of one batch, forward only, on every stage."""
+        return self._execute(forward_only(self.stages, 1), [batch], None, backward=False)
+
+    def _execute(self, orders, micro_batches, scale, backward: bool) -> float:
+        start = time.perf_counter()
+        compute = 0.0
+        inputs: dict[int, Tensor] = {}  # micro-batch -> this stage's input, until its backward
+        grads: dict[int, Tensor] = {}  # micro-batch -> gradient of this stage's output
+        outbox: dict[tuple[str, int], np.ndarray] = {}
+        summed = 0.0
+        for tick in ticks(orders, backward):
+            began = time.perf_counter()
+            for action in tick.actions[self.stage]:
+                batch = micro_batches[action.micro_batch]
+                x = batch.tokens if self.first else inputs[action.micro_batch]
+                inputs[action.micro_batch] = x
+                if action.kind == "F" and not self.last:
+                    out = self.forward(x, batch.position_ids, batch.segment_ids, batch.labels, batch.loss_mask)
+                    outbox[("act", action.micro_batch)] = out.astype(ms.float32).asnumpy()
+                    if not backward:
+                        inputs.pop(action.micro_batch)
+                    continue
+                if not backward:  # the last stage, evaluating
+                    loss = self.forward(x, batch.position_ids, batch.segment_ids, batch.labels, batch.loss_mask)
+                    summed += float(loss.asnumpy())
+                    inputs.pop(action.micro_batch)
+                    continue
+                output_grad = scale if self.last else grads.pop(action.micro_batch)
+                input_grad, loss = self.backward(
+                    x, batch.position_ids, batch.segment_ids, batch.labels, batch.loss_mask, output_grad
+                )
+                inputs.pop(action.micro_batch)
+                if self.last:
+                    summed += float(loss.asnumpy())
+                if not self.first:
+                    outbox[("grad", action.micro_batch)] = input_grad.astype(ms.float32).asnumpy()
+                else:
+                    input_grad.asnumpy()  # wait for the backward, so the timing counts it
+            compute += time.perf_counter() - began
+            if tick.messages:
+                self._exchange(tick.messages, outbox, micro_batches, inputs, grads)
+        total = self._share_over_stages([summed, compute, time.perf_counter() - start])
+        self.last_timing = PassTiming(compute, time.perf_counter() - start, total[1])
+        return total[0]
+
+    def _exchange(self, messages, outbox, micro_batches, inputs, grads) -> None:
+        """One all-reduce of the tick's messages: this rank writes the blocks it sends, zeros elsewhere."""
+        shape = (len(messages), *self._activation_shape(micro_batches[messages[0].micro_batch]))
+        buffer = np.zeros(shape, np.float32)
+        for slot, message in enumerate(messages):
+            if message.sender == self.stage:
+                buffer[slot] = outbox.pop((message.kind, message.micro_batch))
+        received = self.exchange(Tensor(buffer)).asnumpy()
+        for slot, message in enumerate(messages):
+            to = message.sender + (1 if message.kind == "act" else -1)
+            if to != self.stage:
+                continue
+            value = Tensor(received[slot])
+            if message.kind == "act":
+                inputs[message.micro_batch] = value.astype(self.compute_dtype)
+            else:
+                grads[message.micro_batch] = value
+
+    def _activation_shape(self, batch: MicroBatch) -> tuple[int, ...]:
+        return (*batch.tokens.shape, self.hidden_size)
+
+    def _share_over_stages(self, values: list[float]) -> tuple[float, list[tuple[float, float]]]:
+        """(the loss summed over stages, every stage's (compute, wall) seconds) from this stage's values."""
+        table = np.zeros((self.stages, 3), np.float64)
+        table[self.stage] = values
+        table = self.exchange(Tensor(table.astype(np.float32))).asnumpy().astype(np.float64)
+        return float(table[:, 0].sum()), [(float(c), float(w)) for _, c, w in table]
+
+
+class PipelineGradientNorm(nn.Cell):
+    """The global L2 norm of a pipeline stage's gradients times `grad_scale`: squares of tensor-parallel
+    split gradients are summed over the tp group, replicated ones counted once, and the stages' totals
+    summed over the pipeline group; `counted` leaves out the last stage's copy of a tied table."""
+
+    def __init__(
+        self,
+        buffers: ParameterTuple,
+        split: Sequence[bool],
+        counted: Sequence[bool],
+        tp_group: comm.Group,
+        pp_group: comm.Group,
+    ) -> None:
+        super().__init__()
+        self.buffers = buffers
+        self.split = tuple(split)
+        self.counted = tuple(counted)
+        self.tp_group = tp_group
+        self.pp_group = pp_group
+
+    @ms.jit
+    def construct(self, grad_scale):
+        split = ops.zeros((1,), ms.float32)
+        replicated = ops.zeros((1,), ms.float32)
+        for buffer, is_split, is_counted in zip(self.buffers, self.split, self.counted):
+            if is_counted:
+                if is_split:
+                    split = split + mint.sum(buffer * buffer)
+                else:
+                    replicated = replicated + mint.sum(buffer * buffer)
+        stage = self.tp_group.all_reduce(split) + replicated
+        return mint.sqrt(self.pp_group.all_reduce(stage)).reshape(()) * grad_scale

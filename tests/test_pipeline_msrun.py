@@ -1,0 +1,85 @@
+"""Pipeline parallelism over two msrun workers (one stage each) against one process on the same global batch:
+1F1B and GPipe over 4 micro-batches give its losses and gradient norms for 20 steps from the same initial
+weights; the stages' checkpoint joins into the single-process weights, resharded to one rank and back
+byte for byte, resumes in one process, and resumes bit-exactly under pp2 itself."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from model_core.parallel.layout import Layout
+from model_core.parallel.reshard import reshard
+from model_core.train.checkpoint import Checkpoint
+from model_core.train.trainer import Trainer
+from params import load_params
+from test_parallel_msrun import RUN, assert_same_metrics, dataset_dir, resume_from_step, single_process, train_job
+
+pytestmark = pytest.mark.slow
+
+__all__ = ["dataset_dir", "single_process"]  # module fixtures shared with the dp tests
+
+PP2 = ("parallel.pipeline_parallel=2", "parallel.micro_batches=4")
+
+
+@pytest.fixture(scope="module")
+def pp2_run(dataset_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pp2")
+    return out, train_job(out, dataset_dir, *PP2)
+
+
+def test_pp2_stages_start_from_the_single_process_weights_and_match_its_training(pp2_run, single_process):
+    out, ranks = pp2_run
+    stages = [dict(np.load(out / "out" / f"rank{rank}_initial.npz")) for rank in (0, 1)]
+    assert "layers.0.self_attn.q_proj.weight" in stages[0] and "layers.0.self_attn.q_proj.weight" not in stages[1]
+    assert "layers.1.mlp.down_proj.weight" in stages[1] and "norm.weight" in stages[1] and "norm.weight" not in stages[0]
+    joined = {**stages[1], **stages[0]}
+    assert joined.keys() == single_process["initial"].keys()
+    for name, value in single_process["initial"].items():
+        np.testing.assert_array_equal(joined[name], value, err_msg=name)
+    for rank in ranks:
+        assert_same_metrics(rank["history"], single_process["history"])
+        assert all(0.0 <= record["pipeline_bubble"] < 1.0 for record in rank["history"])
+
+
+def test_pp2_gpipe_matches_one_process_too(dataset_dir, single_process, tmp_path):
+    ranks = train_job(tmp_path, dataset_dir, *PP2, "parallel.pipeline_schedule=gpipe")
+    for rank in ranks:
+        assert_same_metrics(rank["history"], single_process["history"])
+
+
+def test_pp2_checkpoint_joins_into_the_single_process_weights_and_reshards_back_exactly(pp2_run, single_process, tmp_path):
+    out, _ = pp2_run
+    saved = out / "out" / "checkpoints" / "step-00000020"
+    assert Checkpoint(saved, 20).layout() == Layout(dp=1, tp=1, pp=2)
+    assert sorted(p.name for p in saved.glob("model*.safetensors")) == ["model-pp0-of-2.safetensors", "model-pp1-of-2.safetensors"]
+    single = reshard(saved, Layout(), tmp_path / "pp1")
+    weights, moments, _ = single.load()
+    assert weights.keys() == single_process["final"].keys()
+    assert moments.keys() == {f"adam_{m}.{name}" for m in "mv" for name in weights}
+    for name, value in single_process["final"].items():
+        assert np.linalg.norm(weights[name] - value) <= 1e-5 * np.linalg.norm(value), name
+    back = reshard(single.path, Layout(pp=2), tmp_path / "pp2")
+    for index in (0, 1):
+        for again, original in zip(back.load_shard(index), Checkpoint(saved, 20).load_shard(index)):
+            assert again.keys() == original.keys()
+            assert all(np.array_equal(again[name], original[name]) for name in original)
+
+
+def test_a_pp2_checkpoint_resumes_in_one_process(pp2_run, single_process, dataset_dir, tmp_path):
+    out, _ = pp2_run
+    resume_from_step(out / "out" / "checkpoints", 10, tmp_path / "ckpt")
+    params = load_params("tiny", [*RUN, "parallel.micro_batches=4", f"train.output_dir={tmp_path}"])
+    result = Trainer(params, dataset_dir, tmp_path / "ckpt").run(resume="auto")
+    assert result.resumed_from.name == "step-00000010"
+    assert_same_metrics(result.history, [r for r in single_process["history"] if r["step"] > 10])
+
+
+def test_pp2_resume_is_bit_exact(pp2_run, dataset_dir, tmp_path):
+    out, uninterrupted = pp2_run
+    start = resume_from_step(out / "out" / "checkpoints", 10, tmp_path / "out" / "checkpoints")
+    resumed = train_job(tmp_path, dataset_dir, *PP2, resume=start)
+    keys = ("step", "loss", "grad_norm", "lr", "validation_loss")
+    for rank in (0, 1):
+        tail = [r for r in uninterrupted[rank]["history"] if r["step"] > 10]
+        assert [[r.get(k) for k in keys] for r in resumed[rank]["history"]] == [[r.get(k) for k in keys] for r in tail]
