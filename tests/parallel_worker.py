@@ -70,10 +70,11 @@ def check_comm(out_dir: Path) -> None:
 
 def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     """Train with params `tiny` + `--set` overrides, resuming from `--resume` (default: start fresh); write
-    this rank's metrics history, held optimizer-state and gradient-buffer bytes (read back from the arrays)
-    and its initial weights (rank<r>_initial.npz)."""
+    this rank's metrics history, held parameter, optimizer-state and gradient-buffer bytes (read back from the
+    arrays), and its weights as held at the start and the end (rank<r>_initial.npz, rank<r>_final.npz; ZeRO-3
+    shards under ZeRO-3)."""
     from model_core.parallel.zero import moment_bytes
-    from model_core.train.trainer import Trainer, model_weights
+    from model_core.train.trainer import Trainer, model_weights, named_weights
     from params import load_params
 
     pairs = list(zip(options[::2], options[1::2]))
@@ -85,9 +86,11 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     optimizer = trainer.optimizer
     held = optimizer.moment_bytes() if hasattr(optimizer, "moment_bytes") else moment_bytes(optimizer)
     gradient_bytes = sum(buffer.asnumpy().nbytes for buffer in trainer.accumulate.buffers)
+    parameter_bytes = sum(param.asnumpy().nbytes for param in named_weights(trainer.model).values())
+    np.savez(out_dir / f"rank{trainer.rank}_final.npz", **model_weights(trainer.model))
     report = {
         "history": result.history, "moment_bytes": held, "gradient_bytes": gradient_bytes,
-        "checkpoint": str(result.checkpoint),
+        "parameter_bytes": parameter_bytes, "checkpoint": str(result.checkpoint),
     }
     (out_dir / f"rank{trainer.rank}.json").write_text(json.dumps(report))
 

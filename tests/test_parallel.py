@@ -1,5 +1,6 @@
-"""Fast checks of the parallel layout, the all-reduce fallbacks' arithmetic, gradient buckets, ZeRO-1 shards
-and the launcher's refusals, all in one process (no msrun)."""
+"""Fast checks of the parallel layout, the all-reduce fallbacks' arithmetic, gradient buckets, ZeRO-1 shards,
+ZeRO-3's per-parameter shards (and its cells with a group of one rank) and the launcher's refusals, all in one
+process (no msrun)."""
 
 from __future__ import annotations
 
@@ -7,13 +8,19 @@ import mindspore as ms
 import numpy as np
 import pytest
 
+from conftest import SMALL_MODEL
 from model_core.data import PackedRows
+from model_core.model import Llama
 from model_core.parallel import comm
 from model_core.parallel.data_parallel import bucket_indices
 from model_core.parallel.launch import launch, launch_training, log_tail
 from model_core.parallel.layout import Layout, ParallelConfigError, check_implemented, check_tensor_parallel
 from model_core.parallel.zero import shard_pieces
+from model_core.parallel.zero3 import Zero3AdamW, join_shards, shard_parameters, take_shard
 from model_core.train.loader import ShuffledBatches
+from model_core.train.optim import AdamW
+from model_core.train.step import AccumulateGradients
+from model_core.train.trainer import model_weights, named_weights
 from params import ParamsError, load_params
 
 
@@ -53,10 +60,11 @@ def test_parts_not_built_yet_are_refused_by_name():
     check_implemented(params_with("parallel.data_parallel=2", "parallel.zero_stage=2"))
     with pytest.raises(ParallelConfigError, match=r"parallel.zero_stage=2 with parallel.tensor_parallel=2 is not implemented"):
         check_implemented(params_with("parallel.data_parallel=2", "parallel.zero_stage=2", "parallel.tensor_parallel=2"))
-    with pytest.raises(ParallelConfigError, match=r"parallel.pipeline_parallel=2 is not implemented yet \(issue #4\)"):
-        check_implemented(params_with("parallel.pipeline_parallel=2", "parallel.micro_batches=2"))
-    with pytest.raises(ParallelConfigError, match=r"parallel.zero_stage=3 is not implemented yet"):
-        check_implemented(params_with("parallel.data_parallel=2", "parallel.zero_stage=3"))
+    check_implemented(params_with("parallel.data_parallel=2", "parallel.zero_stage=3"))
+    with pytest.raises(ParallelConfigError, match=r"parallel.zero_stage=3 with parallel.tensor_parallel=2 is not implemented"):
+        check_implemented(params_with("parallel.data_parallel=2", "parallel.zero_stage=3", "parallel.tensor_parallel=2"))
+    with pytest.raises(ParallelConfigError, match=r"parallel.zero_stage=3 with parallel.pipeline_parallel=2 is not implemented"):
+        check_implemented(params_with("parallel.zero_stage=3", "parallel.pipeline_parallel=2", "parallel.micro_batches=2"))
 
 
 @pytest.mark.parametrize(
@@ -79,8 +87,8 @@ def test_tensor_parallel_must_divide_heads_kv_heads_ffn_and_vocab(tmp_path, mode
 
 
 def test_invalid_layouts_fail_before_anything_is_launched(tmp_path):
-    with pytest.raises(ParallelConfigError, match="pipeline_parallel=2 is not implemented"):
-        launch_training(params_with("parallel.pipeline_parallel=2", "parallel.micro_batches=2"), ["--params", "tiny"], tmp_path / "logs")
+    with pytest.raises(ParallelConfigError, match="zero_stage=3 with parallel.tensor_parallel=2 is not implemented"):
+        launch_training(params_with("parallel.tensor_parallel=2", "parallel.zero_stage=3"), ["--params", "tiny"], tmp_path / "logs")
     with pytest.raises(ParallelConfigError, match="does not split evenly over 2 nodes"):
         launch(["-c", "pass"], 3, tmp_path / "logs", nodes=2)
     assert not (tmp_path / "logs").exists()
@@ -143,6 +151,52 @@ def test_zero_shards_cover_every_element_exactly_once():
             covered += [offsets[p.index] + e for p in pieces for e in range(p.start, p.end)]
             assert sum(p.end - p.start for p in pieces) <= length
         assert covered == list(range(sum(sizes))) and lengths == {-(-sum(sizes) // shards)}
+
+
+@pytest.mark.parametrize(("shards", "length"), [(1, 12), (2, 6), (3, 4), (5, 3)])
+def test_zero3_shards_are_flat_zero_padded_slices_that_join_back(shards, length):
+    weight = np.arange(1, 13, dtype=np.float32).reshape(3, 4)
+    pieces = [take_shard(weight, shards, index) for index in range(shards)]
+    assert [piece.shape for piece in pieces] == [(length,)] * shards
+    joined = np.concatenate(pieces)
+    np.testing.assert_array_equal(joined[12:], np.zeros(length * shards - 12, np.float32))
+    np.testing.assert_array_equal(join_shards(joined, (3, 4)), weight)
+
+
+def test_zero3_over_one_rank_keeps_paths_gradients_decay_and_whole_checkpoint_tensors():
+    params = params_with(*SMALL_MODEL)
+    ms.set_seed(1)
+    full = Llama(params.model)
+    ms.set_seed(1)
+    model = Llama(params.model)
+    sharded = shard_parameters(model, comm.Group((0,), 0))
+    assert named_weights(model).keys() == named_weights(full).keys()
+    assert all(len(shard.shape) == 1 for shard in sharded.shards.values())
+
+    rng = np.random.default_rng(0)
+    tokens, labels = (ms.Tensor(rng.integers(0, 512, (2, 32)).astype(np.int32)) for _ in range(2))
+    inputs = (tokens, labels, ms.Tensor(np.ones((2, 32), np.float32)), None, None, ms.Tensor(1.0))
+    gradients = []
+    for net in (full, model):
+        accumulate = AccumulateGradients(net)
+        accumulate(*inputs)
+        names = {id(param): name for name, param in named_weights(net).items()}
+        gradients.append({names[id(w)]: b.asnumpy().reshape(-1) for w, b in zip(accumulate.weights, accumulate.buffers)})
+    for name, expected in gradients[0].items():
+        np.testing.assert_array_equal(gradients[1][name], expected, err_msg=name)
+
+    names = list(sharded.shards)
+    unsharded = AdamW.from_params([named_weights(full)[n] for n in names], params.optimizer, names)
+    optimizer = Zero3AdamW(sharded, params.optimizer, names)
+    assert optimizer.decays == unsharded.decays and any(unsharded.decays) and not all(unsharded.decays)
+    moments = {key: rng.standard_normal(value.shape).astype(np.float32) for key, value in unsharded.state_dict().items()}
+    optimizer.load_state_dict(moments)
+    assert {k: v.tolist() for k, v in optimizer.state_dict().items()} == {k: v.tolist() for k, v in moments.items()}
+    weights = {name: value + 1 for name, value in model_weights(full).items()}
+    sharded.load_full_weights(weights)
+    assert {k: v.tolist() for k, v in sharded.full_weights().items()} == {k: v.tolist() for k, v in weights.items()}
+    with pytest.raises(ValueError, match=r"norm.weight has shape \(3,\), the model's is \(64,\)"):
+        sharded.load_full_weights({**weights, "norm.weight": np.ones(3, np.float32)})
 
 
 def test_log_tail_skips_framework_chatter(tmp_path):

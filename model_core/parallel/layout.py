@@ -110,13 +110,15 @@ def check_tensor_parallel(tp: int, model: ModelParams) -> None:
 def check_implemented(params: PipelineParams) -> None:
     """Stop before launch on the parts of the layout that this version cannot run yet (issue #4)."""
     parallel = params.parallel
+    for field in ("tensor_parallel", "pipeline_parallel"):
+        if parallel.zero_stage == 3 and getattr(parallel, field) > 1:
+            raise ParallelConfigError(
+                f"parallel.zero_stage=3 with parallel.{field}={getattr(parallel, field)} is not implemented yet "
+                f"(issue #4): ZeRO-3 shards whole parameters over dp; use zero_stage 1 or {field} 1"
+            )
     if parallel.pipeline_parallel != 1:
         raise ParallelConfigError(
             f"parallel.pipeline_parallel={parallel.pipeline_parallel} is not implemented yet (issue #4); use 1"
-        )
-    if parallel.zero_stage > 2:
-        raise ParallelConfigError(
-            f"parallel.zero_stage={parallel.zero_stage} is not implemented yet (issue #4); use 0, 1 or 2"
         )
     if parallel.zero_stage == 2 and parallel.tensor_parallel > 1:
         raise ParallelConfigError(

@@ -11,7 +11,9 @@ with tensor parallelism each then keeps its tp block (`model_core.parallel.paral
 replica trains on its slice of each global batch and sums gradients over its dp group once per optimizer
 step; token counts and summed losses are summed too, so the update is the one a single process makes on the
 whole global batch. ZeRO-1 shards the Adam moments over the dp group; ZeRO-2 the gradient buffers too,
-reduce-scattering each micro-batch's gradients instead of summing once per step. Only rank 0 reports
+reduce-scattering each micro-batch's gradients instead of summing once per step; ZeRO-3 the weights too
+(`model_core.parallel.zero3`: each rank keeps a shard of every weight and gathers it where it is used, and
+checkpoints gather whole weights). Only rank 0 reports
 metrics. Checkpoints are written by the ranks of the first dp replica, one file per tp block, and resume
 under another tp (resharded in memory) or, with the same global batch, another dp.
 """
@@ -42,6 +44,7 @@ from model_core.parallel.parallelize import (
 )
 from model_core.parallel.reshard import blocks_for
 from model_core.parallel.zero import ShardedAccumulateGradients, ShardedAdamW, ShardedGradientNorm
+from model_core.parallel.zero3 import Zero3AdamW, shard_parameters
 from model_core.train import checkpoint as ckpt
 from model_core.train.callbacks import MetricsCallback
 from model_core.train.flops import flops_per_token, mfu, peak_flops_for_current_device
@@ -129,6 +132,11 @@ class Trainer:
                 f"adapt_model (LoRA) needs parallel.tensor_parallel=1, not {self.tp_group.size}: its adapters "
                 "are not split into tensor-parallel blocks"
             )
+        if adapt_model is not None and params.parallel.zero_stage == 3:
+            raise ValueError(
+                "adapt_model (LoRA) needs parallel.zero_stage of 2 or less, not 3: ZeRO-3 replaces the projections "
+                "LoRA wraps with flat weight shards"
+            )
         ms.set_seed(params.train.seed)
         self.model = Llama(params.model, params.precision.compute_dtype)
         self.num_parameters = count_parameters(self.model)
@@ -137,6 +145,9 @@ class Trainer:
             load_weights(self.model, read_weights(self.initial_weights))  # any stored dtype, as fp32
         self.tensor_parallelism = (
             parallelize(self.model, self.layout, self.rank, params.model) if self.tp_group.size > 1 else None
+        )
+        self.zero3 = (  # each rank keeps its shard of every weight and gathers weights where they are used
+            shard_parameters(self.model, self.dp_group) if params.parallel.zero_stage == 3 and self.dp_group.size > 1 else None
         )
         self.adaptation = adapt_model(self.model) if adapt_model is not None else None
         self.model.set_train(True)  # training-only layers (LoRA's dropout) act in the step, not in evaluate()
@@ -166,7 +177,9 @@ class Trainer:
             self.accumulate = AccumulateGradients(self.model)
         names = {id(param): name for name, param in named_weights(self.model).items()}
         weight_names = [names[id(param)] for param in self.accumulate.weights]
-        if zero_stage >= 1:
+        if self.zero3 is not None:
+            self.optimizer = Zero3AdamW(self.zero3, params.optimizer, weight_names)
+        elif zero_stage >= 1:
             self.optimizer = ShardedAdamW(
                 self.accumulate.weights, params.optimizer, weight_names, self.dp_group, sharded_gradients=zero_stage == 2
             )
@@ -174,7 +187,7 @@ class Trainer:
             self.optimizer = AdamW.from_params(self.accumulate.weights, params.optimizer, weight_names)
         summed_once_per_step = self.dp_group.size > 1 and zero_stage < 2
         self.sum_gradients = GradientAllReduce(self.accumulate.buffers, self.dp_group) if summed_once_per_step else None
-        if zero_stage == 2:
+        if zero_stage >= 2:  # ZeRO-3's buffers are shards too
             self.norm = ShardedGradientNorm(self.accumulate.buffers, self.dp_group)
         elif self.tensor_parallelism is None:
             self.norm = GradientNorm(self.accumulate.buffers)
@@ -201,7 +214,10 @@ class Trainer:
         state = found.state()
         self._check_compatible(state, found.path)
         weights, moments = blocks_for(found, self.tp_group.size, self.tp_group.index)  # resharded if tp differs
-        load_weights(self.model, weights)
+        if self.zero3 is not None:
+            self.zero3.load_full_weights(weights)
+        else:
+            load_weights(self.model, weights)
         self.optimizer.load_state_dict(moments)
         self.batches.load_state_dict(state["data"])
         self.loss_scale.load_state_dict(state["loss_scale"])
@@ -230,7 +246,8 @@ class Trainer:
 
     def run(self, on_metrics: MetricsCallback | None = None, resume: str | Path = "none") -> TrainResult:
         resumed_from = self.resume(resume)
-        broadcast_parameters(self.accumulate.weights, self.dp_group, root=self.dp_group.ranks[0])
+        if self.zero3 is None:  # ZeRO-3 ranks hold different shards of the same seeded model
+            broadcast_parameters(self.accumulate.weights, self.dp_group, root=self.dp_group.ranks[0])
         history: list[dict[str, float]] = []
         train = self.params.train
         last_checkpoint = resumed_from
@@ -340,15 +357,31 @@ class Trainer:
         )
         self.model.set_train(False)
         try:
-            for index, batch in enumerate(batches):
-                if index % self.dp_group.size == self.dp_group.index:
-                    _, summed = self.eval_loss(*_inputs(batch), scalar(1.0))
-                    total += float(summed.asnumpy())
-                    counted += batch.counted_tokens
+            if self.zero3 is not None:
+                total, counted = self._evaluate_in_lockstep(list(batches))
+            else:
+                for index, batch in enumerate(batches):
+                    if index % self.dp_group.size == self.dp_group.index:
+                        _, summed = self.eval_loss(*_inputs(batch), scalar(1.0))
+                        total += float(summed.asnumpy())
+                        counted += batch.counted_tokens
         finally:
             self.model.set_train(True)
         total, counted = sum_over(self.dp_group, [total, counted])
         return total / counted if counted else math.nan
+
+    def _evaluate_in_lockstep(self, batches: list[Batch]) -> tuple[float, int]:
+        """ZeRO-3's share of `evaluate`: every forward gathers weights over the dp group, so every replica runs
+        the same number of them; a replica with no batch left in the last round repeats one and counts nothing."""
+        total, counted = 0.0, 0
+        size, index = self.dp_group.size, self.dp_group.index
+        for start in range(0, len(batches), size):
+            mine = start + index
+            _, summed = self.eval_loss(*_inputs(batches[min(mine, len(batches) - 1)]), scalar(1.0))
+            if mine < len(batches):
+                total += float(summed.asnumpy())
+                counted += batches[mine].counted_tokens
+        return total, counted
 
     # ------------------------------------------------------------------------------------- checkpoints
 
@@ -356,7 +389,8 @@ class Trainer:
         """Every rank calls it (gathering ZeRO-sharded moments and the write itself are collective). The first
         dp replica's ranks write their tp blocks; rank 0 commits and returns the checkpoint."""
         moments = self.optimizer.state_dict()
-        shards = {self.tp_group.index: (model_weights(self.model), moments)} if self.writes_checkpoints else {}
+        gathered = self.zero3.full_weights() if self.zero3 is not None else None  # collective under ZeRO-3
+        shards = {self.tp_group.index: (gathered or model_weights(self.model), moments)} if self.writes_checkpoints else {}
         state = None if not self.is_reporting else {
             "step": self.counters.step,
             "counters": vars(self.counters),

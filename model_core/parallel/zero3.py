@@ -1,0 +1,206 @@
+"""ZeRO-3: every trainable parameter sharded over the data-parallel group and gathered only where it is used.
+
+`shard_parameters(model, group)` turns the full model (built from the seed on every rank, initial weights
+loaded) into this rank's shard in place, from outside, as `parallelize` does for tensor parallelism. Each
+trainable weight becomes a flat fp32 Parameter of L = ceil(size / dp) elements under the same path
+(`layers.0.mlp.down_proj.weight`): elements [index * L, (index + 1) * L) of the flattened weight, zero-padded
+to dp * L. The cells that use a weight read it through a `GatherParameter`:
+  forward   all-gather of the shards, cut to the weight's size and reshaped;
+  backward  reduce-scatter of the flat, padded gradient: the gradient wrt this rank's shard, summed over dp.
+`GatherParameter` is marked for recomputation, so the backward gathers a weight again rather than keeping
+the forward's full copy until then. The swaps: a Linear's and the head's matmul function and RMSNorm's
+function take the shard and gather it (`WithGatheredWeight`); the token embedding, which indexes its table
+directly, becomes a `GatheredEmbedding`. In a low-precision compute dtype the shard is cast before it is
+gathered, so gathers and reduce-scatters move compute-dtype values.
+
+Gradients arrive summed over dp and shard-sized, so the plain `AccumulateGradients` keeps shard-sized fp32
+buffers, `ShardedGradientNorm` sums their squares over dp, and `Zero3AdamW` is AdamW over the shards with
+weight decay decided by each full parameter's ndim. Checkpoints stay layout-independent: `full_weights` and
+`Zero3AdamW.state_dict` gather whole tensors under the usual names (collectives: every rank calls them), and
+`load_full_weights` / `Zero3AdamW.load_state_dict` take this rank's shards of whole tensors, whatever layout
+wrote them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from model_core.model.llama import Embedding, Linear, Llama, RMSNorm
+from model_core.parallel.comm import Group
+from model_core.train.optim import AdamW, applies_weight_decay
+from params.schema import OptimizerParams
+
+
+def shard_length(size: int, shards: int) -> int:
+    """Elements per shard of a `size`-element parameter split into `shards` (the last one padded)."""
+    return -(-size // shards)
+
+
+def take_shard(array: np.ndarray, shards: int, index: int) -> np.ndarray:
+    """Shard `index` of `shards` of `array`, flattened and zero-padded to a multiple of `shards`, as fp32."""
+    flat = np.asarray(array, dtype=np.float32).reshape(-1)
+    length = shard_length(flat.size, shards)
+    padded = np.zeros(length * shards, np.float32)
+    padded[: flat.size] = flat
+    return padded[index * length : (index + 1) * length].copy()
+
+
+def join_shards(shards: np.ndarray, shape: Sequence[int]) -> np.ndarray:
+    """The full parameter from every rank's shard concatenated in group order (the padding dropped)."""
+    return shards[: int(np.prod(shape))].reshape(shape)
+
+
+class GatherParameter(nn.Cell):
+    """shard -> the full parameter of `shape`; the gradient is reduce-scattered back to the shard."""
+
+    def __init__(self, shape: Sequence[int], group: Group) -> None:
+        super().__init__()
+        self.shape = tuple(shape)
+        self.size = int(np.prod(self.shape))
+        self.padding = shard_length(self.size, group.size) * group.size - self.size
+        self.group = group
+
+    def construct(self, shard):
+        return self.group.all_gather(shard)[: self.size].reshape(self.shape)
+
+    def bprop(self, shard, out, dout):
+        flat = dout.reshape(-1)
+        if self.padding:
+            flat = ops.cat((flat, ops.zeros((self.padding,), flat.dtype)))
+        return (self.group.reduce_scatter(flat),)
+
+
+def gather_parameter(shape: Sequence[int], group: Group) -> GatherParameter:
+    """A `GatherParameter` marked for recomputation: the backward gathers again instead of keeping the weight."""
+    gather = GatherParameter(shape, group)
+    gather.recompute()
+    return gather
+
+
+class WithGatheredWeight(nn.Cell):
+    """`inner(x, weight)` (a matmul or norm function) called with the full weight gathered from a shard."""
+
+    def __init__(self, inner: nn.Cell, shape: Sequence[int], group: Group) -> None:
+        super().__init__()
+        self.inner = inner
+        self.gather = gather_parameter(shape, group)
+
+    def construct(self, x, shard):
+        return self.inner(x, self.gather(shard))
+
+
+class GatheredEmbedding(nn.Cell):
+    """Token id -> row of the table gathered from `weight`, this rank's shard of it."""
+
+    def __init__(self, weight: Parameter, shape: Sequence[int], group: Group) -> None:
+        super().__init__()
+        self.weight = weight
+        self.gather = gather_parameter(shape, group)
+
+    def construct(self, tokens):
+        return ops.gather(self.gather(self.weight), tokens, 0)
+
+
+@dataclass(frozen=True)
+class ShardedParameters:
+    """What `shard_parameters` did: this rank's shard of every weight by path, the full shapes, and whether
+    each full weight is decayed (decided before it was flattened)."""
+
+    group: Group
+    shards: dict[str, Parameter]
+    shapes: dict[str, tuple[int, ...]]
+    decays: dict[str, bool]
+
+    def full_weights(self) -> dict[str, np.ndarray]:
+        """Every full weight by path, gathered from the shards. A collective: every rank of the group calls it."""
+        full = gather_full(list(self.shards.values()), [self.shapes[name] for name in self.shards], self.group)
+        return dict(zip(self.shards, full))
+
+    def load_full_weights(self, weights: Mapping[str, np.ndarray]) -> None:
+        """Take this rank's shard of every full weight (in place, so compiled graphs keep seeing them)."""
+        _check_full(weights, self.shapes, "checkpoint weights")
+        for name, shard in self.shards.items():
+            ops.assign(shard, Tensor(take_shard(weights[name], self.group.size, self.group.index)))
+
+
+def shard_parameters(model: Llama, group: Group) -> ShardedParameters:
+    """Make `model` (the full single-device model, in place) keep only its `group.index` shard of every weight."""
+    shards, shapes, decays = {}, {}, {}
+
+    def own_shard(name: str, cell: nn.Cell) -> Parameter:
+        full = cell.weight
+        shapes[name], decays[name] = tuple(full.shape), applies_weight_decay(full)
+        shards[name] = Parameter(Tensor(take_shard(full.asnumpy(), group.size, group.index)), name=full.name)
+        return shards[name]
+
+    for name, cell in list(model.cells_and_names()):
+        if isinstance(cell, (Linear, RMSNorm)):
+            cell.weight = own_shard(f"{name}.weight", cell)
+            function = "linear" if isinstance(cell, Linear) else "rms_norm"
+            setattr(cell, function, WithGatheredWeight(getattr(cell, function), shapes[f"{name}.weight"], group))
+    embedding = model.embed_tokens
+    if not isinstance(embedding, Embedding):
+        raise TypeError(f"ZeRO-3 shards a Llama's Embedding, not {type(embedding).__name__}")
+    shard = own_shard("embed_tokens.weight", embedding)
+    model.embed_tokens = GatheredEmbedding(shard, shapes["embed_tokens.weight"], group)
+    head = "embed_tokens.weight" if model.tie_embeddings else "lm_head.weight"
+    model.head = WithGatheredWeight(model.head, shapes[head], group)
+    return ShardedParameters(group, shards, shapes, decays)
+
+
+class Zero3AdamW(AdamW):
+    """AdamW over this rank's shards (flat, so weight decay follows each full parameter's ndim); its
+    `state_dict` and `load_state_dict` speak full moments keyed `adam_m.<path>` / `adam_v.<path>`, as
+    unsharded AdamW writes them. `state_dict` is a collective: every rank calls it."""
+
+    def __init__(self, sharded: ShardedParameters, optimizer: OptimizerParams, names: Sequence[str]) -> None:
+        super().__init__(
+            [sharded.shards[n] for n in names], (optimizer.beta1, optimizer.beta2), optimizer.eps,
+            optimizer.weight_decay, names,
+        )
+        self.decays = tuple(sharded.decays[n] for n in names)
+        self.full_shapes = tuple(sharded.shapes[n] for n in names)
+        self.group = sharded.group
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        state = {}
+        for prefix, moments in (("adam_m", self.exp_avg), ("adam_v", self.exp_avg_sq)):
+            full = gather_full(list(moments), self.full_shapes, self.group)
+            state.update({f"{prefix}.{name}": value for name, value in zip(self.param_names, full)})
+        return state
+
+    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
+        expected = {
+            f"{prefix}.{name}": shape
+            for prefix in ("adam_m", "adam_v")
+            for name, shape in zip(self.param_names, self.full_shapes)
+        }
+        _check_full(state, expected, "optimizer state")
+        for prefix, moments in (("adam_m", self.exp_avg), ("adam_v", self.exp_avg_sq)):
+            for moment, name in zip(moments, self.param_names):
+                ops.assign(moment, Tensor(take_shard(state[f"{prefix}.{name}"], self.group.size, self.group.index)))
+
+
+def gather_full(shards: Sequence[Parameter], shapes: Sequence[tuple[int, ...]], group: Group) -> list[np.ndarray]:
+    """The full arrays of `shards` (one per parameter, this rank's), with one all-gather for all of them."""
+    lengths = [int(shard.shape[0]) for shard in shards]
+    gathered = group.all_gather(ops.cat([shard.value().reshape(1, -1) for shard in shards], axis=1)).asnumpy()
+    offsets = np.cumsum([0, *lengths])
+    return [
+        join_shards(gathered[:, start:end].reshape(-1), shape).copy()
+        for start, end, shape in zip(offsets[:-1], offsets[1:], shapes)
+    ]
+
+
+def _check_full(tensors: Mapping[str, np.ndarray], shapes: Mapping[str, tuple[int, ...]], what: str) -> None:
+    """`tensors` must hold exactly the names of `shapes`, each with its full shape."""
+    missing, unexpected = sorted(shapes.keys() - tensors.keys()), sorted(tensors.keys() - shapes.keys())
+    if missing or unexpected:
+        raise KeyError(f"{what} does not fit the ZeRO-3 shards: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    for name, shape in shapes.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{what}: {name} has shape {tuple(tensors[name].shape)}, the model's is {shape}")
