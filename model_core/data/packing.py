@@ -52,27 +52,41 @@ def pack_documents(
     eos_id: int,
     pad_id: int,
     last_row: Literal["drop", "pad"],
+    order: np.ndarray | None = None,
 ) -> PackedRows:
-    """Pack documents given as their token ids concatenated and the number of tokens of each."""
-    body = np.asarray(token_ids, dtype=np.int32)
+    """Pack documents given as their token ids concatenated and the number of tokens of each; with
+    `order` (indices into `lengths`), only the documents at `order`, in that order, as `select_documents`
+    would give them, but in one gather from `token_ids` instead of two."""
     lengths = np.asarray(lengths, dtype=np.int64)
-    doc_lengths = lengths + 1 + (bos_id is not None)
+    sources = np.cumsum(lengths) - lengths
+    if order is not None:
+        lengths, sources = lengths[order], sources[order]
+    has_bos = bos_id is not None
+    doc_lengths = lengths + 1 + has_bos
     doc_starts = np.cumsum(doc_lengths) - doc_lengths
     total = int(doc_lengths.sum())
-
-    stream = np.empty(total, dtype=np.int32)
-    is_body = np.ones(total, dtype=bool)
-    doc_ends = doc_starts + doc_lengths - 1
-    stream[doc_ends], is_body[doc_ends] = eos_id, False
-    if bos_id is not None:
-        stream[doc_starts], is_body[doc_starts] = bos_id, False
-    stream[is_body] = body
-
     rows, remainder = divmod(total, row_len)
     if remainder and last_row == "pad":
-        stream = np.concatenate([stream, np.full(row_len - remainder, pad_id, dtype=np.int32)])
         rows += 1
-    stream = stream[: rows * row_len]
+    used = min(total, rows * row_len)  # stream positions that hold documents, not padding
+
+    stream = np.empty(rows * row_len, dtype=np.int32)
+    # Position p of a document reads token_ids[p + shift] with one shift per document (BOS and EOS read a
+    # neighbour, clipped at the ends, and are overwritten below). Those indices are a running sum of ones
+    # that jumps at each document start: one array, where arange + repeat take three.
+    shift = sources - doc_starts - has_bos
+    index = np.ones(used, dtype=np.int32 if len(token_ids) + total < 2**31 else np.int64)
+    inside = doc_starts < used
+    index[doc_starts[inside]] = np.diff(shift[inside], prepend=1) + 1
+    np.cumsum(index, out=index)
+    body = np.asarray(token_ids, dtype=np.int32)
+    if len(body):  # else every position is a BOS or EOS
+        np.take(body, index, out=stream[:used], mode="clip")
+    stream[used:] = pad_id
+    doc_ends = doc_starts + doc_lengths - 1
+    stream[doc_ends[doc_ends < used]] = eos_id
+    if has_bos:
+        stream[doc_starts[inside]] = bos_id
 
     row_starts = np.arange(rows, dtype=np.int64) * row_len
     starts = np.union1d(row_starts, doc_starts[doc_starts < rows * row_len])

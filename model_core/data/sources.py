@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.json as pa_json
 import pyarrow.parquet as pq
@@ -92,7 +93,7 @@ def read_input_chunks(item: InputFile, report: FileReport, cache_dir: Path | Non
     if item.kind == "parquet":
         yield _read_parquet(item.path, item.text_field, report)
     elif item.kind == "jsonl":
-        yield from _read_jsonl_chunks(item.path.read_bytes(), item.text_field, report)
+        yield from _read_jsonl_chunks(item.path, item.text_field, report)
     else:
         if item.kind == "python_docstrings":
             texts = stdlib_docstrings(cache_dir) if item.path.is_dir() else file_docstrings(item.path)
@@ -102,22 +103,29 @@ def read_input_chunks(item: InputFile, report: FileReport, cache_dir: Path | Non
         yield texts
 
 
-def _read_jsonl_chunks(data: bytes, text_field: str, report: FileReport) -> Iterator[list[str]]:
-    """Each run of lines parsed by Arrow when it is well formed, else line by line with its problems
-    reported; either way the same texts (see `_read_wellformed_jsonl`)."""
-    start, size = 0, _JSONL_CHUNK_BYTES >> 4  # a small first run, so that its documents are ready soon
-    while start < len(data):
-        newline = data.find(b"\n", start + size)
-        end = len(data) if newline < 0 else newline + 1
-        chunk = data[start:end]
-        texts = _read_wellformed_jsonl(chunk, text_field)
-        if texts is None:
-            first_line = data.count(b"\n", 0, start) + 1
-            texts = _read_jsonl(_decode(chunk, report, first_line), text_field, report, first_line)
-        else:
-            report.records += len(texts)
-        yield texts
-        start, size = end, min(2 * size, _JSONL_CHUNK_BYTES)
+def _read_jsonl_chunks(path: Path, text_field: str, report: FileReport) -> Iterator[list[str]]:
+    """Runs of whole lines, read from the file as they are needed: each parsed by Arrow when it is well
+    formed, else line by line with its problems reported; either way the same texts (see
+    `_read_wellformed_jsonl`). Reading the whole file first would delay the first run by the time it
+    takes (page faults included, ~1 ms for 2 MB)."""
+    first_line, size, rest = 1, _JSONL_CHUNK_BYTES >> 4, b""  # a small first run, so that its documents are ready soon
+    with open(path, "rb") as file:
+        while True:
+            block = file.read(size)
+            data = rest + block
+            end = data.rfind(b"\n") + 1 if block else len(data)  # a line longer than the block waits for more
+            chunk, rest = data[:end], data[end:]
+            if chunk:
+                texts = _read_wellformed_jsonl(chunk, text_field)
+                if texts is None:
+                    texts = _read_jsonl(_decode(chunk, report, first_line), text_field, report, first_line)
+                else:
+                    report.records += len(texts)
+                yield texts
+                first_line += chunk.count(b"\n")
+            if not block:
+                return
+            size = min(2 * size, _JSONL_CHUNK_BYTES)
 
 
 def _decode(data: bytes, report: FileReport, first_line: int = 1) -> str:
@@ -149,7 +157,8 @@ def _read_wellformed_jsonl(data: bytes, text_field: str) -> list[str] | None:
     if data.startswith(codecs.BOM_UTF8):
         return None
     try:
-        lines = _nonblank_lines(data.decode("utf-8"))  # decoding also rejects invalid UTF-8, which Arrow keeps
+        data.decode("utf-8")  # rejects invalid UTF-8, which Arrow keeps
+        lines = _nonblank_lines(data)
         options = pa_json.ParseOptions(
             explicit_schema=pa.schema([(text_field, pa.string())]), unexpected_field_behavior="ignore"
         )
@@ -163,11 +172,14 @@ def _read_wellformed_jsonl(data: bytes, text_field: str) -> list[str] | None:
     return column.to_pylist()
 
 
-def _nonblank_lines(text: str) -> int:
-    lines = text.count("\n") + (not text.endswith("\n"))
-    if text.startswith("{") and text.count("\n{") == lines - 1:
-        return lines  # every line opens an object (as json.dumps writes them): none is blank
-    return sum(1 for line in text.split("\n") if line.strip())
+def _nonblank_lines(data: bytes) -> int:
+    """The lines of UTF-8 `data` that hold more than whitespace; the newlines are found by numpy, in a
+    sixth of the time of counting them in the decoded text."""
+    chars = np.frombuffer(data, dtype=np.uint8)
+    line_starts = np.flatnonzero(chars[:-1] == ord("\n")) + 1
+    if len(chars) and chars[0] == ord("{") and (chars[line_starts] == ord("{")).all():
+        return len(line_starts) + 1  # every line opens an object (as json.dumps writes them): none is blank
+    return sum(1 for line in data.decode("utf-8").split("\n") if line.strip())
 
 
 def _read_jsonl(text: str, text_field: str, report: FileReport, first_line: int = 1) -> list[str]:
