@@ -126,13 +126,18 @@ def minhash_signatures(
     # Row `documents` is a spare that takes the windows across a document boundary and is dropped.
     signatures = np.full((documents + 1) * permutations, np.iinfo(np.uint32).max, dtype=np.uint32)
     filled = np.zeros(len(signatures), dtype=bool)
-    for shingles, shingle_rows in zip(hashes, rows):
-        # Bin from the high 32 bits (multiply-shift onto [0, permutations)), value from the low 32.
+    for shingles, slots in zip(hashes, rows):
+        # Bin from the high 32 bits (multiply-shift onto [0, permutations)), value from the low 32. In place
+        # as far as it goes: the rows become the slots, and the bins' memory then holds the values (every
+        # new array of a batch's size is also new pages to fault in).
         bins = shingles >> np.uint64(32)
         bins *= np.uint64(permutations)
         bins >>= np.uint64(32)
-        slots = shingle_rows * permutations + bins.view(np.int64)
-        np.minimum.at(signatures, slots, shingles.astype(np.uint32))
+        slots *= permutations
+        slots += bins.view(np.int64)
+        values = bins.view(np.uint32)[: len(shingles)]
+        np.copyto(values, shingles, casting="unsafe")  # the low 32 bits
+        np.minimum.at(signatures, slots, values)
         filled[slots] = True
     used = documents * permutations
     return signatures[_densified(filled[:used], permutations)].reshape(documents, permutations)
@@ -202,16 +207,20 @@ def _shingle_hashes(
     for offset in range(shingle_tokens):
         present = offset < lengths[short]
         padded = padded * _GOLDEN + np.where(present, mixed[np.minimum(starts[short] + offset, len(mixed) - 1)], 0)
-    return [_mix64(windows), _mix64(padded)], [window_rows, short]
+    # The token hashes are not needed any more: their memory is the scratch of the largest mix.
+    return [_mix64(windows, scratch=mixed[:count]), _mix64(padded)], [window_rows, short]
 
 
-def _mix64(values: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser, in place: spreads its input over all 64 bits."""
-    values ^= values >> np.uint64(30)
-    values *= np.uint64(0xBF58476D1CE4E5B9)
-    values ^= values >> np.uint64(27)
-    values *= np.uint64(0x94D049BB133111EB)
-    values ^= values >> np.uint64(31)
+def _mix64(values: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:
+    """splitmix64 finaliser, in place: spreads its input over all 64 bits. `scratch`, as long as `values`,
+    holds the shifted copies (one new array otherwise)."""
+    scratch = np.empty_like(values) if scratch is None else scratch
+    for shift, multiplier in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        np.right_shift(values, np.uint64(shift), out=scratch)
+        values ^= scratch
+        values *= np.uint64(multiplier)
+    np.right_shift(values, np.uint64(31), out=scratch)
+    values ^= scratch
     return values
 
 
