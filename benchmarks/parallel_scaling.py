@@ -1,20 +1,25 @@
-"""Training throughput of one process against two msrun workers, data- or tensor-parallel, on this machine's cores.
+"""Training throughput of one process against two msrun workers, data-, tensor- or pipeline-parallel, on this
+machine's cores.
 
 Every layout trains the same reference-size Llama (vocab 8000, hidden 512, 8 layers, 8 heads, FFN 1376,
 seq 256, tied) on the same global batch of 8 sequences (2048 tokens) with the real `Trainer`, fp32:
   dp1  one process, 2 threads;
   dp2  two workers of 1 thread, each 4 sequences, gradients summed once per step;
-  tp2  two workers of 1 thread, each all 8 sequences and half of every large matrix.
+  tp2  two workers of 1 thread, each all 8 sequences and half of every large matrix;
+  pp2  two workers of 1 thread, each 4 of the 8 layers, the 8 sequences as 4 micro-batches of 2 through
+       the 1F1B schedule (`pp2_gpipe`: the same through GPipe).
 tokens/s is the median over the steps after `--warmup` (the first compiles). The share of step time spent
 in communication is measured, not modelled: each multi-worker layout runs a second time with every
 collective replaced by the identity (same compute, no waiting on the other worker; its numbers are
-meaningless, its time is the compute alone), and share = 1 - compute-only step time / real step time.
-Pipeline parallelism (pp2) is not implemented yet (issue #4), so it is absent.
+meaningless, its time is the compute alone), and share = 1 - compute-only step time / real step time;
+for a pipeline that share includes the stages' waiting on each other. The pipeline bubble is measured too:
+the trainer's `pipeline_bubble` (1 - compute time / wall time, summed over the stages, of a step's pass),
+median over the timed steps, next to the lock-step model's figure for the same schedule.
 
-    python benchmarks/parallel_scaling.py [--steps 8] [--warmup 3]
+    python benchmarks/parallel_scaling.py [--steps 8] [--warmup 3] [--layouts dp1,pp2,...]
 
-The last line printed is one JSON object: tokens/s keyed by layout (`dp1`, `dp2`, `tp2`), and
-`communication_share` per multi-worker layout.
+The last line printed is one JSON object: tokens/s keyed by layout (`dp1`, `dp2`, `tp2`, `pp2`, `pp2_gpipe`),
+`communication_share` per multi-worker layout and `pipeline_bubble` per pipeline layout.
 """
 
 from __future__ import annotations
@@ -39,6 +44,9 @@ LAYOUTS = {
     "dp1": (1, 2, ["train.micro_batch_size=8"]),
     "dp2": (2, 1, ["train.micro_batch_size=4", "parallel.data_parallel=2"]),
     "tp2": (2, 1, ["train.micro_batch_size=8", "parallel.tensor_parallel=2"]),
+    "pp2": (2, 1, ["train.micro_batch_size=2", "parallel.pipeline_parallel=2", "parallel.micro_batches=4"]),
+    "pp2_gpipe": (2, 1, ["train.micro_batch_size=2", "parallel.pipeline_parallel=2", "parallel.micro_batches=4",
+                         "parallel.pipeline_schedule=gpipe"]),
 }
 
 
@@ -46,6 +54,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the median (compilation)")
+    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ", ".join(LAYOUTS))
     # internal: one process of one layout. Named so that msrun's own parser, which reads the worker's
     # arguments too, matches none of its options by prefix (`--worker` would).
     parser.add_argument("--layout-worker", help=argparse.SUPPRESS)
@@ -57,26 +66,36 @@ def main() -> None:
         run_worker(args.layout_worker, dataset, Path(out), args.steps, args.no_communication)
         return
     with tempfile.TemporaryDirectory(prefix="parallel-scaling-") as workdir:
-        figures = measure(Path(workdir), args.steps, args.warmup)
-    print(f"{'layout':<8}{'tokens/s':>10}{'step s':>9}{'communication':>15}")
+        figures = measure(Path(workdir), args.steps, args.warmup, args.layouts.split(","))
+    print(f"{'layout':<10}{'tokens/s':>10}{'step s':>9}{'communication':>15}{'bubble':>9}{'modelled':>10}")
     for name, result in figures.items():
-        share = result.get("communication_share")
-        print(f"{name:<8}{result['tokens_per_second']:>10.0f}{result['step_seconds']:>9.2f}{'' if share is None else f'{share:.0%}':>15}")
+        share, bubble = result.get("communication_share"), result.get("pipeline_bubble")
+        cells = [f"{name:<10}{result['tokens_per_second']:>10.0f}{result['step_seconds']:>9.2f}"]
+        cells.append(f"{'' if share is None else f'{share:.0%}':>15}")
+        if bubble is not None:
+            cells.append(f"{bubble:>9.0%}{result['modelled_bubble']:>10.0%}")
+        print("".join(cells))
     summary = {name: round(result["tokens_per_second"], 1) for name, result in figures.items()}
     summary["communication_share"] = {n: round(r["communication_share"], 3) for n, r in figures.items() if "communication_share" in r}
+    summary["pipeline_bubble"] = {n: round(r["pipeline_bubble"], 3) for n, r in figures.items() if "pipeline_bubble" in r}
     print(json.dumps(summary))
 
 
-def measure(workdir: Path, steps: int, warmup: int) -> dict[str, dict]:
+def measure(workdir: Path, steps: int, warmup: int, names: list[str]) -> dict[str, dict]:
     from model_core.data import prepare_dataset
     from params import load_params
 
     params = load_params("tiny", [*MODEL, f"data.output_dir={workdir / 'data'}"])
     dataset = prepare_dataset(params.data, params.tokenizer, params.model).output_dir
     figures = {}
-    for name, (workers, _, _) in LAYOUTS.items():
-        step_seconds = median_step_seconds(run_layout(name, workers, dataset, workdir / name, steps, False), warmup)
+    for name in names:
+        workers = LAYOUTS[name][0]
+        history = run_layout(name, workers, dataset, workdir / name, steps, False)
+        step_seconds = median_step_seconds(history, warmup)
         figures[name] = {"tokens_per_second": 2048 / step_seconds, "step_seconds": step_seconds}
+        if "pipeline_bubble" in history[-1]:
+            figures[name]["pipeline_bubble"] = statistics.median(r["pipeline_bubble"] for r in history[warmup:])
+            figures[name]["modelled_bubble"] = modelled_bubble(name)
         if workers > 1:
             alone = median_step_seconds(run_layout(name, workers, dataset, workdir / f"{name}-alone", steps, True), warmup)
             figures[name]["communication_share"] = max(0.0, 1 - alone / step_seconds)
@@ -97,6 +116,15 @@ def run_layout(name: str, workers: int, dataset: Path, out: Path, steps: int, no
         with open(out.with_suffix(".log"), "w") as echo:
             launch(command, workers, out / "logs", echo=echo)
     return json.loads((out / "history.json").read_text())
+
+
+def modelled_bubble(name: str) -> float:
+    """The lock-step model's bubble for the layout's schedule (pipeline.idle_fraction)."""
+    from model_core.parallel.pipeline import idle_fraction, schedule, ticks
+    from params import load_params
+
+    parallel = load_params("tiny", LAYOUTS[name][2]).parallel
+    return idle_fraction(ticks(schedule(parallel.pipeline_schedule, parallel.pipeline_parallel, parallel.micro_batches)))
 
 
 def median_step_seconds(history: list[dict], warmup: int) -> float:

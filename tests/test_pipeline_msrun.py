@@ -1,9 +1,14 @@
 """Pipeline parallelism over two msrun workers (one stage each) against one process on the same global batch:
 1F1B and GPipe over 4 micro-batches give its losses and gradient norms for 20 steps from the same initial
 weights; the stages' checkpoint joins into the single-process weights, resharded to one rank and back
-byte for byte, resumes in one process, and resumes bit-exactly under pp2 itself."""
+byte for byte, resumes in one process, and resumes bit-exactly under pp2 itself. On four workers, pipeline
+stages compose with tensor parallelism (tp2 pp2) and with data parallelism, ZeRO-1 and an untied head
+(dp2 pp2)."""
 
 from __future__ import annotations
+
+import io
+import json
 
 import numpy as np
 import pytest
@@ -13,7 +18,8 @@ from model_core.parallel.reshard import reshard
 from model_core.train.checkpoint import Checkpoint
 from model_core.train.trainer import Trainer
 from params import load_params
-from test_parallel_msrun import RUN, assert_same_metrics, dataset_dir, resume_from_step, single_process, train_job
+from model_core.parallel.launch import launch
+from test_parallel_msrun import RUN, WORKER, assert_same_metrics, dataset_dir, resume_from_step, single_process, train_job
 
 pytestmark = pytest.mark.slow
 
@@ -83,3 +89,37 @@ def test_pp2_resume_is_bit_exact(pp2_run, dataset_dir, tmp_path):
     for rank in (0, 1):
         tail = [r for r in uninterrupted[rank]["history"] if r["step"] > 10]
         assert [[r.get(k) for k in keys] for r in resumed[rank]["history"]] == [[r.get(k) for k in keys] for r in tail]
+
+
+def four_worker_job(out, dataset_dir, *overrides: str) -> list[dict]:
+    options = [a for o in (*RUN, f"train.output_dir={out}", *overrides) for a in ("--set", o)]
+    launch([WORKER, "train", str(out / "out"), str(dataset_dir), *options], 4, out / "logs", grace_s=10, echo=io.StringIO())
+    return [json.loads((out / "out" / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+def one_process(dataset_dir, out, *overrides: str) -> list[dict]:
+    params = load_params("tiny", [*RUN, *overrides, "parallel.micro_batches=4", f"train.output_dir={out}"])
+    return Trainer(params, dataset_dir, out / "ckpt").run().history
+
+
+SHORT = "train.steps=8"  # four workers share two cores: fewer steps than the two-worker runs
+
+
+def test_tp2_pp2_on_four_workers_matches_one_process(dataset_dir, tmp_path):
+    expected = one_process(dataset_dir, tmp_path / "one", SHORT)
+    ranks = four_worker_job(tmp_path, dataset_dir, SHORT, *PP2, "parallel.tensor_parallel=2")
+    for rank in ranks:
+        assert_same_metrics(rank["history"], expected)
+    files = sorted(p.name for p in (tmp_path / "out" / "checkpoints" / "step-00000008").glob("model*"))
+    assert files == [f"model-pp{s}-of-2-tp{t}-of-2.safetensors" for s in (0, 1) for t in (0, 1)]
+
+
+def test_dp2_pp2_zero1_untied_on_four_workers_matches_one_process(dataset_dir, tmp_path):
+    untied = "model.tie_embeddings=false"
+    expected = one_process(dataset_dir, tmp_path / "one", SHORT, untied)
+    ranks = four_worker_job(
+        tmp_path, dataset_dir, SHORT, untied, "parallel.data_parallel=2", "parallel.pipeline_parallel=2",
+        "parallel.micro_batches=2", "parallel.zero_stage=1",
+    )
+    for rank in ranks:
+        assert_same_metrics(rank["history"], expected)

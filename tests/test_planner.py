@@ -143,15 +143,18 @@ def test_nothing_fits_says_so_and_names_the_smallest():
     assert result.summary.startswith(f"nothing fits 8 x 8.00 GiB: the smallest is {smallest.candidate}")
 
 
-def test_first_pipeline_stage_keeps_one_micro_batch_per_stage_under_1f1b():
-    def first_stage_activations(schedule: str, pp: int) -> int:
+def test_a_pipeline_stage_keeps_its_inputs_in_flight_and_one_micro_batch_of_activations():
+    def activations(schedule: str, pp: int, stage: int) -> int:
         params = _small_model("parallel.micro_batches=8", f"parallel.pipeline_schedule={schedule}")
-        return stage_memory(params, Candidate(1, 1, pp, 0, "none"), 0, ACCELERATOR, 0).activations
+        return stage_memory(params, Candidate(1, 1, pp, 0, "none"), stage, ACCELERATOR, 0).activations
 
-    # A stage of 8 / pp layers with pp micro-batches in flight holds as much as 8 layers with one.
-    assert first_stage_activations("1f1b", 2) == first_stage_activations("1f1b", 4)
-    assert first_stage_activations("1f1b", 4) == first_stage_activations("1f1b", 8)
-    assert first_stage_activations("gpipe", 2) == 4 * first_stage_activations("1f1b", 2)
+    params = _small_model()
+    stored = params.train.micro_batch_size * params.model.seq_len * params.model.hidden_size * 4  # fp32 inputs
+    # Stage 1 of 4 holds 3 inputs under 1F1B and all 8 under GPipe, on top of one micro-batch's layers.
+    assert activations("gpipe", 4, 1) - activations("1f1b", 4, 1) == (8 - 3) * stored
+    # Halving the layers per stage halves that micro-batch's share (the first stage stores token ids only).
+    ids = params.train.micro_batch_size * params.model.seq_len * 4
+    assert activations("1f1b", 2, 0) - 2 * ids == 2 * (activations("1f1b", 4, 0) - 4 * ids)
 
 
 def test_the_table_has_one_row_per_layout_and_marks_the_recommended_one():

@@ -20,11 +20,14 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
     activations    per layer and micro-batch, what the hand-written backwards of model_core.model.fused keep:
                    2 BTH fp32 (RMSNorm inputs) + 2 BTH c (the normed inputs of q/k/v and of gate/up)
                    + (4 BTH + 3 BTF) c / tp (q, k, v at all heads, the o_proj input; gate, up, the down input);
-                   with recompute=all, BTH c per layer (its input) + one layer's full set. Times the
-                   micro-batches in flight on the stage: pp - stage under 1F1B, micro_batches under GPipe.
+                   with recompute=all, BTH c per layer (its input) + one layer's full set. With pp > 1 a
+                   stage keeps only its input for each micro-batch in flight (BTH c; token ids on the first
+                   stage) and recomputes its forward in the backward, so it holds one micro-batch's set on top;
+                   in flight: pp - stage under 1F1B, micro_batches under GPipe.
                    The last stage adds the head's inputs, BTH (4 + c), and `logits_buffers` fp32 [B, T, V/tp].
     communication  dp > 1: two gradient buckets (the flat input and the summed output); ZeRO-3: two layers'
-                   gathered parameters; tp > 1 and pp > 1: two BTH c activations each (sent and received);
+                   gathered parameters; tp > 1: two BTH c activations (sent and received); pp > 1: a tick's
+                   exchange, two fp32 BTH messages three times over (host buffer, its tensor, the sum);
                    ZeRO-1/2 in the update: the all-gathered 4P and the padded shard 4P/dp
     runtime        the device kind's process baseline and its compiled graph's cost per layer (and per
                    recomputed layer)
@@ -288,8 +291,9 @@ def layer_activation_bytes(params: PipelineParams, tp: int) -> int:
 
 
 def activation_bytes(params: PipelineParams, candidate: Candidate, stage: int, kind: DeviceKind) -> int:
-    """Bytes the backward of pipeline stage `stage` keeps: its blocks' for every micro-batch in flight, and on
-    the last stage the head's inputs and the logits (module docstring)."""
+    """Bytes the backward of pipeline stage `stage` keeps: its blocks' for one micro-batch (pp = 1: for each
+    accumulated one in turn), the inputs of the micro-batches in flight (pp > 1), and on the last stage the
+    head's inputs and the logits (module docstring)."""
     model, parallel = params.model, params.parallel
     c = _DTYPE_BYTES[params.precision.compute_dtype]
     tokens = params.train.micro_batch_size * model.seq_len
@@ -299,8 +303,11 @@ def activation_bytes(params: PipelineParams, candidate: Candidate, stage: int, k
         per_micro_batch = layers * tokens * model.hidden_size * c + per_layer
     else:
         per_micro_batch = layers * per_layer
-    in_flight = parallel.micro_batches if parallel.pipeline_schedule == "gpipe" else candidate.pp - stage
-    blocks = per_micro_batch * in_flight
+    blocks = per_micro_batch
+    if candidate.pp > 1:
+        in_flight = parallel.micro_batches if parallel.pipeline_schedule == "gpipe" else candidate.pp - stage
+        stored_input = tokens * 4 if stage == 0 else tokens * model.hidden_size * c
+        blocks += in_flight * stored_input
     if stage < candidate.pp - 1:
         return int(kind.activation_factor * blocks)
     head_inputs = tokens * model.hidden_size * (4 + c)  # the final norm's fp32 input and the head's input
@@ -344,8 +351,12 @@ def backward_communication_bytes(params: PipelineParams, candidate: Candidate, p
         total += 2 * min(DEFAULT_BUCKET_BYTES, 4 * parameters)
         if candidate.zero_stage == 3:
             total += 2 * 4 * parameters // (model.num_layers // candidate.pp)
-    activation = params.train.micro_batch_size * model.seq_len * model.hidden_size * c
-    return total + 2 * activation * ((candidate.tp > 1) + (candidate.pp > 1))
+    tokens = params.train.micro_batch_size * model.seq_len
+    if candidate.tp > 1:
+        total += 2 * tokens * model.hidden_size * c
+    if candidate.pp > 1:
+        total += 3 * 2 * tokens * model.hidden_size * 4
+    return total
 
 
 def estimate(
