@@ -16,7 +16,8 @@ import pytest
 from model_core.parallel.layout import Layout
 from model_core.parallel.reshard import reshard
 from model_core.train.checkpoint import Checkpoint
-from model_core.train.trainer import Trainer
+from model_core.eval.evaluate import load_model
+from model_core.train.trainer import Trainer, model_weights
 from params import load_params
 from model_core.parallel.launch import launch
 from test_parallel_msrun import RUN, WORKER, assert_same_metrics, dataset_dir, resume_from_step, single_process, train_job
@@ -65,6 +66,8 @@ def test_pp2_checkpoint_joins_into_the_single_process_weights_and_reshards_back_
     assert moments.keys() == {f"adam_{m}.{name}" for m in "mv" for name in weights}
     for name, value in single_process["final"].items():
         assert np.linalg.norm(weights[name] - value) <= 1e-5 * np.linalg.norm(value), name
+    model = load_model(load_params("tiny", RUN), saved)  # evaluation reads the stages joined
+    assert all(np.array_equal(model_weights(model)[name], value) for name, value in weights.items())
     back = reshard(single.path, Layout(pp=2), tmp_path / "pp2")
     for index in (0, 1):
         for again, original in zip(back.load_shard(index), Checkpoint(saved, 20).load_shard(index)):

@@ -101,8 +101,10 @@ def _encode_prompt(tokenizer: spm.SentencePieceProcessor, prompt: str, params: P
 
 
 def _whole_weights(checkpoint: str | Path) -> dict:
-    """Weights of a converted or training checkpoint, its tensor-parallel blocks joined if it has several."""
+    """Weights of a converted or training checkpoint, its tensor-parallel blocks and pipeline stages joined
+    if it has several."""
     stored = Checkpoint(Path(checkpoint), -1)
-    if stored.layout().tp > 1:
+    layout = stored.layout()
+    if layout.tp > 1 or layout.pp > 1:
         return whole_tensors(stored)[0]
     return read_weights(checkpoint)
