@@ -18,6 +18,8 @@ from typing import Literal
 
 import numpy as np
 
+_BLOCK_TOKENS = 1 << 16  # rows filled at a time: their index (int64) stays within the L2 cache
+
 
 @dataclass(frozen=True)
 class PackedRows:
@@ -37,11 +39,17 @@ class PackedRows:
 
     def take(self, order: np.ndarray) -> PackedRows:
         """The rows in the given order (a permutation or a slice of row indices)."""
-        lengths = np.diff(self.doc_start_offsets)[order]
-        offsets = np.concatenate([[0], np.cumsum(lengths)])
-        gather = np.repeat(self.doc_start_offsets[:-1][order] - offsets[:-1], lengths) + np.arange(offsets[-1])
+        values, offsets = _ragged_rows(self.doc_start_values, self.doc_start_offsets, order)
         loss_mask = None if self.loss_mask is None else self.loss_mask[order]
-        return PackedRows(self.tokens[order], self.doc_start_values[gather], offsets, loss_mask)
+        return PackedRows(self.tokens[order], values, offsets, loss_mask)
+
+
+def _ragged_rows(values: np.ndarray, offsets: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The values and offsets of a CSR ragged array with its rows in the given order."""
+    lengths = np.diff(offsets)[order]
+    new_offsets = np.concatenate([[0], np.cumsum(lengths)])
+    gather = np.repeat(offsets[:-1][order] - new_offsets[:-1], lengths) + np.arange(new_offsets[-1])
+    return values[gather], new_offsets
 
 
 def pack_documents(
@@ -53,10 +61,16 @@ def pack_documents(
     pad_id: int,
     last_row: Literal["drop", "pad"],
     order: np.ndarray | None = None,
+    shuffle: np.random.Generator | None = None,
 ) -> PackedRows:
-    """Pack documents given as their token ids concatenated and the number of tokens of each; with
-    `order` (indices into `lengths`), only the documents at `order`, in that order, as `select_documents`
-    would give them, but in one gather from `token_ids` instead of two."""
+    """Pack documents given as their token ids concatenated and the number of tokens of each.
+
+    With `order` (indices into `lengths`), only the documents at `order`, in that order, as
+    `select_documents` would give them; with `shuffle`, the rows in the order of
+    `shuffle.permutation(rows)`, as `take` would put them. Either way the rows are filled straight from
+    `token_ids` a block at a time, with no array of the whole stream in between (each would be ~2 MB of
+    new pages to fault in per 500K tokens, on data prep's single-threaded tail).
+    """
     lengths = np.asarray(lengths, dtype=np.int64)
     sources = np.cumsum(lengths) - lengths
     if order is not None:
@@ -69,29 +83,74 @@ def pack_documents(
     if remainder and last_row == "pad":
         rows += 1
     used = min(total, rows * row_len)  # stream positions that hold documents, not padding
+    row_order = None if shuffle is None else shuffle.permutation(rows)
 
-    stream = np.empty(rows * row_len, dtype=np.int32)
-    # Position p of a document reads token_ids[p + shift] with one shift per document (BOS and EOS read a
-    # neighbour, clipped at the ends, and are overwritten below). Those indices are a running sum of ones
-    # that jumps at each document start: one array, where arange + repeat take three.
-    shift = sources - doc_starts - has_bos
-    index = np.ones(used, dtype=np.int32 if len(token_ids) + total < 2**31 else np.int64)
-    inside = doc_starts < used
-    index[doc_starts[inside]] = np.diff(shift[inside], prepend=1) + 1
-    np.cumsum(index, out=index)
-    body = np.asarray(token_ids, dtype=np.int32)
-    if len(body):  # else every position is a BOS or EOS
-        np.take(body, index, out=stream[:used], mode="clip")
-    stream[used:] = pad_id
-    doc_ends = doc_starts + doc_lengths - 1
-    stream[doc_ends[doc_ends < used]] = eos_id
-    if has_bos:
-        stream[doc_starts[inside]] = bos_id
+    tokens = np.empty((rows, row_len), dtype=np.int32)
+    destination = None if row_order is None else np.argsort(row_order)  # where each row of the stream goes
+    shift = sources - doc_starts - has_bos  # position p of document i holds token_ids[p + shift[i]]
+    ends = doc_starts + doc_lengths - 1
+    _fill_rows(
+        tokens,
+        destination,
+        np.asarray(token_ids, dtype=np.int32),
+        doc_starts,
+        shift,
+        ends,
+        used,
+        (bos_id, eos_id, pad_id),
+    )
 
     row_starts = np.arange(rows, dtype=np.int64) * row_len
     starts = np.union1d(row_starts, doc_starts[doc_starts < rows * row_len])
-    offsets = np.searchsorted(starts, np.append(row_starts, rows * row_len))
-    return PackedRows(stream.reshape(rows, row_len), (starts % row_len).astype(np.int32), offsets.astype(np.int64))
+    offsets = np.searchsorted(starts, np.append(row_starts, rows * row_len)).astype(np.int64)
+    values = (starts % row_len).astype(np.int32)
+    if row_order is not None:
+        values, offsets = _ragged_rows(values, offsets, row_order)
+    return PackedRows(tokens, values, offsets)
+
+
+def _fill_rows(
+    tokens: np.ndarray,
+    destination: np.ndarray | None,
+    body: np.ndarray,
+    doc_starts: np.ndarray,
+    shift: np.ndarray,
+    doc_ends: np.ndarray,
+    used: int,
+    special_ids: tuple[int | None, int, int],
+) -> None:
+    """Fill the rows of the stream a block at a time, each row into `tokens[destination[row]]` (in place
+    when no destination is given); positions from `used` on are padding.
+
+    A token's index into `body` is a running sum of ones that jumps at each document start (BOS and EOS
+    read a neighbour, clipped at the ends, and are overwritten).
+    """
+    bos_id, eos_id, pad_id = special_ids
+    row_len = tokens.shape[1]
+    starts = doc_starts[doc_starts < used]
+    jumps = np.diff(shift[: len(starts)], prepend=1) + 1
+    rows_per_block = max(1, _BLOCK_TOKENS // row_len)
+    block = None if destination is None else np.empty(rows_per_block * row_len, dtype=np.int32)
+    index_so_far = 0
+    for first_row in range(0, len(tokens), rows_per_block):
+        end_row = min(first_row + rows_per_block, len(tokens))
+        first, last = first_row * row_len, min(end_row * row_len, used)
+        out = tokens[first_row:end_row].reshape(-1) if block is None else block[: (end_row - first_row) * row_len]
+        index = np.ones(last - first, dtype=np.intp)
+        lo, hi = np.searchsorted(starts, (first, last))
+        index[starts[lo:hi] - first] = jumps[lo:hi]
+        index[:1] += index_so_far
+        np.cumsum(index, out=index)
+        index_so_far = index[-1]  # every block holds a document token: padding is less than a row
+        if len(body):  # else every position is a BOS or EOS
+            np.take(body, index, out=out[: last - first], mode="clip")
+        out[last - first :] = pad_id
+        if bos_id is not None:
+            out[starts[lo:hi] - first] = bos_id
+        lo, hi = np.searchsorted(doc_ends, (first, last))
+        out[doc_ends[lo:hi] - first] = eos_id
+        if block is not None:
+            tokens[destination[first_row:end_row]] = out.reshape(-1, row_len)
 
 
 def select_documents(token_ids: np.ndarray, lengths: np.ndarray, order: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
