@@ -223,7 +223,8 @@ def _cmd_ckpt_reshard(args: argparse.Namespace) -> int:
     from model_core.parallel.layout import Layout
     from model_core.parallel.reshard import reshard
 
-    target = Layout(dp=args.data_parallel, tp=args.tensor_parallel, pp=args.pipeline_parallel)
+    split = tuple(int(n) for n in args.pipeline_layers.split(",")) if args.pipeline_layers else None
+    target = Layout(dp=args.data_parallel, tp=args.tensor_parallel, pp=args.pipeline_parallel, pipeline_layers=split)
     written = reshard(args.checkpoint, target, args.output)
     print(f"resharded {args.checkpoint} -> {written.path} ({target})")
     return 0
@@ -441,6 +442,7 @@ def build_parser() -> argparse.ArgumentParser:
     reshard.add_argument("--checkpoint", required=True, type=Path, help="a step-* checkpoint directory")
     reshard.add_argument("--tensor-parallel", type=int, required=True, help="target tensor-parallel degree")
     reshard.add_argument("--pipeline-parallel", type=int, default=1, help="target pipeline stages (default 1)")
+    reshard.add_argument("--pipeline-layers", help="layers per target stage, comma-separated (default: equal stages)")
     reshard.add_argument("--data-parallel", type=int, default=1, help="target data-parallel degree (default 1)")
     reshard.add_argument("--output", required=True, type=Path, help="directory to write step-*/ into")
     reshard.set_defaults(handler=_cmd_ckpt_reshard)

@@ -194,6 +194,11 @@ class ParallelParams(StrictModel):
         ">= pipeline_parallel. With pp=1 they act as extra gradient accumulation.",
     )
     pipeline_schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="Pipeline schedule.")
+    pipeline_layers: list[int] | None = Field(
+        None,
+        description="Layers of each pipeline stage, first to last (e.g. [5, 3]: the last stage also runs the head "
+        "and loss); must sum to model.num_layers. Default: pipeline_parallel equal stages.",
+    )
     zero_stage: Literal[0, 1, 2, 3] = Field(
         0,
         description="ZeRO sharding over the dp group: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters.",
@@ -210,6 +215,14 @@ class ParallelParams(StrictModel):
                 f"parallel.micro_batches={self.micro_batches} is fewer than "
                 f"parallel.pipeline_parallel={self.pipeline_parallel}; a pipeline needs at least one per stage"
             )
+        if self.pipeline_layers is not None:
+            if len(self.pipeline_layers) != self.pipeline_parallel:
+                raise ValueError(
+                    f"parallel.pipeline_layers lists {len(self.pipeline_layers)} stages but "
+                    f"parallel.pipeline_parallel={self.pipeline_parallel}"
+                )
+            if min(self.pipeline_layers) < 1:
+                raise ValueError(f"parallel.pipeline_layers={self.pipeline_layers}: every stage needs at least one layer")
         return self
 
 
@@ -425,6 +438,11 @@ class PipelineParams(StrictModel):
             raise ValueError(
                 f"parallel.pipeline_parallel={pp} is more than model.num_layers={model.num_layers}; "
                 "every stage needs at least one layer"
+            )
+        if parallel.pipeline_layers is not None and sum(parallel.pipeline_layers) != model.num_layers:
+            raise ValueError(
+                f"parallel.pipeline_layers={parallel.pipeline_layers} sum to {sum(parallel.pipeline_layers)} layers "
+                f"but model.num_layers={model.num_layers}"
             )
         bad_layers = [i for i in self.recompute.layers if not 0 <= i < model.num_layers]
         if bad_layers:

@@ -80,13 +80,26 @@ def test_1f1b_idles_less_than_gpipe_on_two_stages():
 def test_each_weight_lives_on_one_stage_and_a_tied_table_on_both_ends():
     params = load_params("tiny", [*SMALL_MODEL, "model.num_layers=4"]).model
     weights = model_weights(Llama(params))
-    owners = {name: [s for s in range(2) if stage_owns(name, 4, 2, s, tie_embeddings=True)] for name in weights}
+    owners = {name: [s for s in range(2) if stage_owns(name, (2, 2), s, tie_embeddings=True)] for name in weights}
     assert owners["embed_tokens.weight"] == [0, 1]
     assert owners["layers.1.mlp.up_proj.weight"] == [0] and owners["layers.2.mlp.up_proj.weight"] == [1]
     assert owners["norm.weight"] == [1]
-    assert stage_owns("adam_v.layers.3.self_attn.o_proj.weight", 4, 2, 1, tie_embeddings=False)
-    assert not stage_owns("embed_tokens.weight", 4, 2, 1, tie_embeddings=False)
-    assert stage_owns("lm_head.weight", 4, 2, 1, tie_embeddings=False)
+    assert stage_owns("adam_v.layers.3.self_attn.o_proj.weight", (2, 2), 1, tie_embeddings=False)
+    assert not stage_owns("embed_tokens.weight", (2, 2), 1, tie_embeddings=False)
+    assert stage_owns("lm_head.weight", (2, 2), 1, tie_embeddings=False)
+    assert stage_owns("layers.2.mlp.up_proj.weight", (3, 1), 0, tie_embeddings=False)  # an uneven split
+
+
+def test_stage_sizes_come_from_pipeline_layers_or_an_even_split():
+    assert Layout.from_params(load_params("tiny", ["model.num_layers=4", "parallel.pipeline_parallel=2", "parallel.micro_batches=2"])).stage_sizes(4) == (2, 2)
+    uneven = load_params("tiny", ["model.num_layers=5", "parallel.pipeline_parallel=2", "parallel.micro_batches=2", "parallel.pipeline_layers=[3, 2]"])
+    assert Layout.from_params(uneven).stage_sizes(5) == (3, 2)
+    with pytest.raises(ValueError, match=r"parallel.pipeline_layers=\[3, 1\] sum to 4 layers but model.num_layers=5"):
+        load_params("tiny", ["model.num_layers=5", "parallel.pipeline_parallel=2", "parallel.micro_batches=2", "parallel.pipeline_layers=[3, 1]"])
+    with pytest.raises(ValueError, match=r"parallel.pipeline_layers lists 3 stages but parallel.pipeline_parallel=2"):
+        load_params("tiny", ["model.num_layers=5", "parallel.pipeline_parallel=2", "parallel.micro_batches=2", "parallel.pipeline_layers=[3, 1, 1]"])
+    with pytest.raises(ParallelConfigError, match="pipeline_parallel=2 does not divide model.num_layers=5"):
+        Layout(pp=2).stage_sizes(5)
 
 
 def test_a_one_stage_pipeline_accumulates_the_plain_steps_gradients():
@@ -129,6 +142,11 @@ def test_checkpoint_split_into_stages_and_joined_again_is_exact(tmp_path):
     back = reshard(staged.path, Layout(), tmp_path / "back")
     for again, before in zip(back.load()[:2], original.load()[:2]):
         assert all(np.array_equal(again[n], before[n]) for n in before)
+    uneven = reshard(original.path, Layout(pp=2, pipeline_layers=(3, 1)), tmp_path / "uneven")
+    assert uneven.layout() == Layout(pp=2, pipeline_layers=(3, 1))
+    last, _ = uneven.load_shard(1)
+    assert {n.split(".")[1] for n in last if n.startswith("layers.")} == {"3"}
+    assert all(np.array_equal(whole_tensors(uneven)[0][n], weights[n]) for n in weights)
     with pytest.raises(ParallelConfigError, match="pipeline_parallel=3 does not divide model.num_layers=4"):
         reshard(original.path, Layout(pp=3), tmp_path / "bad")
 

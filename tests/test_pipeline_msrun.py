@@ -1,6 +1,6 @@
 """Pipeline parallelism over two msrun workers (one stage each) against one process on the same global batch:
-1F1B and GPipe over 4 micro-batches give its losses and gradient norms for 20 steps from the same initial
-weights; the stages' checkpoint joins into the single-process weights, resharded to one rank and back
+1F1B over 4 micro-batches gives its losses and gradient norms for 20 steps from the same initial weights
+(GPipe with uneven stages, 2 + 1 layers, for 8 steps); the stages' checkpoint joins into the single-process weights, resharded to one rank and back
 byte for byte, resumes in one process, and resumes bit-exactly under pp2 itself. On four workers, pipeline
 stages compose with tensor parallelism (tp2 pp2) and with data parallelism, ZeRO-1 and an untied head
 (dp2 pp2)."""
@@ -27,6 +27,12 @@ pytestmark = pytest.mark.slow
 __all__ = ["dataset_dir", "single_process"]  # module fixtures shared with the dp tests
 
 PP2 = ("parallel.pipeline_parallel=2", "parallel.micro_batches=4")
+SHORT = "train.steps=8"  # runs with their own reference: fewer steps than the shared 20-step one
+
+
+def one_process(dataset_dir, out, *overrides: str) -> list[dict]:
+    params = load_params("tiny", [*RUN, *overrides, "parallel.micro_batches=4", f"train.output_dir={out}"])
+    return Trainer(params, dataset_dir, out / "ckpt").run().history
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +55,15 @@ def test_pp2_stages_start_from_the_single_process_weights_and_match_its_training
         assert all(0.0 <= record["pipeline_bubble"] < 1.0 for record in rank["history"])
 
 
-def test_pp2_gpipe_matches_one_process_too(dataset_dir, single_process, tmp_path):
-    ranks = train_job(tmp_path, dataset_dir, *PP2, "parallel.pipeline_schedule=gpipe")
+def test_pp2_gpipe_with_uneven_stages_matches_one_process(dataset_dir, tmp_path):
+    three_layers = ("model.num_layers=3", SHORT)
+    expected = one_process(dataset_dir, tmp_path / "one", *three_layers)
+    ranks = train_job(tmp_path, dataset_dir, *three_layers, *PP2, "parallel.pipeline_schedule=gpipe", "parallel.pipeline_layers=[2, 1]")
     for rank in ranks:
-        assert_same_metrics(rank["history"], single_process["history"])
+        assert_same_metrics(rank["history"], expected)
+    saved = Checkpoint(tmp_path / "out" / "checkpoints" / "step-00000008", 8)
+    assert saved.layout() == Layout(pp=2, pipeline_layers=(2, 1))
+    assert {name.split(".")[1] for name in saved.load_shard(0)[0] if name.startswith("layers.")} == {"0", "1"}
 
 
 def test_pp2_checkpoint_joins_into_the_single_process_weights_and_reshards_back_exactly(pp2_run, single_process, tmp_path):
@@ -98,14 +109,6 @@ def four_worker_job(out, dataset_dir, *overrides: str) -> list[dict]:
     options = [a for o in (*RUN, f"train.output_dir={out}", *overrides) for a in ("--set", o)]
     launch([WORKER, "train", str(out / "out"), str(dataset_dir), *options], 4, out / "logs", grace_s=10, echo=io.StringIO())
     return [json.loads((out / "out" / f"rank{r}.json").read_text()) for r in range(4)]
-
-
-def one_process(dataset_dir, out, *overrides: str) -> list[dict]:
-    params = load_params("tiny", [*RUN, *overrides, "parallel.micro_batches=4", f"train.output_dir={out}"])
-    return Trainer(params, dataset_dir, out / "ckpt").run().history
-
-
-SHORT = "train.steps=8"  # four workers share two cores: fewer steps than the two-worker runs
 
 
 def test_tp2_pp2_on_four_workers_matches_one_process(dataset_dir, tmp_path):

@@ -32,6 +32,14 @@ class Layout:
     dp: int = 1
     tp: int = 1
     pp: int = 1
+    pipeline_layers: tuple[int, ...] | None = None  # layers per stage; None: pp equal stages
+
+    def __post_init__(self) -> None:
+        if self.pipeline_layers is not None:
+            object.__setattr__(self, "pipeline_layers", tuple(self.pipeline_layers))  # from JSON lists too
+            if len(self.pipeline_layers) != self.pp:
+                stages = len(self.pipeline_layers)
+                raise ParallelConfigError(f"pipeline_layers={list(self.pipeline_layers)} lists {stages} stages, pp={self.pp}")
 
     @property
     def world_size(self) -> int:
@@ -41,19 +49,32 @@ class Layout:
     def from_params(cls, params: PipelineParams, world_size: int | None = None) -> Layout:
         """The layout params.parallel describes, checked against the model and (when given) the world size."""
         parallel, model = params.parallel, params.model
-        layout = cls(parallel.data_parallel, parallel.tensor_parallel, parallel.pipeline_parallel)
+        explicit = tuple(parallel.pipeline_layers) if parallel.pipeline_layers is not None else None
+        layout = cls(parallel.data_parallel, parallel.tensor_parallel, parallel.pipeline_parallel, explicit)
         if world_size is not None and world_size != layout.world_size:
             raise ParallelConfigError(
                 f"parallel.data_parallel={layout.dp} x tensor_parallel={layout.tp} x pipeline_parallel={layout.pp} "
                 f"= {layout.world_size} ranks, but the world has {world_size}"
             )
         check_tensor_parallel(layout.tp, model)
-        if model.num_layers % layout.pp:
-            raise ParallelConfigError(
-                f"parallel.pipeline_parallel={layout.pp} does not divide model.num_layers={model.num_layers} "
-                "into equal stages"
-            )
+        layout.stage_sizes(model.num_layers)
         return layout
+
+    def stage_sizes(self, num_layers: int) -> tuple[int, ...]:
+        """Layers of each pipeline stage: `pipeline_layers`, or pp equal stages."""
+        if self.pipeline_layers is not None:
+            if sum(self.pipeline_layers) != num_layers:
+                raise ParallelConfigError(
+                    f"parallel.pipeline_layers={list(self.pipeline_layers)} sum to {sum(self.pipeline_layers)} layers "
+                    f"but model.num_layers={num_layers}"
+                )
+            return self.pipeline_layers
+        if num_layers % self.pp:
+            raise ParallelConfigError(
+                f"parallel.pipeline_parallel={self.pp} does not divide model.num_layers={num_layers} into equal "
+                "stages (or list them: parallel.pipeline_layers)"
+            )
+        return (num_layers // self.pp,) * self.pp
 
     def coordinates(self, rank: int) -> Coordinates:
         if not 0 <= rank < self.world_size:
@@ -90,7 +111,8 @@ class Layout:
         return micro_batch_size * micro_batches * accumulation * self.dp
 
     def __str__(self) -> str:
-        return f"dp{self.dp} tp{self.tp} pp{self.pp}"
+        split = "" if self.pipeline_layers is None else " layers " + "+".join(map(str, self.pipeline_layers))
+        return f"dp{self.dp} tp{self.tp} pp{self.pp}{split}"
 
 
 def check_tensor_parallel(tp: int, model: ModelParams) -> None:
@@ -116,12 +138,13 @@ def check_implemented(params: PipelineParams) -> None:
                 f"parallel.zero_stage=3 with parallel.{field}={getattr(parallel, field)} is not implemented yet "
                 f"(issue #4): ZeRO-3 shards whole parameters over dp; use zero_stage 1 or {field} 1"
             )
-    if parallel.pipeline_parallel != 1:
-        raise ParallelConfigError(
-            f"parallel.pipeline_parallel={parallel.pipeline_parallel} is not implemented yet (issue #4); use 1"
-        )
     if parallel.zero_stage == 2 and parallel.tensor_parallel > 1:
         raise ParallelConfigError(
             f"parallel.zero_stage=2 with parallel.tensor_parallel={parallel.tensor_parallel} is not implemented "
             "yet (issue #4): ZeRO-2 shards whole-model gradients; use zero_stage 1 or tensor_parallel 1"
+        )
+    if parallel.zero_stage == 2 and parallel.pipeline_parallel > 1:
+        raise ParallelConfigError(
+            f"parallel.zero_stage=2 with parallel.pipeline_parallel={parallel.pipeline_parallel} is not implemented "
+            "yet (issue #4): a pipeline stage sums its gradients over dp once per step; use zero_stage 1"
         )

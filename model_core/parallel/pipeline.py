@@ -1,9 +1,10 @@
 """Pipeline parallelism: the model's layers split into stages, micro-batches streamed through them.
 
-Stage s of `pp` holds layers [s L/pp, (s+1) L/pp), the first stage also the token embedding, the last the
-final norm, the head and the loss. `PipelineStage(model, ...)` prunes a built full model (in place, from
+Stage s holds a run of consecutive layers (pp equal runs, or the sizes of `parallel.pipeline_layers`: the
+last stage also runs the head and the loss and may take fewer), the first stage also the token embedding,
+the last the final norm, the head and the loss. `PipelineStage(model, ...)` prunes a built full model (in place, from
 outside, like `parallelize`) to its stage: parameter paths do not move (`layers.4.mlp.down_proj.weight`
-on stage 1 of a 8-layer pp2 model), so checkpoints and optimizer state keep their names. A tied head
+on stage 1 of an 8-layer pp2 model), so checkpoints and optimizer state keep their names. A tied head
 needs the embedding table on the last stage too: both stages hold a copy, start equal, and their
 gradients are summed over the two before every update, so the copies stay bit-identical (Megatron's
 embedding group); the gradient norm counts the table once.
@@ -51,18 +52,19 @@ class Action:
     micro_batch: int
 
 
-def stage_layers(num_layers: int, stages: int, stage: int) -> range:
-    """The layer indices of `stage` (equal stages; the layout checked that `stages` divides `num_layers`)."""
-    per_stage = num_layers // stages
-    return range(stage * per_stage, (stage + 1) * per_stage)
+def stage_layers(sizes: Sequence[int], stage: int) -> range:
+    """The layer indices of `stage`, given every stage's number of layers (`Layout.stage_sizes`)."""
+    start = sum(sizes[:stage])
+    return range(start, start + sizes[stage])
 
 
-def stage_owns(name: str, num_layers: int, stages: int, stage: int, tie_embeddings: bool) -> bool:
-    """Whether the weight (or its optimizer moment, `adam_m.<name>`) at path `name` lives on `stage`."""
+def stage_owns(name: str, sizes: Sequence[int], stage: int, tie_embeddings: bool) -> bool:
+    """Whether the weight (or its optimizer moment, `adam_m.<name>`) at path `name` lives on `stage` of a
+    pipeline whose stages have `sizes` layers."""
     path = name.split(".", 1)[1] if name.startswith(("adam_m.", "adam_v.")) else name
-    first, last = stage == 0, stage == stages - 1
+    first, last = stage == 0, stage == len(sizes) - 1
     if path.startswith("layers."):
-        return int(path.split(".")[1]) in stage_layers(num_layers, stages, stage)
+        return int(path.split(".")[1]) in stage_layers(sizes, stage)
     if path.startswith("embed_tokens."):
         return first or (last and tie_embeddings)
     return last  # norm.weight, lm_head.weight
@@ -199,11 +201,11 @@ class _StageLayers(nn.Cell):
         return x
 
 
-def prune_to_stage(model: Llama, num_layers: int, stages: int, stage: int, tie_embeddings: bool) -> None:
+def prune_to_stage(model: Llama, sizes: Sequence[int], stage: int, tie_embeddings: bool) -> None:
     """Keep only what `stage` holds, in place; the parameter paths of what stays do not change."""
-    keep = stage_layers(num_layers, stages, stage)
+    keep = stage_layers(sizes, stage)
     model.layers = _StageLayers({index: model.layers[index] for index in keep})
-    first, last = stage == 0, stage == stages - 1
+    first, last = stage == 0, stage == len(sizes) - 1
     if not (first or (last and tie_embeddings)):
         del model.embed_tokens
     if not last:
@@ -370,7 +372,7 @@ class PipelineStage:
         self.stages, self.stage = layout.pp, self.group.index
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self.kind = kind
-        prune_to_stage(model, params.num_layers, self.stages, self.stage, params.tie_embeddings)
+        prune_to_stage(model, layout.stage_sizes(params.num_layers), self.stage, params.tie_embeddings)
         self.model = model
         self.hidden_size = params.hidden_size
         self.compute_dtype = model.compute_dtype

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from model_core.parallel.layout import Layout, ParallelConfigError, check_tensor_parallel
+from model_core.parallel.layout import Layout, check_tensor_parallel
 from model_core.parallel.parallelize import split_axis, take_block
 from model_core.parallel.pipeline import stage_owns
 from model_core.train.checkpoint import Checkpoint, Tensors, block_index, save_shards, verify
@@ -94,12 +94,10 @@ def blocks_for(checkpoint: Checkpoint, tp: int, index: int) -> tuple[Tensors, Te
     return split_into_blocks(weights, tp, index), split_into_blocks(moments, tp, index)
 
 
-def stage_tensors(tensors: Tensors, model: ModelParams, stages: int, stage: int) -> Tensors:
-    """The tensors (weights or moments) that pipeline stage `stage` of `stages` holds."""
-    return {
-        name: value for name, value in tensors.items()
-        if stage_owns(name, model.num_layers, stages, stage, model.tie_embeddings)
-    }
+def stage_tensors(tensors: Tensors, model: ModelParams, layout: Layout, stage: int) -> Tensors:
+    """The tensors (weights or moments) that pipeline stage `stage` of `layout` holds."""
+    sizes = layout.stage_sizes(model.num_layers)
+    return {name: value for name, value in tensors.items() if stage_owns(name, sizes, stage, model.tie_embeddings)}
 
 
 def reshard(checkpoint_dir: str | Path, to_layout: Layout, output_dir: str | Path) -> Checkpoint:
@@ -113,14 +111,11 @@ def reshard(checkpoint_dir: str | Path, to_layout: Layout, output_dir: str | Pat
     state = source.state()
     model = ModelParams(**state["model"])
     check_tensor_parallel(to_layout.tp, model)
-    if model.num_layers % to_layout.pp:
-        raise ParallelConfigError(
-            f"pipeline_parallel={to_layout.pp} does not divide model.num_layers={model.num_layers} into equal stages"
-        )
+    to_layout.stage_sizes(model.num_layers)  # an error naming both numbers if the stages do not fit the model
     weights, moments = whole_tensors(source)
     shards = {}
     for stage in range(to_layout.pp):
-        staged = stage_tensors(weights, model, to_layout.pp, stage), stage_tensors(moments, model, to_layout.pp, stage)
+        staged = stage_tensors(weights, model, to_layout, stage), stage_tensors(moments, model, to_layout, stage)
         for t in range(to_layout.tp):
             shards[block_index(to_layout, stage, t)] = tuple(split_into_blocks(part, to_layout.tp, t) for part in staged)
     return save_shards(output_dir, state["step"], shards, state, to_layout, keep=None)

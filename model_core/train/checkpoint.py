@@ -158,7 +158,8 @@ def _commit(building: Path, final: Path, step: int, state: dict, layout: Layout)
     if missing:
         raise FileNotFoundError(f"checkpoint step {step}: no rank wrote {missing} into {building}")
     (building / STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
-    (building / LAYOUT).write_text(json.dumps({"dp": layout.dp, "tp": layout.tp, "pp": layout.pp}))
+    split = {} if layout.pipeline_layers is None else {"pipeline_layers": list(layout.pipeline_layers)}
+    (building / LAYOUT).write_text(json.dumps({"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, **split}))
     files = {name: file_sha256(building / name) for name in (*sorted(expected), STATE, LAYOUT)}
     (building / MANIFEST).write_text(json.dumps({"step": step, "sha256": files}, indent=2))
     _fsync_dir(building)

@@ -7,15 +7,17 @@ A step whose loss or gradient norm is not finite is skipped and counted; `max_co
 them in a row stop the run with `NonFiniteError`, leaving the last good checkpoint as it was.
 
 Under msrun (params.parallel world size > 1) every rank builds the same full model from the same seed;
-with tensor parallelism each then keeps its tp block (`model_core.parallel.parallelize`). Each data-parallel
+with tensor parallelism each then keeps its tp block (`model_core.parallel.parallelize`), with pipeline
+parallelism its stage's layers (`model_core.parallel.pipeline`: a step's micro-batches then run through the
+1F1B or GPipe schedule, the loss is shared by all stages and the gradient norm summed over them). Each data-parallel
 replica trains on its slice of each global batch and sums gradients over its dp group once per optimizer
 step; token counts and summed losses are summed too, so the update is the one a single process makes on the
 whole global batch. ZeRO-1 shards the Adam moments over the dp group; ZeRO-2 the gradient buffers too,
 reduce-scattering each micro-batch's gradients instead of summing once per step; ZeRO-3 the weights too
 (`model_core.parallel.zero3`: each rank keeps a shard of every weight and gathers it where it is used, and
-checkpoints gather whole weights). Only rank 0 reports
-metrics. Checkpoints are written by the ranks of the first dp replica, one file per tp block, and resume
-under another tp (resharded in memory) or, with the same global batch, another dp.
+checkpoints gather whole weights). Only rank 0 reports metrics. Checkpoints are written by the ranks of
+the first dp replica, one file per tp block of each pipeline stage, and resume under another tp or pp
+(resharded in memory) or, with the same global batch, another dp.
 """
 
 from __future__ import annotations
@@ -42,7 +44,14 @@ from model_core.parallel.parallelize import (
     parallelize,
     split_axis,
 )
-from model_core.parallel.reshard import blocks_for
+from model_core.parallel.pipeline import (
+    MicroBatch,
+    PipelineGradientNorm,
+    PipelineStage,
+    SummedTokenLoss as StageTokenLoss,
+    SummedVocabParallelLoss,
+)
+from model_core.parallel.reshard import blocks_for, stage_tensors
 from model_core.parallel.zero import ShardedAccumulateGradients, ShardedAdamW, ShardedGradientNorm
 from model_core.parallel.zero3 import Zero3AdamW, shard_parameters
 from model_core.train import checkpoint as ckpt
@@ -127,10 +136,10 @@ class Trainer:
         self.tp_group = comm.group(self.layout.tp_group(self.rank))
         self.is_reporting = self.rank == 0
         self.writes_checkpoints = self.dp_group.index == 0  # the first dp replica holds every tp block
-        if adapt_model is not None and self.tp_group.size > 1:
+        if adapt_model is not None and (self.tp_group.size > 1 or self.layout.pp > 1):
             raise ValueError(
-                f"adapt_model (LoRA) needs parallel.tensor_parallel=1, not {self.tp_group.size}: its adapters "
-                "are not split into tensor-parallel blocks"
+                f"adapt_model (LoRA) needs parallel.tensor_parallel=1 and pipeline_parallel=1, not "
+                f"{self.tp_group.size} and {self.layout.pp}: its adapters are not split into blocks or stages"
             )
         if adapt_model is not None and params.parallel.zero_stage == 3:
             raise ValueError(
@@ -166,7 +175,13 @@ class Trainer:
         self.validation = load_split(dataset_dir, "validation")
 
         zero_stage = params.parallel.zero_stage if self.dp_group.size > 1 else 0
-        if self.tensor_parallelism is not None:
+        self.pipeline = None
+        if self.layout.pp > 1:  # this rank keeps its stage's layers; a step's micro-batches run the schedule
+            self.eval_loss = None
+            self.pipeline = self.accumulate = PipelineStage(
+                self.model, self.layout, self.rank, params.model, params.parallel.pipeline_schedule, self._stage_loss()
+            )
+        elif self.tensor_parallelism is not None:
             self.eval_loss = VocabParallelTokenLoss(self.model, self.tensor_parallelism)
             self.accumulate = AccumulateGradients(self.model, loss=self.eval_loss)
         elif zero_stage == 2:  # gradients reduce-scattered per micro-batch into this rank's shard
@@ -187,7 +202,11 @@ class Trainer:
             self.optimizer = AdamW.from_params(self.accumulate.weights, params.optimizer, weight_names)
         summed_once_per_step = self.dp_group.size > 1 and zero_stage < 2
         self.sum_gradients = GradientAllReduce(self.accumulate.buffers, self.dp_group) if summed_once_per_step else None
-        if zero_stage >= 2:  # ZeRO-3's buffers are shards too
+        if self.pipeline is not None:
+            split = [split_axis(name) is not None and self.tp_group.size > 1 for name in weight_names]
+            counted = self.pipeline.counted_in_norm(self.accumulate.weights)
+            self.norm = PipelineGradientNorm(self.accumulate.buffers, split, counted, self.tp_group, self.pipeline.group)
+        elif zero_stage >= 2:  # ZeRO-3's buffers are shards too
             self.norm = ShardedGradientNorm(self.accumulate.buffers, self.dp_group)
         elif self.tensor_parallelism is None:
             self.norm = GradientNorm(self.accumulate.buffers)
@@ -214,6 +233,9 @@ class Trainer:
         state = found.state()
         self._check_compatible(state, found.path)
         weights, moments = blocks_for(found, self.tp_group.size, self.tp_group.index)  # resharded if tp differs
+        if self.pipeline is not None:  # this stage's layers, whatever stages the checkpoint was saved with
+            owned = (stage_tensors(t, self.params.model, self.layout, self.pipeline.stage) for t in (weights, moments))
+            weights, moments = owned
         if self.zero3 is not None:
             self.zero3.load_full_weights(weights)
         else:
@@ -288,7 +310,7 @@ class Trainer:
         micro = [self._batch(rows.take(np.arange(i, i + size))) for i in range(0, len(rows), size)]
         [counted] = sum_over(self.dp_group, [sum(batch.counted_tokens for batch in micro)])
         scale = scalar(self.loss_scale.scale / max(counted, 1))
-        summed = sum(float(self.accumulate(*_inputs(batch), scale).asnumpy()) for batch in micro)
+        summed = self._accumulate(micro, scale)
         if self.sum_gradients is not None:
             self.sum_gradients()  # once per optimizer step, not per micro-batch
         [summed] = sum_over(self.dp_group, [summed])
@@ -324,6 +346,21 @@ class Trainer:
         counters.tokens_seen += tokens
         return loss, grad_norm, tokens
 
+    def _accumulate(self, micro: list[Batch], scale: ms.Tensor) -> float:
+        """Forward and backward of a step's micro-batches, gradients added into the buffers; their summed token
+        loss. Under pipeline parallelism they go through the schedule `parallel.micro_batches` at a time."""
+        if self.pipeline is None:
+            return sum(float(self.accumulate(*_inputs(batch), scale).asnumpy()) for batch in micro)
+        per_pass = self.params.parallel.micro_batches
+        passes = [micro[i : i + per_pass] for i in range(0, len(micro), per_pass)]
+        return sum(self.pipeline.run([_micro_batch(batch) for batch in one], scale) for one in passes)
+
+    def _stage_loss(self) -> ms.nn.Cell:
+        """The last pipeline stage's summed token loss, from full or vocab-parallel logits."""
+        if self.tensor_parallelism is None:
+            return StageTokenLoss()
+        return SummedVocabParallelLoss(self.tensor_parallelism.vocab_start, self.tensor_parallelism.group)
+
     def _batch(self, rows) -> Batch:
         return make_batch(rows, self.params.tokenizer.pad_id, self.params.train.reset_at_document_boundaries)
 
@@ -343,6 +380,8 @@ class Trainer:
         utilisation = mfu(tokens_per_second, self.flops_per_token, self.peak_flops)
         if utilisation is not None:
             record["mfu"] = utilisation
+        if self.pipeline is not None:  # of the step's last pipeline pass, over all stages
+            record["pipeline_bubble"] = self.pipeline.last_timing.bubble()
         return record
 
     def evaluate(self) -> float:
@@ -359,6 +398,11 @@ class Trainer:
         try:
             if self.zero3 is not None:
                 total, counted = self._evaluate_in_lockstep(list(batches))
+            elif self.pipeline is not None:  # every stage of this replica's pipeline takes part
+                for index, batch in enumerate(batches):
+                    if index % self.dp_group.size == self.dp_group.index:
+                        total += self.pipeline.loss(_micro_batch(batch))
+                        counted += batch.counted_tokens
             else:
                 for index, batch in enumerate(batches):
                     if index % self.dp_group.size == self.dp_group.index:
@@ -390,7 +434,8 @@ class Trainer:
         dp replica's ranks write their tp blocks; rank 0 commits and returns the checkpoint."""
         moments = self.optimizer.state_dict()
         gathered = self.zero3.full_weights() if self.zero3 is not None else None  # collective under ZeRO-3
-        shards = {self.tp_group.index: (gathered or model_weights(self.model), moments)} if self.writes_checkpoints else {}
+        block = ckpt.block_index(self.layout, self.layout.coordinates(self.rank).pp, self.tp_group.index)
+        shards = {block: (gathered or model_weights(self.model), moments)} if self.writes_checkpoints else {}
         state = None if not self.is_reporting else {
             "step": self.counters.step,
             "counters": vars(self.counters),
@@ -435,6 +480,10 @@ def _inputs(batch: Batch) -> tuple:
     positions = None if batch.position_ids is None else ms.Tensor(batch.position_ids)
     segments = None if batch.segment_ids is None else ms.Tensor(batch.segment_ids)
     return ms.Tensor(batch.tokens), ms.Tensor(batch.labels), ms.Tensor(batch.loss_mask), positions, segments
+
+
+def _micro_batch(batch: Batch) -> MicroBatch:
+    return MicroBatch(*_inputs(batch))
 
 
 def named_weights(model: ms.nn.Cell) -> dict[str, ms.Parameter]:
