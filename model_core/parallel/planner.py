@@ -30,7 +30,7 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    exchange, two fp32 BTH messages three times over (host buffer, its tensor, the sum);
                    ZeRO-1/2 in the update: the all-gathered 4P and the padded shard 4P/dp
     runtime        the device kind's process baseline and its compiled graph's cost per layer (and per
-                   recomputed layer)
+                   recomputed layer; a pipeline stage's forward-only graph is charged like one)
 
 A rank peaks either in the backward (activations, fresh gradients, gradient buckets) or in the update (no
 activations, but ZeRO's all-gather); the estimate is the larger of the two, on the busiest stage. A device
@@ -40,7 +40,8 @@ under msrun; tests/test_planner.py re-measures); accelerators are counted, and t
 is the caller's `runtime_bytes`.
 
 Preference among layouts that fit: no ZeRO beyond stage 1 (ZeRO-2/3 repeat collectives every accumulated
-micro-batch; the trainer runs ZeRO-2 with tp = 1 and not ZeRO-3 yet), then the fewest pipeline stages, then the smallest
+micro-batch, and ZeRO-3 gathers every weight in each forward and again in each backward; the trainer runs ZeRO-2
+with tp = 1 and ZeRO-3 with tp = pp = 1), then the fewest pipeline stages, then the smallest
 tensor-parallel degree (so data parallel first, then tensor parallel inside a node, then pipeline stages),
 then no recompute; with dp > 1, ZeRO-1 before none (which fits instead only where ZeRO-1's all-gather of the
 updated parameters does not). When nothing fits the plan says so and names the smallest layout.
@@ -326,6 +327,8 @@ def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind:
     compute_copies = c * held if c != 4 and zero < 3 else 0
     layers = params.model.num_layers // candidate.pp
     recompute_graph = kind.recompute_bytes_per_layer * layers if candidate.recompute == "all" else 0
+    if candidate.pp > 1:  # a stage compiles a forward-only graph too (its backward recomputes the forward)
+        recompute_graph += kind.recompute_bytes_per_layer * layers
     state = {
         "gradients": 2 * 4 * (shard if zero >= 2 else held),
         "optimizer": (8 + 4) * shard if zero >= 1 else 8 * held,
