@@ -4,14 +4,16 @@
 loaded) into this rank's shard in place, from outside, as `parallelize` does for tensor parallelism. Each
 trainable weight becomes a flat fp32 Parameter of L = ceil(size / dp) elements under the same path
 (`layers.0.mlp.down_proj.weight`): elements [index * L, (index + 1) * L) of the flattened weight, zero-padded
-to dp * L. The cells that use a weight read it through a `GatherParameter`:
-  forward   all-gather of the shards, cut to the weight's size and reshaped;
-  backward  reduce-scatter of the flat, padded gradient: the gradient wrt this rank's shard, summed over dp.
-`GatherParameter` is marked for recomputation, so the backward gathers a weight again rather than keeping
-the forward's full copy until then. The swaps: a Linear's and the head's matmul function and RMSNorm's
-function take the shard and gather it (`WithGatheredWeight`); the token embedding, which indexes its table
-directly, becomes a `GatheredEmbedding`. In a low-precision compute dtype the shard is cast before it is
-gathered, so gathers and reduce-scatters move compute-dtype values.
+to dp * L. Every function that uses a weight takes the shard instead and, with a hand-written bprop:
+  forward   all-gathers the shards, cut to the weight's size and reshaped, and uses the full weight;
+  backward  gathers it again where the backward needs it (a matmul's input gradient, a norm's), rather than
+            keep the forward's copy from forward to backward, and reduce-scatters the flat, padded weight
+            gradient: the gradient wrt this rank's shard, summed over dp.
+The swaps: a Linear's and the head's matmul function and RMSNorm's function become `WithGatheredWeight`;
+the token embedding, which indexes its table directly, becomes a `GatheredEmbedding`, whose backward needs
+no table. In a low-precision compute dtype the shard is cast before it is gathered, so gathers and
+reduce-scatters move compute-dtype values. (Marking a plain gather cell for recomputation was measured not
+to regather: MindSpore 2.10's jit on CPU kept the forward's 21 all-gathers of the test model and no more.)
 
 Gradients arrive summed over dp and shard-sized, so the plain `AccumulateGradients` keeps shard-sized fp32
 buffers, `ShardedGradientNorm` sums their squares over dp, and `Zero3AdamW` is AdamW over the shards with
@@ -54,8 +56,9 @@ def join_shards(shards: np.ndarray, shape: Sequence[int]) -> np.ndarray:
     return shards[: int(np.prod(shape))].reshape(shape)
 
 
-class GatherParameter(nn.Cell):
-    """shard -> the full parameter of `shape`; the gradient is reduce-scattered back to the shard."""
+class ParameterShards(nn.Cell):
+    """Between one parameter of `shape` and this rank's shard of it over `group`: the gather of the full value
+    and the reduce-scatter of its gradient."""
 
     def __init__(self, shape: Sequence[int], group: Group) -> None:
         super().__init__()
@@ -64,45 +67,66 @@ class GatherParameter(nn.Cell):
         self.padding = shard_length(self.size, group.size) * group.size - self.size
         self.group = group
 
-    def construct(self, shard):
+    def gather(self, shard):
+        """The full parameter from every rank's shard."""
         return self.group.all_gather(shard)[: self.size].reshape(self.shape)
 
-    def bprop(self, shard, out, dout):
-        flat = dout.reshape(-1)
+    def scatter_gradient(self, gradient):
+        """This rank's shard of the gradient (of the full parameter's shape) summed over the group."""
+        flat = gradient.reshape(-1)
         if self.padding:
             flat = ops.cat((flat, ops.zeros((self.padding,), flat.dtype)))
-        return (self.group.reduce_scatter(flat),)
-
-
-def gather_parameter(shape: Sequence[int], group: Group) -> GatherParameter:
-    """A `GatherParameter` marked for recomputation: the backward gathers again instead of keeping the weight."""
-    gather = GatherParameter(shape, group)
-    gather.recompute()
-    return gather
+        return self.group.reduce_scatter(flat)
 
 
 class WithGatheredWeight(nn.Cell):
-    """`inner(x, weight)` (a matmul or norm function) called with the full weight gathered from a shard."""
+    """`inner(x, weight)`, a function with a hand-written bprop (a matmul, a norm), called with the full weight
+    gathered from a shard. The backward gathers the weight again rather than keep the forward's copy (the
+    gather waits for dout, which also keeps jit from merging it with the forward's) and reduce-scatters the
+    weight's gradient to the shard."""
 
     def __init__(self, inner: nn.Cell, shape: Sequence[int], group: Group) -> None:
         super().__init__()
         self.inner = inner
-        self.gather = gather_parameter(shape, group)
+        self.shards = ParameterShards(shape, group)
 
     def construct(self, x, shard):
-        return self.inner(x, self.gather(shard))
+        return self.inner(x, self.shards.gather(shard))
+
+    def bprop(self, x, shard, out, dout):
+        weight = self.shards.gather(ops.depend(shard, dout))
+        dx, dweight = self.inner.bprop(x, weight, out, dout)
+        return dx, self.shards.scatter_gradient(dweight)
+
+
+class GatheredLookup(nn.Cell):
+    """Token id -> row of the [vocab, hidden] table gathered from a shard. The backward needs no table: the
+    rows' gradients are added into a table-shaped gradient and reduce-scattered to the shard."""
+
+    def __init__(self, shape: Sequence[int], group: Group) -> None:
+        super().__init__()
+        self.vocab_size, self.hidden_size = shape
+        self.shards = ParameterShards(shape, group)
+
+    def construct(self, tokens, shard):
+        return ops.gather(self.shards.gather(shard), tokens, 0)
+
+    def bprop(self, tokens, shard, out, dout):
+        rows = dout.reshape(-1, self.hidden_size)
+        table = ops.unsorted_segment_sum(rows, tokens.reshape(-1), self.vocab_size)
+        return ops.zeros_like(tokens), self.shards.scatter_gradient(table)
 
 
 class GatheredEmbedding(nn.Cell):
-    """Token id -> row of the table gathered from `weight`, this rank's shard of it."""
+    """Token id -> row of the table; `weight` is this rank's shard of it."""
 
     def __init__(self, weight: Parameter, shape: Sequence[int], group: Group) -> None:
         super().__init__()
         self.weight = weight
-        self.gather = gather_parameter(shape, group)
+        self.lookup = GatheredLookup(shape, group)
 
     def construct(self, tokens):
-        return ops.gather(self.gather(self.weight), tokens, 0)
+        return self.lookup(tokens, self.weight)
 
 
 @dataclass(frozen=True)
