@@ -172,17 +172,22 @@ def test_lora_under_tensor_parallelism_is_refused_before_any_stage(corpus_jsonl,
 
 
 @pytest.mark.slow
-def test_pretrain_stage_runs_sharded_under_msrun_and_streams_rank_0_metrics(corpus_jsonl, tmp_path, mlflow_uri):
-    overrides = small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "flow-tp2")
-    params = load_params("tiny", [*overrides, "parallel.tensor_parallel=2", "smoke.enabled=false", "train.steps=10"])
+@pytest.mark.parametrize("layout,sets,first_file", [
+    ("tp2", ["parallel.tensor_parallel=2"], "model-tp1-of-2.safetensors"),
+    ("pp2", ["parallel.pipeline_parallel=2", "parallel.micro_batches=2"], "model-pp1-of-2.safetensors"),
+])
+def test_pretrain_stage_runs_sharded_under_msrun_and_streams_rank_0_metrics(corpus_jsonl, tmp_path, mlflow_uri, layout, sets, first_file):
+    overrides = small_pipeline_overrides(corpus_jsonl, tmp_path / "data", f"flow-{layout}")
+    params = load_params("tiny", [*overrides, *sets, "smoke.enabled=false", "train.steps=10"])
     result = pretrain_flow(params)
     checkpoint = result.pretrain.checkpoint
-    assert result.pretrain.steps == 10 and (checkpoint / "model-tp1-of-2.safetensors").is_file()
+    assert result.pretrain.steps == 10 and (checkpoint / first_file).is_file()
     assert (checkpoint.parent / "logs").is_dir()
     client = MlflowClient(mlflow_uri)
-    _, children = _runs(client, "flow-tp2")
+    _, children = _runs(client, f"flow-{layout}")
     assert [run.info.run_name for run in children] == ["data_prep", "pretrain", "evaluate"]
     pretrain_run = children[1]
     assert [m.step for m in client.get_metric_history(pretrain_run.info.run_id, "loss")] == [5, 10]
     assert pretrain_run.data.metrics["final_loss"] == result.pretrain.final_loss < result.pretrain.initial_loss
+    assert ("pipeline_bubble" in pretrain_run.data.metrics) == (layout == "pp2")
     assert children[2].data.metrics["base.pretraining.perplexity"] > 1  # evaluated from the joined blocks
