@@ -163,8 +163,9 @@ def test_zero3_shards_are_flat_zero_padded_slices_that_join_back(shards, length)
     np.testing.assert_array_equal(join_shards(joined, (3, 4)), weight)
 
 
-def test_zero3_over_one_rank_keeps_paths_gradients_decay_and_whole_checkpoint_tensors():
-    params = params_with(*SMALL_MODEL)
+@pytest.mark.parametrize("tied", [True, False])
+def test_zero3_over_one_rank_keeps_paths_gradients_decay_and_whole_checkpoint_tensors(tied):
+    params = params_with(*SMALL_MODEL, f"model.tie_embeddings={str(tied).lower()}")
     ms.set_seed(1)
     full = Llama(params.model)
     ms.set_seed(1)
