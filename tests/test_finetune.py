@@ -131,11 +131,16 @@ def test_lora_under_dp2_with_zero1_trains_the_same_adapters_as_one_process(pretr
         np.testing.assert_allclose(dp2[name], one[name], rtol=1e-5, atol=1e-7, err_msg=name)
 
 
-def test_lora_with_tensor_parallelism_is_refused_before_anything_runs(pretrained, tmp_path):
+def test_lora_with_tensor_or_pipeline_parallelism_or_zero3_is_refused_before_anything_runs(pretrained, tmp_path):
     params, _, instructions, checkpoint, _ = pretrained
     sharded = params.model_copy(update={"parallel": params.parallel.model_copy(update={"tensor_parallel": 2})})
     with pytest.raises(ValueError, match="LoRA with parallel.tensor_parallel=2"):
         finetune(sharded, instructions.output_dir, checkpoint, tmp_path / "tp")
+    for update, refused in (({"pipeline_parallel": 2, "micro_batches": 2}, "parallel.pipeline_parallel=2"),
+                            ({"data_parallel": 2, "zero_stage": 3}, "parallel.zero_stage=3")):
+        layout = params.model_copy(update={"parallel": params.parallel.model_copy(update=update)})
+        with pytest.raises(ValueError, match=f"LoRA with {refused}"):
+            finetune(layout, instructions.output_dir, checkpoint, tmp_path / "refused")
 
 
 def test_adapter_dropout_acts_in_training_steps_and_not_in_evaluation(pretrained, tmp_path):

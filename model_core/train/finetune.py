@@ -41,8 +41,8 @@ def finetune_params(params: PipelineParams) -> PipelineParams:
 
 
 def check_lora_layout(params: PipelineParams) -> None:
-    """Adapters are not sharded yet: under tensor or pipeline parallelism they would have to split like the
-    projection they wrap, so those layouts are refused before anything is built."""
+    """Adapters are not sharded yet: under tensor or pipeline parallelism or ZeRO-3 they would have to split like
+    the projection they wrap, so those layouts are refused before anything is built."""
     parallel = params.parallel
     for field, value in (("tensor_parallel", parallel.tensor_parallel), ("pipeline_parallel", parallel.pipeline_parallel)):
         if value > 1:
@@ -50,6 +50,11 @@ def check_lora_layout(params: PipelineParams) -> None:
                 f"LoRA with parallel.{field}={value} is not supported: adapters would have to shard like the "
                 "projections they wrap; fine-tune with data_parallel (and zero_stage=1) instead"
             )
+    if parallel.zero_stage == 3 and parallel.data_parallel > 1:
+        raise ParallelConfigError(
+            "LoRA with parallel.zero_stage=3 is not supported: ZeRO-3 replaces the projections LoRA wraps with flat "
+            "weight shards; use zero_stage 1 or 2"
+        )
 
 
 def finetune(
