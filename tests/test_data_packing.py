@@ -92,3 +92,18 @@ def test_select_documents_gathers_ids_and_lengths_in_the_given_order():
     chosen_ids, lengths = select_documents(ids, np.array([len(doc) for doc in docs]), np.array([4, 0, 2]))
     assert chosen_ids.tolist() == docs[4] + docs[0] + docs[2]
     assert lengths.tolist() == [len(docs[4]), len(docs[0]), len(docs[2])]
+
+
+def test_packing_in_a_given_order_with_a_shuffle_equals_selecting_packing_and_shuffling():
+    """Prep packs the training split straight from the token ids in the shuffled document order and shuffles
+    rows a block at a time; that must be the rows of packing the selected documents, then shuffling them."""
+    docs = documents(5)
+    ids = np.array([t for d in docs for t in d], dtype=np.int32)
+    lengths = np.array([len(d) for d in docs])
+    order = np.random.default_rng(1).permutation(len(docs))[:25]
+    chosen, chosen_lengths = select_documents(ids, lengths, order)
+    expected = pack_documents(chosen, chosen_lengths, 11, BOS, EOS, PAD, "pad")
+    expected = expected.take(np.random.default_rng(2).permutation(len(expected)))
+    got = pack_documents(ids, lengths, 11, BOS, EOS, PAD, "pad", order, np.random.default_rng(2))
+    for field in ("tokens", "doc_start_values", "doc_start_offsets"):
+        np.testing.assert_array_equal(getattr(got, field), getattr(expected, field))

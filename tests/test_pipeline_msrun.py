@@ -20,7 +20,18 @@ from model_core.eval.evaluate import load_model
 from model_core.train.trainer import Trainer, model_weights
 from params import load_params
 from model_core.parallel.launch import launch
-from test_parallel_msrun import RUN, WORKER, assert_same_metrics, dataset_dir, resume_from_step, single_process, train_job
+from test_parallel_msrun import (
+    RUN,
+    WORKER,
+    assert_resumed_tail,
+    assert_same_blocks,
+    assert_same_metrics,
+    dataset_dir,
+    resume_from_step,
+    resumes_in_one_process,
+    single_process,
+    train_job,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -79,30 +90,17 @@ def test_pp2_checkpoint_joins_into_the_single_process_weights_and_reshards_back_
         assert np.linalg.norm(weights[name] - value) <= 1e-5 * np.linalg.norm(value), name
     model = load_model(load_params("tiny", RUN), saved)  # evaluation reads the stages joined
     assert all(np.array_equal(model_weights(model)[name], value) for name, value in weights.items())
-    back = reshard(single.path, Layout(pp=2), tmp_path / "pp2")
-    for index in (0, 1):
-        for again, original in zip(back.load_shard(index), Checkpoint(saved, 20).load_shard(index)):
-            assert again.keys() == original.keys()
-            assert all(np.array_equal(again[name], original[name]) for name in original)
+    assert_same_blocks(reshard(single.path, Layout(pp=2), tmp_path / "pp2"), Checkpoint(saved, 20), blocks=2)
 
 
 def test_a_pp2_checkpoint_resumes_in_one_process(pp2_run, single_process, dataset_dir, tmp_path):
-    out, _ = pp2_run
-    resume_from_step(out / "out" / "checkpoints", 10, tmp_path / "ckpt")
-    params = load_params("tiny", [*RUN, "parallel.micro_batches=4", f"train.output_dir={tmp_path}"])
-    result = Trainer(params, dataset_dir, tmp_path / "ckpt").run(resume="auto")
-    assert result.resumed_from.name == "step-00000010"
-    assert_same_metrics(result.history, [r for r in single_process["history"] if r["step"] > 10])
+    resumes_in_one_process(pp2_run[0] / "out" / "checkpoints", single_process, dataset_dir, tmp_path)
 
 
 def test_pp2_resume_is_bit_exact(pp2_run, dataset_dir, tmp_path):
     out, uninterrupted = pp2_run
     start = resume_from_step(out / "out" / "checkpoints", 10, tmp_path / "out" / "checkpoints")
-    resumed = train_job(tmp_path, dataset_dir, *PP2, resume=start)
-    keys = ("step", "loss", "grad_norm", "lr", "validation_loss")
-    for rank in (0, 1):
-        tail = [r for r in uninterrupted[rank]["history"] if r["step"] > 10]
-        assert [[r.get(k) for k in keys] for r in resumed[rank]["history"]] == [[r.get(k) for k in keys] for r in tail]
+    assert_resumed_tail(uninterrupted, train_job(tmp_path, dataset_dir, *PP2, resume=start))
 
 
 def four_worker_job(out, dataset_dir, *overrides: str) -> list[dict]:

@@ -10,9 +10,16 @@ import pytest
 from model_core.parallel.layout import Layout
 from model_core.parallel.reshard import join_blocks, reshard
 from model_core.train.checkpoint import Checkpoint
-from model_core.train.trainer import Trainer
-from params import load_params
-from test_parallel_msrun import RUN, assert_same_metrics, dataset_dir, resume_from_step, single_process, train_job
+from test_parallel_msrun import (
+    assert_resumed_tail,
+    assert_same_blocks,
+    assert_same_metrics,
+    dataset_dir,
+    resume_from_step,
+    resumes_in_one_process,
+    single_process,
+    train_job,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -50,28 +57,15 @@ def test_tp2_checkpoint_resharded_to_one_rank_holds_the_single_process_weights(t
     assert weights.keys() == single_process["final"].keys()
     for name, value in single_process["final"].items():  # 20 AdamW steps on sums taken in another order
         assert np.linalg.norm(weights[name] - value) <= 1e-5 * np.linalg.norm(value), name
-    back = reshard(single.path, Layout(tp=2), tmp_path / "tp2")
-    for index in (0, 1):
-        for again, original in zip(back.load_shard(index), Checkpoint(saved, 20).load_shard(index)):
-            assert again.keys() == original.keys()
-            assert all(np.array_equal(again[name], original[name]) for name in original)
+    assert_same_blocks(reshard(single.path, Layout(tp=2), tmp_path / "tp2"), Checkpoint(saved, 20), blocks=2)
 
 
 def test_a_tp2_checkpoint_resumes_in_one_process(tp2_run, single_process, dataset_dir, tmp_path):
     """Resharded in memory at resume: steps 11-20 on one rank follow the single-process run."""
-    out, _ = tp2_run
-    resume_from_step(out / "out" / "checkpoints", 10, tmp_path / "ckpt")
-    params = load_params("tiny", [*RUN, "parallel.micro_batches=4", f"train.output_dir={tmp_path}"])
-    result = Trainer(params, dataset_dir, tmp_path / "ckpt").run(resume="auto")
-    assert result.resumed_from.name == "step-00000010"
-    assert_same_metrics(result.history, [r for r in single_process["history"] if r["step"] > 10])
+    resumes_in_one_process(tp2_run[0] / "out" / "checkpoints", single_process, dataset_dir, tmp_path)
 
 
 def test_tp2_resume_is_bit_exact(tp2_run, dataset_dir, tmp_path):
     out, uninterrupted = tp2_run
     start = resume_from_step(out / "out" / "checkpoints", 10, tmp_path / "out" / "checkpoints")
-    resumed = train_job(tmp_path, dataset_dir, *TP2, resume=start)
-    keys = ("step", "loss", "grad_norm", "lr", "validation_loss")
-    for rank in (0, 1):
-        tail = [r for r in uninterrupted[rank]["history"] if r["step"] > 10]
-        assert [[r.get(k) for k in keys] for r in resumed[rank]["history"]] == [[r.get(k) for k in keys] for r in tail]
+    assert_resumed_tail(uninterrupted, train_job(tmp_path, dataset_dir, *TP2, resume=start))
