@@ -8,6 +8,11 @@ Every variant runs in its own subprocess, so its peak RSS (VmHWM of that child, 
     python benchmarks/train_throughput.py                 # every variant, reference size
     python benchmarks/train_throughput.py --variants torch-fp32,ours-fp32   # just the fp32 pair
     python benchmarks/train_throughput.py --variant ours-fp32   # one variant in this process (JSON line)
+    python benchmarks/train_throughput.py --variants torch-fp32,ours-fp32 --threads 1   # one kernel thread each
+
+On a loaded machine wall time mostly measures the neighbours; compare CPU seconds per step (all threads of the
+child) too. `--threads` sets each framework's kernel thread count (torch.set_num_threads, MindSpore's
+op_tuning.threads_num); with 1, torch's OpenMP threads stop spinning at barriers while other load runs.
 
 The last line printed is one JSON object for the fp32 reference size: ours_tokens_per_s, torch_tokens_per_s,
 ours_peak_rss_mb, torch_peak_rss_mb and their ratios. Timings are medians of the timed steps after warm-up.
@@ -18,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -39,12 +45,17 @@ FP16_LOSS_SCALE = 1024.0
 VARIANTS = {
     "torch-fp32": ("torch", "float32", False),
     "ours-fp32": ("ours", "float32", False),
+    "ours-fp32-host-blocking": ("ours", "float32", False),
     "torch-fp32-recompute": ("torch", "float32", True),
     "ours-fp32-recompute": ("ours", "float32", True),
     "torch-bf16": ("torch", "bfloat16", False),
     "ours-bf16": ("ours", "bfloat16", False),
     "ours-fp16": ("ours", "float16", False),
 }
+# MindSpore's Python thread waits for a launched graph in a busy loop (AsyncRQueue::Wait), which takes a whole
+# core of the two from the kernels. MS_DEV_HOST_BLOCKING_RUN=1 runs the launch on the Python thread instead,
+# so nothing spins; these variants set it (the trainer does not yet).
+HOST_BLOCKING = {"ours-fp32-host-blocking"}
 
 
 def peak_rss_mb() -> float:
@@ -81,7 +92,7 @@ def time_steps(step, warmup: int, steps: int) -> dict:
 # ----------------------------------------------------------------------------------------------- ours
 
 
-def run_ours(dtype: str, recompute: bool, warmup: int, steps: int) -> dict:
+def run_ours(dtype: str, recompute: bool, warmup: int, steps: int, threads: int | None) -> dict:
     sys.path.insert(0, str(REPO))
     import mindspore as ms
 
@@ -95,6 +106,8 @@ def run_ours(dtype: str, recompute: bool, warmup: int, steps: int) -> dict:
         check_precision(PrecisionParams(compute_dtype=dtype), ms.get_context("device_target"))
     except PrecisionError as error:
         return {"unsupported": str(error)}
+    if threads is not None:
+        ms.device_context.cpu.op_tuning.threads_num(threads)
     ms.set_seed(0)
     model = Llama(ModelParams(**REFERENCE), dtype)
     if recompute:
@@ -191,10 +204,12 @@ def torch_llama(torch, config: dict):
     return Llama
 
 
-def run_torch(dtype: str, recompute: bool, warmup: int, steps: int) -> dict:
+def run_torch(dtype: str, recompute: bool, warmup: int, steps: int, threads: int | None) -> dict:
     import torch
     import torch.utils.checkpoint  # noqa: F401  (registers torch.utils.checkpoint)
 
+    if threads is not None:
+        torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = torch_llama(torch, REFERENCE)(recompute)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
@@ -217,15 +232,19 @@ def run_torch(dtype: str, recompute: bool, warmup: int, steps: int) -> dict:
 # --------------------------------------------------------------------------------------------- driver
 
 
-def run_variant(name: str, warmup: int, steps: int) -> dict:
+def run_variant(name: str, warmup: int, steps: int, threads: int | None) -> dict:
     framework, dtype, recompute = VARIANTS[name]
+    if name in HOST_BLOCKING:
+        os.environ["MS_DEV_HOST_BLOCKING_RUN"] = "1"  # read by MindSpore at its first launch, after this
     runner = run_ours if framework == "ours" else run_torch
-    result = runner(dtype, recompute, warmup, steps)
+    result = runner(dtype, recompute, warmup, steps, threads)
     return {"variant": name, **result, "peak_rss_mb": round(peak_rss_mb())}
 
 
-def run_in_child(name: str, warmup: int, steps: int) -> dict:
+def run_in_child(name: str, warmup: int, steps: int, threads: int | None) -> dict:
     command = [sys.executable, __file__, "--variant", name, "--warmup", str(warmup), "--steps", str(steps)]
+    if threads is not None:
+        command += ["--threads", str(threads)]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
@@ -236,16 +255,20 @@ def run_in_child(name: str, warmup: int, steps: int) -> dict:
 def describe(result: dict, torch_fp32: dict | None) -> str:
     name = result["variant"]
     if "unsupported" in result:
-        return f"| {name} | not run: {result['unsupported']} | | |"
+        return f"| {name} | not run: {result['unsupported']} | | | |"
     if "error" in result:
-        return f"| {name} | failed: {result['error']} | | |"
+        return f"| {name} | failed: {result['error']} | | | |"
     ratio = ""
     if torch_fp32 and "tokens_per_s" in torch_fp32:
         ratio = (
             f"{result['tokens_per_s'] / torch_fp32['tokens_per_s']:.2f}x tokens/s, "
+            f"{torch_fp32['cpu_seconds_per_step'] / result['cpu_seconds_per_step']:.2f}x tokens/CPU-s, "
             f"{result['peak_rss_mb'] / torch_fp32['peak_rss_mb']:.2f}x RSS"
         )
-    return f"| {name} | {result['tokens_per_s']:,.0f} | {result['peak_rss_mb']:,.0f} MB | {ratio} |"
+    return (
+        f"| {name} | {result['tokens_per_s']:,.0f} | {result['cpu_seconds_per_step']:.2f} "
+        f"| {result['peak_rss_mb']:,.0f} MB | {ratio} |"
+    )
 
 
 def main() -> None:
@@ -254,9 +277,10 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variant names to run")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, help="kernel threads per framework (default: each one's own)")
     args = parser.parse_args()
     if args.variant:
-        print(json.dumps(run_variant(args.variant, args.warmup, args.steps)), flush=True)
+        print(json.dumps(run_variant(args.variant, args.warmup, args.steps, args.threads)), flush=True)
         return
 
     names = args.variants.split(",")
@@ -265,10 +289,10 @@ def main() -> None:
         parser.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
     results = {}
     for name in names:
-        results[name] = run_in_child(name, args.warmup, args.steps)
+        results[name] = run_in_child(name, args.warmup, args.steps, args.threads)
         print(json.dumps(results[name]), flush=True)
     torch_fp32 = results.get("torch-fp32")
-    print("| variant | tokens/s | peak RSS | vs torch-fp32 |\n|---|---|---|---|")
+    print("| variant | tokens/s | CPU s/step | peak RSS | vs torch-fp32 |\n|---|---|---|---|---|")
     for name in names:
         print(describe(results[name], torch_fp32))
     ours, theirs = results.get("ours-fp32", {}), torch_fp32 or {}
