@@ -59,18 +59,27 @@ def single_process(dataset_dir, tmp_path_factory):
     }
 
 
-def run_workers(tmp_path, *args: str) -> list[dict]:
+def run_workers(tmp_path, *args: str, workers: int = 2) -> list[dict]:
     echo = io.StringIO()
-    launch([WORKER, *args], 2, tmp_path / "logs", grace_s=10, echo=echo)
-    return [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(2)]
+    launch([WORKER, *args], workers, tmp_path / "logs", grace_s=10, echo=echo)
+    return [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(workers)]
 
 
-def train_job(out: Path, dataset_dir: Path, *overrides: str, resume: Path | None = None) -> list[dict]:
-    """A 2-worker training job of RUN + overrides (from `resume` if given); each rank's report."""
+def train_job(out: Path, dataset_dir: Path, *overrides: str, resume: Path | None = None, workers: int = 2) -> list[dict]:
+    """A training job of RUN + overrides on `workers` msrun workers (from `resume` if given); each rank's report."""
     options = [a for o in (*RUN, f"train.output_dir={out}", *overrides) for a in ("--set", o)]
     if resume is not None:
         options += ["--resume", str(resume)]
-    return run_workers(out, "train", str(out / "out"), str(dataset_dir), *options)
+    return run_workers(out, "train", str(out / "out"), str(dataset_dir), *options, workers=workers)
+
+
+SHORT = "train.steps=8"  # runs that bring their own reference: fewer steps than the shared 20-step one
+
+
+def one_process(dataset_dir: Path, out: Path, *overrides: str) -> list[dict]:
+    """The metrics of one process training RUN + overrides on 8 sequences a step (4 micro-batches of 2)."""
+    params = load_params("tiny", [*RUN, *overrides, "parallel.micro_batches=4", f"train.output_dir={out}"])
+    return Trainer(params, dataset_dir, out / "ckpt").run().history
 
 
 def assert_same_metrics(got: list[dict], expected: list[dict], rtol: float = 1e-5) -> None:

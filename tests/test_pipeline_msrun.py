@@ -1,32 +1,29 @@
 """Pipeline parallelism over two msrun workers (one stage each) against one process on the same global batch:
 1F1B over 4 micro-batches gives its losses and gradient norms for 20 steps from the same initial weights
-(GPipe with uneven stages, 2 + 1 layers, for 8 steps); the stages' checkpoint joins into the single-process weights, resharded to one rank and back
-byte for byte, resumes in one process, and resumes bit-exactly under pp2 itself. On four workers, pipeline
-stages compose with tensor parallelism (tp2 pp2) and with data parallelism, ZeRO-1 and an untied head
-(dp2 pp2)."""
+(GPipe with uneven stages, 2 + 1 layers, for 8 steps); the stages' checkpoint joins into the single-process
+weights, resharded to one rank and back byte for byte, resumes in one process, and resumes bit-exactly
+under pp2 itself. On four workers, pipeline stages compose with tensor parallelism (tp2 pp2) and with data
+parallelism, ZeRO-1 and an untied head (dp2 pp2)."""
 
 from __future__ import annotations
-
-import io
-import json
 
 import numpy as np
 import pytest
 
+from model_core.eval.evaluate import load_model
 from model_core.parallel.layout import Layout
 from model_core.parallel.reshard import reshard
 from model_core.train.checkpoint import Checkpoint
-from model_core.eval.evaluate import load_model
-from model_core.train.trainer import Trainer, model_weights
+from model_core.train.trainer import model_weights
 from params import load_params
-from model_core.parallel.launch import launch
 from test_parallel_msrun import (
     RUN,
-    WORKER,
+    SHORT,
     assert_resumed_tail,
     assert_same_blocks,
     assert_same_metrics,
     dataset_dir,
+    one_process,
     resume_from_step,
     resumes_in_one_process,
     single_process,
@@ -38,12 +35,6 @@ pytestmark = pytest.mark.slow
 __all__ = ["dataset_dir", "single_process"]  # module fixtures shared with the dp tests
 
 PP2 = ("parallel.pipeline_parallel=2", "parallel.micro_batches=4")
-SHORT = "train.steps=8"  # runs with their own reference: fewer steps than the shared 20-step one
-
-
-def one_process(dataset_dir, out, *overrides: str) -> list[dict]:
-    params = load_params("tiny", [*RUN, *overrides, "parallel.micro_batches=4", f"train.output_dir={out}"])
-    return Trainer(params, dataset_dir, out / "ckpt").run().history
 
 
 @pytest.fixture(scope="module")
@@ -103,15 +94,9 @@ def test_pp2_resume_is_bit_exact(pp2_run, dataset_dir, tmp_path):
     assert_resumed_tail(uninterrupted, train_job(tmp_path, dataset_dir, *PP2, resume=start))
 
 
-def four_worker_job(out, dataset_dir, *overrides: str) -> list[dict]:
-    options = [a for o in (*RUN, f"train.output_dir={out}", *overrides) for a in ("--set", o)]
-    launch([WORKER, "train", str(out / "out"), str(dataset_dir), *options], 4, out / "logs", grace_s=10, echo=io.StringIO())
-    return [json.loads((out / "out" / f"rank{r}.json").read_text()) for r in range(4)]
-
-
 def test_tp2_pp2_on_four_workers_matches_one_process(dataset_dir, tmp_path):
     expected = one_process(dataset_dir, tmp_path / "one", SHORT)
-    ranks = four_worker_job(tmp_path, dataset_dir, SHORT, *PP2, "parallel.tensor_parallel=2")
+    ranks = train_job(tmp_path, dataset_dir, SHORT, *PP2, "parallel.tensor_parallel=2", workers=4)
     for rank in ranks:
         assert_same_metrics(rank["history"], expected)
     files = sorted(p.name for p in (tmp_path / "out" / "checkpoints" / "step-00000008").glob("model*"))
@@ -121,9 +106,9 @@ def test_tp2_pp2_on_four_workers_matches_one_process(dataset_dir, tmp_path):
 def test_dp2_pp2_zero1_untied_on_four_workers_matches_one_process(dataset_dir, tmp_path):
     untied = "model.tie_embeddings=false"
     expected = one_process(dataset_dir, tmp_path / "one", SHORT, untied)
-    ranks = four_worker_job(
+    ranks = train_job(
         tmp_path, dataset_dir, SHORT, untied, "parallel.data_parallel=2", "parallel.pipeline_parallel=2",
-        "parallel.micro_batches=2", "parallel.zero_stage=1",
+        "parallel.micro_batches=2", "parallel.zero_stage=1", workers=4,
     )
     for rank in ranks:
         assert_same_metrics(rank["history"], expected)

@@ -1,6 +1,7 @@
 """Tensor parallelism over two msrun workers against one process on the same global batch: the same initial
 weights, losses and gradient norms for 20 steps; its checkpoint resharded to one rank holds the single-process
-weights and resumes there; and resuming tp2 from its own checkpoint is bit-exact."""
+weights and resumes there; and resuming tp2 from its own checkpoint is bit-exact. On four workers, dp2 x tp2
+with ZeRO-2 matches one process too."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from model_core.parallel.layout import Layout
 from model_core.parallel.reshard import join_blocks, reshard
 from model_core.train.checkpoint import Checkpoint
 from test_parallel_msrun import (
+    SHORT,
     assert_resumed_tail,
     assert_same_blocks,
     assert_same_metrics,
     dataset_dir,
+    one_process,
     resume_from_step,
     resumes_in_one_process,
     single_process,
@@ -69,3 +72,14 @@ def test_tp2_resume_is_bit_exact(tp2_run, dataset_dir, tmp_path):
     out, uninterrupted = tp2_run
     start = resume_from_step(out / "out" / "checkpoints", 10, tmp_path / "out" / "checkpoints")
     assert_resumed_tail(uninterrupted, train_job(tmp_path, dataset_dir, *TP2, resume=start))
+
+
+def test_dp2_tp2_zero2_on_four_workers_matches_one_process(dataset_dir, tmp_path):
+    """ZeRO-2 shards each tp block's gradients over its dp group; the norm adds split blocks over tp."""
+    expected = one_process(dataset_dir, tmp_path / "one", SHORT)
+    layout = ("parallel.data_parallel=2", "parallel.tensor_parallel=2", "parallel.micro_batches=2", "parallel.zero_stage=2")
+    ranks = train_job(tmp_path, dataset_dir, SHORT, *layout, workers=4)
+    for rank in ranks:
+        assert_same_metrics(rank["history"], expected)
+    for rank in ranks:  # half of this rank's tp block, up to one fp32 element of padding
+        assert abs(2 * rank["gradient_bytes"] - rank["parameter_bytes"]) <= 8, rank["parameter_bytes"]

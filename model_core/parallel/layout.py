@@ -138,11 +138,6 @@ def check_implemented(params: PipelineParams) -> None:
                 f"parallel.zero_stage=3 with parallel.{field}={getattr(parallel, field)} is not implemented yet "
                 f"(issue #4): ZeRO-3 shards whole parameters over dp; use zero_stage 1 or {field} 1"
             )
-    if parallel.zero_stage == 2 and parallel.tensor_parallel > 1:
-        raise ParallelConfigError(
-            f"parallel.zero_stage=2 with parallel.tensor_parallel={parallel.tensor_parallel} is not implemented "
-            "yet (issue #4): ZeRO-2 shards whole-model gradients; use zero_stage 1 or tensor_parallel 1"
-        )
     if parallel.zero_stage == 2 and parallel.pipeline_parallel > 1:
         raise ParallelConfigError(
             f"parallel.zero_stage=2 with parallel.pipeline_parallel={parallel.pipeline_parallel} is not implemented "

@@ -133,7 +133,8 @@ class ShardedAccumulateGradients(AccumulateGradients):
     """ZeRO-2 accumulation: forward + backward of one micro-batch, its gradients reduce-scattered over the
     group and this rank's shard added into fp32 buffers, one per piece (the pieces `ShardedAdamW` updates)."""
 
-    def __init__(self, model: nn.Cell, group: Group) -> None:
+    def __init__(self, model: nn.Cell, group: Group, loss: nn.Cell | None = None) -> None:
+        """`loss` as for `AccumulateGradients` (tensor parallelism passes its vocab-parallel one)."""
         weights = model.trainable_params()
         sizes = [int(np.prod(w.shape)) for w in weights]
         pieces, shard_length = shard_pieces(sizes, group.size, group.index)
@@ -145,8 +146,9 @@ class ShardedAccumulateGradients(AccumulateGradients):
             )
             for p in pieces
         )
-        super().__init__(model, buffers)
+        super().__init__(model, buffers, loss)
         self.group = group
+        self.piece_params = tuple(p.index for p in pieces)  # the weight each buffer is a piece of
         self.padding = shard_length * group.size - sum(sizes)
         self.piece_lengths = tuple(p.end - p.start for p in pieces)
 
@@ -165,20 +167,35 @@ class ShardedAccumulateGradients(AccumulateGradients):
 
 
 class ShardedGradientNorm(nn.Cell):
-    """Global L2 norm of gradients sharded over `group` (ZeRO-2) times `grad_scale`: the shards' sums of
-    squares are summed over the group."""
+    """Global L2 norm of gradients sharded over `group` (ZeRO-2/3) times `grad_scale`: the shards' sums of
+    squares are summed over the group. Under tensor parallelism (`split`: per buffer, whether its weight is
+    split over `tp_group`) the split weights' sums are summed over the tp group too; replicated ones, equal on
+    every tp rank, count once."""
 
-    def __init__(self, buffers: ParameterTuple, group: Group) -> None:
+    def __init__(
+        self, buffers: ParameterTuple, group: Group, split: Sequence[bool] | None = None, tp_group: Group | None = None
+    ) -> None:
         super().__init__()
         self.buffers = buffers
         self.group = group
+        self.split = tuple(split) if split is not None else (False,) * len(buffers)
+        self.tp_group = tp_group
+        self.across_tp = tp_group is not None and tp_group.size > 1
 
     @ms.jit
     def construct(self, grad_scale):
-        total = ops.zeros((1,), ms.float32)
-        for buffer in self.buffers:
-            total = total + mint.sum(buffer * buffer)
-        return mint.sqrt(self.group.all_reduce(total)).reshape(()) * grad_scale
+        split = ops.zeros((1,), ms.float32)
+        replicated = ops.zeros((1,), ms.float32)
+        for buffer, is_split in zip(self.buffers, self.split):
+            if is_split:
+                split = split + mint.sum(buffer * buffer)
+            else:
+                replicated = replicated + mint.sum(buffer * buffer)
+        totals = self.group.all_reduce(ops.cat((split, replicated)))
+        split, replicated = totals[0:1], totals[1:2]
+        if self.across_tp:
+            split = self.tp_group.all_reduce(split)
+        return mint.sqrt(split + replicated).reshape(()) * grad_scale
 
 
 def moment_bytes(optimizer: AdamW) -> int:

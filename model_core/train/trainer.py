@@ -183,7 +183,10 @@ class Trainer:
             )
         elif self.tensor_parallelism is not None:
             self.eval_loss = VocabParallelTokenLoss(self.model, self.tensor_parallelism)
-            self.accumulate = AccumulateGradients(self.model, loss=self.eval_loss)
+            if zero_stage == 2:  # this tp block's gradients reduce-scattered over dp per micro-batch
+                self.accumulate = ShardedAccumulateGradients(self.model, self.dp_group, loss=self.eval_loss)
+            else:
+                self.accumulate = AccumulateGradients(self.model, loss=self.eval_loss)
         elif zero_stage == 2:  # gradients reduce-scattered per micro-batch into this rank's shard
             self.eval_loss = SummedTokenLoss(self.model)
             self.accumulate = ShardedAccumulateGradients(self.model, self.dp_group)
@@ -207,7 +210,10 @@ class Trainer:
             counted = self.pipeline.counted_in_norm(self.accumulate.weights)
             self.norm = PipelineGradientNorm(self.accumulate.buffers, split, counted, self.tp_group, self.pipeline.group)
         elif zero_stage >= 2:  # ZeRO-3's buffers are shards too
-            self.norm = ShardedGradientNorm(self.accumulate.buffers, self.dp_group)
+            split = None
+            if self.tensor_parallelism is not None:  # ZeRO-2 only: ZeRO-3 is refused with tp
+                split = [split_axis(weight_names[i]) is not None for i in self.accumulate.piece_params]
+            self.norm = ShardedGradientNorm(self.accumulate.buffers, self.dp_group, split, self.tp_group)
         elif self.tensor_parallelism is None:
             self.norm = GradientNorm(self.accumulate.buffers)
         else:
