@@ -41,7 +41,7 @@ is the caller's `runtime_bytes`.
 
 Preference among layouts that fit: no ZeRO beyond stage 1 (ZeRO-2/3 repeat collectives every accumulated
 micro-batch, and ZeRO-3 gathers every weight in each forward and again in each backward; the trainer runs ZeRO-2
-with tp = 1 and ZeRO-3 with tp = pp = 1), then the fewest pipeline stages, then the smallest
+with pp = 1 and ZeRO-3 with tp = pp = 1), then the fewest pipeline stages, then the smallest
 tensor-parallel degree (so data parallel first, then tensor parallel inside a node, then pipeline stages),
 then no recompute; with dp > 1, ZeRO-1 before none (which fits instead only where ZeRO-1's all-gather of the
 updated parameters does not). When nothing fits the plan says so and names the smallest layout.
