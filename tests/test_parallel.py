@@ -220,3 +220,19 @@ def test_the_data_position_is_global_so_a_checkpoint_resumes_under_another_dp():
     bigger = ShuffledBatches(rows, global_batch_rows=16, seed=1, rank=0, world=2)
     with pytest.raises(ValueError, match="saved with global_batch_rows=8 but this run has global_batch_rows=16"):
         bigger.load_state_dict(state)
+
+
+def test_the_parallel_gradient_norm_counts_each_buffer_once_over_groups_of_one():
+    import mindspore as ms
+    from mindspore import Parameter, ParameterTuple, Tensor
+
+    from model_core.parallel import comm
+    from model_core.parallel.gradient_norm import ParallelGradientNorm
+
+    rng = np.random.default_rng(3)
+    values = [rng.standard_normal(shape).astype(np.float32) for shape in ((4, 3), (5,), (2, 2))]
+    buffers = ParameterTuple(Parameter(Tensor(v), name=f"norm_test.{i}", requires_grad=False) for i, v in enumerate(values))
+    alone = comm.group((0,))
+    norm = ParallelGradientNorm(buffers, split=[True, False, True], counted=[True, True, False], tp_group=alone, shard_group=alone, pp_group=alone)
+    expected = np.sqrt(sum(float((v.astype(np.float64) ** 2).sum()) for v in values[:2]))
+    assert float(norm(Tensor(0.5, ms.float32)).asnumpy()) == pytest.approx(0.5 * expected, rel=1e-6)

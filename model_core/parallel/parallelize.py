@@ -11,17 +11,16 @@ loaded) into this rank's tensor-parallel shard, so tp ranks start from exactly t
 Parameter paths do not move (`layers.0.mlp.down_proj.weight`), so checkpoints keep their names;
 `split_axis(name)` says which axis a parameter is split along (None: replicated), for the gradient norm,
 checkpoints and `reshard`. The model then returns the logits of this rank's vocab block; train it with
-`VocabParallelTokenLoss` and measure its gradients with `TensorParallelGradientNorm`.
+`VocabParallelTokenLoss` and measure its gradients with `gradient_norm.ParallelGradientNorm`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
+from mindspore import Parameter, Tensor, nn
 
 from model_core.model.llama import Llama
 from model_core.parallel import comm
@@ -116,25 +115,3 @@ class VocabParallelTokenLoss(nn.Cell):
         per_token = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))[0]
         summed = (per_token * (loss_mask.reshape(-1) != 0).astype(ms.float32)).sum()
         return summed * scale, summed
-
-
-class TensorParallelGradientNorm(nn.Cell):
-    """The global L2 norm of the whole model's gradients times `grad_scale`: squares of split parameters'
-    gradients are summed over the tp group; replicated ones, equal on every tp rank, are counted once."""
-
-    def __init__(self, buffers: ParameterTuple, split: Sequence[bool], group: comm.Group) -> None:
-        super().__init__()
-        self.buffers = buffers
-        self.split = tuple(split)
-        self.group = group
-
-    @ms.jit
-    def construct(self, grad_scale):
-        split = ops.zeros((1,), ms.float32)
-        replicated = ops.zeros((1,), ms.float32)
-        for buffer, is_split in zip(self.buffers, self.split):
-            if is_split:
-                split = split + mint.sum(buffer * buffer)
-            else:
-                replicated = replicated + mint.sum(buffer * buffer)
-        return mint.sqrt(self.group.all_reduce(split) + replicated).reshape(()) * grad_scale

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from model_core.model import Llama, token_cross_entropy
 from model_core.parallel import comm
@@ -484,37 +484,3 @@ class PipelineStage:
         table[self.stage] = values
         table = self.exchange(Tensor(table.astype(np.float32))).asnumpy().astype(np.float64)
         return float(table[:, 0].sum()), [(float(c), float(w)) for _, c, w in table]
-
-
-class PipelineGradientNorm(nn.Cell):
-    """The global L2 norm of a pipeline stage's gradients times `grad_scale`: squares of tensor-parallel
-    split gradients are summed over the tp group, replicated ones counted once, and the stages' totals
-    summed over the pipeline group; `counted` leaves out the last stage's copy of a tied table."""
-
-    def __init__(
-        self,
-        buffers: ParameterTuple,
-        split: Sequence[bool],
-        counted: Sequence[bool],
-        tp_group: comm.Group,
-        pp_group: comm.Group,
-    ) -> None:
-        super().__init__()
-        self.buffers = buffers
-        self.split = tuple(split)
-        self.counted = tuple(counted)
-        self.tp_group = tp_group
-        self.pp_group = pp_group
-
-    @ms.jit
-    def construct(self, grad_scale):
-        split = ops.zeros((1,), ms.float32)
-        replicated = ops.zeros((1,), ms.float32)
-        for buffer, is_split, is_counted in zip(self.buffers, self.split, self.counted):
-            if is_counted:
-                if is_split:
-                    split = split + mint.sum(buffer * buffer)
-                else:
-                    replicated = replicated + mint.sum(buffer * buffer)
-        stage = self.tp_group.all_reduce(split) + replicated
-        return mint.sqrt(self.pp_group.all_reduce(stage)).reshape(()) * grad_scale

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from model_core.parallel.comm import Group
 from model_core.train.optim import AdamW, applies_weight_decay
@@ -164,38 +164,6 @@ class ShardedAccumulateGradients(AccumulateGradients):
             ops.assign_add(buffer, shard[offset : offset + length])
             offset += length
         return summed
-
-
-class ShardedGradientNorm(nn.Cell):
-    """Global L2 norm of gradients sharded over `group` (ZeRO-2/3) times `grad_scale`: the shards' sums of
-    squares are summed over the group. Under tensor parallelism (`split`: per buffer, whether its weight is
-    split over `tp_group`) the split weights' sums are summed over the tp group too; replicated ones, equal on
-    every tp rank, count once."""
-
-    def __init__(
-        self, buffers: ParameterTuple, group: Group, split: Sequence[bool] | None = None, tp_group: Group | None = None
-    ) -> None:
-        super().__init__()
-        self.buffers = buffers
-        self.group = group
-        self.split = tuple(split) if split is not None else (False,) * len(buffers)
-        self.tp_group = tp_group
-        self.across_tp = tp_group is not None and tp_group.size > 1
-
-    @ms.jit
-    def construct(self, grad_scale):
-        split = ops.zeros((1,), ms.float32)
-        replicated = ops.zeros((1,), ms.float32)
-        for buffer, is_split in zip(self.buffers, self.split):
-            if is_split:
-                split = split + mint.sum(buffer * buffer)
-            else:
-                replicated = replicated + mint.sum(buffer * buffer)
-        totals = self.group.all_reduce(ops.cat((split, replicated)))
-        split, replicated = totals[0:1], totals[1:2]
-        if self.across_tp:
-            split = self.tp_group.all_reduce(split)
-        return mint.sqrt(split + replicated).reshape(()) * grad_scale
 
 
 def moment_bytes(optimizer: AdamW) -> int:

@@ -17,7 +17,7 @@ all-gathers in the forward and 20 in the backward. (A gather cell marked for rec
 design, did not regather: MindSpore 2.10's jit on CPU kept only the forward's 20.)
 
 Gradients arrive summed over dp and shard-sized, so the plain `AccumulateGradients` keeps shard-sized fp32
-buffers, `ShardedGradientNorm` sums their squares over dp, and `Zero3AdamW` is AdamW over the shards with
+buffers, `ParallelGradientNorm` sums their squares over dp, and `Zero3AdamW` is AdamW over the shards with
 weight decay decided by each full parameter's ndim. Checkpoints stay layout-independent: `full_weights` and
 `Zero3AdamW.state_dict` gather whole tensors under the usual names (collectives: every rank calls them), and
 `load_full_weights` / `Zero3AdamW.load_state_dict` take this rank's shards of whole tensors, whatever layout

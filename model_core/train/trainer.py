@@ -37,22 +37,13 @@ from model_core.convert import read_weights
 from model_core.model import Llama, count_parameters
 from model_core.parallel import comm
 from model_core.parallel.data_parallel import GradientAllReduce, broadcast_parameters, sum_over
+from model_core.parallel.gradient_norm import ParallelGradientNorm
 from model_core.parallel.layout import Layout, check_implemented
-from model_core.parallel.parallelize import (
-    TensorParallelGradientNorm,
-    VocabParallelTokenLoss,
-    parallelize,
-    split_axis,
-)
-from model_core.parallel.pipeline import (
-    MicroBatch,
-    PipelineGradientNorm,
-    PipelineStage,
-    SummedTokenLoss as StageTokenLoss,
-    SummedVocabParallelLoss,
-)
+from model_core.parallel.parallelize import VocabParallelTokenLoss, parallelize, split_axis
+from model_core.parallel.pipeline import MicroBatch, PipelineStage, SummedVocabParallelLoss
+from model_core.parallel.pipeline import SummedTokenLoss as StageTokenLoss
 from model_core.parallel.reshard import blocks_for, stage_tensors
-from model_core.parallel.zero import ShardedAccumulateGradients, ShardedAdamW, ShardedGradientNorm
+from model_core.parallel.zero import ShardedAccumulateGradients, ShardedAdamW
 from model_core.parallel.zero3 import Zero3AdamW, shard_parameters
 from model_core.train import checkpoint as ckpt
 from model_core.train.callbacks import MetricsCallback
@@ -205,20 +196,19 @@ class Trainer:
             self.optimizer = AdamW.from_params(self.accumulate.weights, params.optimizer, weight_names)
         summed_once_per_step = self.dp_group.size > 1 and zero_stage < 2
         self.sum_gradients = GradientAllReduce(self.accumulate.buffers, self.dp_group) if summed_once_per_step else None
-        if self.pipeline is not None:
-            split = [split_axis(name) is not None and self.tp_group.size > 1 for name in weight_names]
-            counted = self.pipeline.counted_in_norm(self.accumulate.weights)
-            self.norm = PipelineGradientNorm(self.accumulate.buffers, split, counted, self.tp_group, self.pipeline.group)
-        elif zero_stage >= 2:  # ZeRO-3's buffers are shards too
-            split = None
-            if self.tensor_parallelism is not None:  # ZeRO-2 only: ZeRO-3 is refused with tp
-                split = [split_axis(weight_names[i]) is not None for i in self.accumulate.piece_params]
-            self.norm = ShardedGradientNorm(self.accumulate.buffers, self.dp_group, split, self.tp_group)
-        elif self.tensor_parallelism is None:
-            self.norm = GradientNorm(self.accumulate.buffers)
+        if self.tensor_parallelism is None and self.pipeline is None and zero_stage < 2:
+            self.norm = GradientNorm(self.accumulate.buffers)  # whole gradients (summed over dp, if any)
         else:
-            split = [split_axis(name) is not None for name in weight_names]
-            self.norm = TensorParallelGradientNorm(self.accumulate.buffers, split, self.tp_group)
+            # The weight each buffer holds gradients of: ZeRO-2's buffers are pieces of this rank's shard.
+            owners = [weight_names[i] for i in self.accumulate.piece_params] if zero_stage == 2 else weight_names
+            self.norm = ParallelGradientNorm(
+                self.accumulate.buffers,
+                split=[self.tp_group.size > 1 and split_axis(name) is not None for name in owners],
+                counted=self.pipeline.counted_in_norm(self.accumulate.weights) if self.pipeline is not None else None,
+                tp_group=self.tp_group,
+                shard_group=self.dp_group if zero_stage >= 2 else None,  # ZeRO-3's buffers are shards too
+                pp_group=self.pipeline.group if self.pipeline is not None else None,
+            )
         self.apply = ApplyGradients(self.accumulate.buffers, self.optimizer)
         self.zero = ZeroGradients(self.accumulate.buffers)
         self.loss_scale = LossScale.from_params(params.precision)

@@ -1,0 +1,64 @@
+"""The global gradient norm of a sharded model: one cell for every layout.
+
+A rank's gradient buffers hold some of the model's gradients, and the global L2 norm must count each element
+of the whole model's gradient exactly once:
+  tensor parallelism  a split weight's block differs on every tp rank (sum its squares over the tp group); a
+                      replicated one is the same on all of them (count it once);
+  ZeRO-2/3            the buffers are this rank's shard of its dp group's (sum the squares over dp);
+  pipeline            each stage holds other layers (sum over the pp group); the last stage's copy of a tied
+                      embedding table equals the first stage's and is left out (`counted`).
+So norm^2 = sum over pp of (sum over tp of the split squares + the replicated squares), each first summed over
+dp when the buffers are shards. Groups that do not apply are None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mindspore as ms
+from mindspore import ParameterTuple, mint, nn, ops
+
+from model_core.parallel.comm import Group
+
+
+class ParallelGradientNorm(nn.Cell):
+    """sqrt(the global sum of squared gradients) x `grad_scale`; `split`/`counted`: per buffer (default: none
+    split, all counted); `shard_group`: the dp group the buffers are shards of (ZeRO-2/3)."""
+
+    def __init__(
+        self,
+        buffers: ParameterTuple,
+        split: Sequence[bool] | None = None,
+        counted: Sequence[bool] | None = None,
+        tp_group: Group | None = None,
+        shard_group: Group | None = None,
+        pp_group: Group | None = None,
+    ) -> None:
+        super().__init__()
+        self.buffers = buffers
+        self.split = tuple(split) if split is not None else (False,) * len(buffers)
+        self.counted = tuple(counted) if counted is not None else (True,) * len(buffers)
+        # Only groups of more than one rank communicate; the flags keep the others out of the graph.
+        self.tp_group, self.across_tp = tp_group, tp_group is not None and tp_group.size > 1
+        self.shard_group, self.across_shards = shard_group, shard_group is not None and shard_group.size > 1
+        self.pp_group, self.across_pp = pp_group, pp_group is not None and pp_group.size > 1
+
+    @ms.jit
+    def construct(self, grad_scale):
+        split = ops.zeros((1,), ms.float32)
+        replicated = ops.zeros((1,), ms.float32)
+        for buffer, is_split, is_counted in zip(self.buffers, self.split, self.counted):
+            if is_counted:
+                if is_split:
+                    split = split + mint.sum(buffer * buffer)
+                else:
+                    replicated = replicated + mint.sum(buffer * buffer)
+        if self.across_shards:
+            totals = self.shard_group.all_reduce(ops.cat((split, replicated)))
+            split, replicated = totals[0:1], totals[1:2]
+        if self.across_tp:
+            split = self.tp_group.all_reduce(split)
+        total = split + replicated
+        if self.across_pp:
+            total = self.pp_group.all_reduce(total)
+        return mint.sqrt(total).reshape(()) * grad_scale
