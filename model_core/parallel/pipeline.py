@@ -340,11 +340,9 @@ class MicroBatch:
 
 @dataclass
 class PassTiming:
-    """Seconds of one pipeline pass on this rank: computing, and in all (the rest is waiting + exchange)."""
+    """Seconds of one pipeline pass on every stage: (computing, in all); the rest is waiting and exchange."""
 
-    compute: float = 0.0
-    wall: float = 0.0
-    per_stage: list[tuple[float, float]] = field(default_factory=list)  # (compute, wall) of every stage
+    per_stage: list[tuple[float, float]] = field(default_factory=list)
 
     def bubble(self) -> float:
         """1 - compute / wall over the pipeline's stages: time they spent not computing."""
@@ -453,9 +451,9 @@ class PipelineStage:
             compute += time.perf_counter() - began
             if tick.messages:
                 self._exchange(tick.messages, outbox, micro_batches, inputs, grads)
-        total = self._share_over_stages([summed, compute, time.perf_counter() - start])
-        self.last_timing = PassTiming(compute, time.perf_counter() - start, total[1])
-        return total[0]
+        summed, per_stage = self._share_over_stages([summed, compute, time.perf_counter() - start])
+        self.last_timing = PassTiming(per_stage)
+        return summed
 
     def _exchange(self, messages, outbox, micro_batches, inputs, grads) -> None:
         """One all-reduce of the tick's messages: this rank writes the blocks it sends, zeros elsewhere."""
