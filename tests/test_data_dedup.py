@@ -32,6 +32,14 @@ def test_a_long_document_with_one_token_changed_is_a_near_duplicate():
     assert near_duplicates([original, random_doc(2), near_copy, random_doc(3)]) == [False, False, True, False]
 
 
+def test_a_pair_at_about_0_9_jaccard_is_caught_at_threshold_0_8():
+    original = random_doc(12)
+    near_copy = list(original)
+    for position in (60, 150, 240):  # each change touches 5 shingles: 281 of 311 distinct shingles shared
+        near_copy[position] = VOCAB + position
+    assert near_duplicates([original, random_doc(13), near_copy]) == [False, False, True]
+
+
 def test_distinct_documents_are_all_kept():
     assert not any(near_duplicates([random_doc(seed) for seed in range(200)]))
 

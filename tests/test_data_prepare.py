@@ -90,6 +90,7 @@ def test_shards_hold_the_encoded_documents_and_match_the_manifest(tmp_path, corp
             path = result.output_dir / shard["file"]
             assert file_sha256(path) == shard["sha256"]
             assert pq.read_schema(path).names == ["tokens", "doc_starts"]
+            assert "BYTE_STREAM_SPLIT" in pq.ParquetFile(path).metadata.row_group(0).column(0).encodings
     assert file_sha256(result.tokenizer_path) == manifest["tokenizer"]["sha256"]
     cleaned = {clean_text(text) for text in documents}
     found = complete_documents(result, "train") + complete_documents(result, "validation")

@@ -1,7 +1,9 @@
 """Parquet token shards: writing packed rows of one split, and reading them back for training.
 
 A shard `<split>-NNNNN.parquet` has two list<int32> columns, `tokens` (seq_len + 1 ids per row) and
-`doc_starts` (offsets where documents start in the row, always including 0), zstd-compressed.
+`doc_starts` (offsets where documents start in the row, always including 0), zstd-compressed, the
+token ids byte-stream split (each id's four bytes stored in four separate streams, so zstd sees the
+mostly constant high bytes together) and no column dictionary-encoded.
 Instruction shards add a list<int8> column `loss_mask`, aligned with `tokens`: 1 on the tokens that are
 training targets (responses and their EOS), 0 on prompts, BOS and padding. Pretraining shards have no
 such column; every non-padding token is a target there.
@@ -26,6 +28,10 @@ import pyarrow.parquet as pq
 from model_core.data.packing import PackedRows
 
 MANIFEST_NAME = "manifest.json"
+# A dictionary of the token ids (tens of thousands of distinct values per shard) was most of the write time;
+# split bytes write in 0.65x the time and compress 1% smaller (stdlib docstrings: 6.4 ms and 590 KB
+# per 3.4K rows of 129 tokens, against 9.7 ms and 594 KB).
+_ENCODINGS = {"tokens.list.element": "BYTE_STREAM_SPLIT"}
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +45,7 @@ def write_shards(rows: PackedRows, directory: Path, split: str, rows_per_shard: 
         path = directory / f"{split}-{index:05d}.parquet"
         # Written straight to the file and hashed back from the page cache: building it in memory first
         # grew a buffer through several copies, new pages to fault in (~700 faults per 600 KB shard, ~200 now).
-        pq.write_table(_to_table(shard), path, compression="zstd")
+        pq.write_table(_to_table(shard), path, compression="zstd", use_dictionary=False, column_encoding=_ENCODINGS)
         entry = {"file": path.name, "rows": len(shard), "tokens": int(np.count_nonzero(shard.tokens != pad_id))}
         if shard.loss_mask is not None:
             entry["response_tokens"] = int(np.count_nonzero(shard.loss_mask))
