@@ -14,7 +14,7 @@ from model_core.model import Llama
 from model_core.parallel import comm
 from model_core.parallel.data_parallel import bucket_indices
 from model_core.parallel.launch import launch, launch_training, log_tail
-from model_core.parallel.layout import Layout, ParallelConfigError, check_implemented, check_tensor_parallel
+from model_core.parallel.layout import Layout, ParallelConfigError, check_tensor_parallel
 from model_core.parallel.zero import shard_pieces
 from model_core.parallel.zero3 import Zero3AdamW, join_shards, shard_parameters, take_shard
 from model_core.train.loader import ShuffledBatches
@@ -55,17 +55,6 @@ def test_layout_errors_name_both_numbers():
         Layout(dp=4).coordinates(4)
 
 
-def test_parts_not_built_yet_are_refused_by_name():
-    check_implemented(params_with("parallel.data_parallel=2", "parallel.zero_stage=1", "parallel.tensor_parallel=2"))
-    check_implemented(params_with("parallel.data_parallel=2", "parallel.zero_stage=2"))
-    check_implemented(params_with("parallel.data_parallel=2", "parallel.zero_stage=2", "parallel.tensor_parallel=2"))
-    check_implemented(params_with("parallel.data_parallel=2", "parallel.zero_stage=3"))
-    with pytest.raises(ParallelConfigError, match=r"parallel.zero_stage=3 with parallel.tensor_parallel=2 is not implemented"):
-        check_implemented(params_with("parallel.data_parallel=2", "parallel.zero_stage=3", "parallel.tensor_parallel=2"))
-    with pytest.raises(ParallelConfigError, match=r"parallel.zero_stage=3 with parallel.pipeline_parallel=2 is not implemented"):
-        check_implemented(params_with("parallel.zero_stage=3", "parallel.pipeline_parallel=2", "parallel.micro_batches=2"))
-
-
 @pytest.mark.parametrize(
     ("model", "field", "value"),
     [
@@ -86,8 +75,11 @@ def test_tensor_parallel_must_divide_heads_kv_heads_ffn_and_vocab(tmp_path, mode
 
 
 def test_invalid_layouts_fail_before_anything_is_launched(tmp_path):
-    with pytest.raises(ParallelConfigError, match="zero_stage=3 with parallel.tensor_parallel=2 is not implemented"):
-        launch_training(params_with("parallel.tensor_parallel=2", "parallel.zero_stage=3"), ["--params", "tiny"], tmp_path / "logs")
+    with pytest.raises(ParallelConfigError, match=r"tensor_parallel=2 does not divide model.vocab_size=511 \(pad it"):
+        launch_training(params_with("parallel.tensor_parallel=2", "model.vocab_size=511"), ["--params", "tiny"], tmp_path / "logs")
+    with pytest.raises(ParallelConfigError, match="pipeline_parallel=2 does not divide model.num_layers=3 into equal stages"):
+        odd = params_with("parallel.pipeline_parallel=2", "parallel.micro_batches=2", "model.num_layers=3")
+        launch_training(odd, ["--params", "tiny"], tmp_path / "logs")
     with pytest.raises(ParallelConfigError, match="does not split evenly over 2 nodes"):
         launch(["-c", "pass"], 3, tmp_path / "logs", nodes=2)
     assert not (tmp_path / "logs").exists()

@@ -271,9 +271,9 @@ def test_llmflow_train_launches_its_ranks_under_msrun(corpus_jsonl, tmp_path, ca
     logs = list((tmp_path / "train").rglob("logs/worker_1.log"))
     assert logs and "trained 3 steps" in logs[0].read_text()
 
-    refused = ["--set", "parallel.pipeline_parallel=2", "--set", "parallel.micro_batches=2", "--set", "parallel.zero_stage=2"]
+    refused = ["--set", "parallel.pipeline_parallel=2", "--set", "parallel.micro_batches=2", "--set", "model.num_layers=3"]
     assert main([*args, *refused]) == 1
-    assert "parallel.zero_stage=2 with parallel.pipeline_parallel=2 is not implemented yet" in capsys.readouterr().err
+    assert "parallel.pipeline_parallel=2 does not divide model.num_layers=3 into equal stages" in capsys.readouterr().err
 
 
 if __name__ == "__main__":

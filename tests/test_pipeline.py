@@ -11,7 +11,7 @@ from mindspore import Tensor
 
 from conftest import SMALL_MODEL
 from model_core.model import Llama
-from model_core.parallel.layout import Layout, ParallelConfigError, check_implemented
+from model_core.parallel.layout import Layout, ParallelConfigError
 from model_core.parallel.pipeline import (
     SCHEDULES,
     Action,
@@ -149,10 +149,3 @@ def test_checkpoint_split_into_stages_and_joined_again_is_exact(tmp_path):
     assert all(np.array_equal(whole_tensors(uneven)[0][n], weights[n]) for n in weights)
     with pytest.raises(ParallelConfigError, match="pipeline_parallel=3 does not divide model.num_layers=4"):
         reshard(original.path, Layout(pp=3), tmp_path / "bad")
-
-
-def test_pipeline_layouts_that_do_not_compose_yet_are_refused():
-    params = load_params("tiny", ["parallel.pipeline_parallel=2", "parallel.micro_batches=2", "parallel.zero_stage=2"])
-    with pytest.raises(ParallelConfigError, match="zero_stage=2 with parallel.pipeline_parallel=2 is not implemented"):
-        check_implemented(params)
-    check_implemented(load_params("tiny", ["parallel.pipeline_parallel=2", "parallel.micro_batches=2", "parallel.zero_stage=1"]))

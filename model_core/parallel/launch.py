@@ -28,7 +28,7 @@ from typing import TextIO
 
 import psutil
 
-from model_core.parallel.layout import Layout, ParallelConfigError, check_implemented
+from model_core.parallel.layout import Layout, ParallelConfigError
 from params.schema import PipelineParams
 
 LOG_TAIL_LINES = 40
@@ -45,7 +45,6 @@ def launch_training(params: PipelineParams, cli_args: Sequence[str], log_dir: st
     `cluster`: launch's nodes, node_rank, master_addr, master_port, grace_s."""
     world_size = params.parallel.world_size
     Layout.from_params(params, world_size)
-    check_implemented(params)
     launch(["-m", "flows.cli", "train", *cli_args], world_size, log_dir, **cluster)
 
 

@@ -128,18 +128,3 @@ def check_tensor_parallel(tp: int, model: ModelParams) -> None:
             hint = f" (pad it: llmflow convert hf-to-ms --tensor-parallel {tp})" if field == "vocab_size" else ""
             raise ParallelConfigError(f"parallel.tensor_parallel={tp} does not divide model.{field}={value}{hint}")
 
-
-def check_implemented(params: PipelineParams) -> None:
-    """Stop before launch on the parts of the layout that this version cannot run yet (issue #4)."""
-    parallel = params.parallel
-    for field in ("tensor_parallel", "pipeline_parallel"):
-        if parallel.zero_stage == 3 and getattr(parallel, field) > 1:
-            raise ParallelConfigError(
-                f"parallel.zero_stage=3 with parallel.{field}={getattr(parallel, field)} is not implemented yet "
-                f"(issue #4): ZeRO-3 shards whole parameters over dp; use zero_stage 1 or {field} 1"
-            )
-    if parallel.zero_stage == 2 and parallel.pipeline_parallel > 1:
-        raise ParallelConfigError(
-            f"parallel.zero_stage=2 with parallel.pipeline_parallel={parallel.pipeline_parallel} is not implemented "
-            "yet (issue #4): a pipeline stage sums its gradients over dp once per step; use zero_stage 1"
-        )

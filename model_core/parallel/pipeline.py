@@ -41,6 +41,7 @@ from model_core.model import Llama, token_cross_entropy
 from model_core.parallel import comm
 from model_core.parallel.layout import Layout
 from model_core.parallel.tensor import VocabParallelCrossEntropy
+from model_core.parallel.zero import GradientShards
 from params.schema import ModelParams
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -202,7 +203,10 @@ class _StageLayers(nn.Cell):
 
 
 def prune_to_stage(model: Llama, sizes: Sequence[int], stage: int, tie_embeddings: bool) -> None:
-    """Keep only what `stage` holds, in place; the parameter paths of what stays do not change."""
+    """Keep only what `stage` holds, in place; the parameter paths of what stays do not change. A model pruned
+    already is left as it is (ZeRO-3 shards the stage it is given, so it prunes before `PipelineStage`)."""
+    if isinstance(model.layers, _StageLayers):
+        return
     keep = stage_layers(sizes, stage)
     model.layers = _StageLayers({index: model.layers[index] for index in keep})
     first, last = stage == 0, stage == len(sizes) - 1
@@ -276,11 +280,14 @@ class _Backward(nn.Cell):
     stage's vector-Jacobian products. Weight gradients are added into `buffers`; returns the input's
     gradient (zeros on the first stage, whose input is token ids) and, on the last stage, the summed loss."""
 
-    def __init__(self, body: _StageBody, weights: ParameterTuple, buffers: ParameterTuple) -> None:
+    def __init__(self, body: _StageBody, weights: ParameterTuple, buffers: ParameterTuple, shards=None) -> None:
+        """`shards` (ZeRO-2's `GradientShards`, whose buffers `buffers` are) takes the weight gradients instead
+        of adding them into full-size buffers."""
         super().__init__()
         self.body = body
         self.weights = weights
         self.buffers = buffers
+        self.shards = shards
         self.first = body.first
         position = None if body.first else 0
         self.value_and_grad = ops.value_and_grad(self._objective, position, weights, has_aux=True)
@@ -298,8 +305,11 @@ class _Backward(nn.Cell):
             weight_grads, input_grad = grads, ops.zeros((1,), ms.float32)
         else:
             input_grad, weight_grads = grads
-        for buffer, grad in zip(self.buffers, weight_grads):
-            ops.assign_add(buffer, grad)
+        if self.shards is not None:
+            self.shards(weight_grads)
+        else:
+            for buffer, grad in zip(self.buffers, weight_grads):
+                ops.assign_add(buffer, grad)
         return input_grad, loss
 
 
@@ -325,6 +335,19 @@ class _PairSum(nn.Cell):
     def construct(self):
         ops.assign(self.buffer, self.group.all_reduce(self.buffer))
         return True
+
+
+def _common_shard_length(weights: Sequence[Parameter], group: comm.Group, ends: comm.Group | None) -> int:
+    """ZeRO-2's shard length for this stage: its flat weights split evenly over `group`, or on the two end
+    stages of a tied pipeline the longer of their two even splits, so the table (first on both) is cut alike."""
+    length = -(-sum(int(np.prod(w.shape)) for w in weights) // group.size)
+    if ends is None:
+        return length
+    # Each end writes its length into its row as two float32-exact parts; the sum of the rows is the table.
+    table = np.zeros((ends.size, 2), np.float32)
+    table[ends.index] = divmod(length, 2**20)
+    table = ends.all_reduce(Tensor(table)).asnumpy().astype(np.int64)
+    return int((table[:, 0] * 2**20 + table[:, 1]).max())
 
 
 @dataclass(frozen=True)
@@ -355,6 +378,11 @@ class PipelineStage:
     """This rank's stage of the pipeline through its (dp, tp) position: pruned model, compiled forward and
     backward, and the per-step driver. `weights` and `buffers` (fp32 gradient accumulators) are the
     stage's; `run` adds a step's gradients into `buffers` and returns the summed loss of its micro-batches.
+
+    With `zero2_group` (ZeRO-2 over the dp group) every backward reduce-scatters its weight gradients over that
+    group and `buffers` are the pieces of this rank's shard (`zero.GradientShards`: `piece_params`,
+    `shard_length`). A tied table comes first among the end stages' weights and both ends cut shards of one
+    length, so its pieces sit at the same offsets on both and are summed over the pair piece by piece.
     """
 
     def __init__(
@@ -365,6 +393,7 @@ class PipelineStage:
         params: ModelParams,
         kind: str,
         loss: nn.Cell,
+        zero2_group: comm.Group | None = None,
     ) -> None:
         self.group = comm.group(layout.pp_group(rank))
         self.stages, self.stage = layout.pp, self.group.index
@@ -374,23 +403,33 @@ class PipelineStage:
         self.model = model
         self.hidden_size = params.hidden_size
         self.compute_dtype = model.compute_dtype
-        self.weights = ParameterTuple(model.trainable_params())
-        self.buffers = ParameterTuple(
-            Parameter(ops.zeros(w.shape, ms.float32), name=f"grad_accum.{w.name}", requires_grad=False)
-            for w in self.weights
-        )
-        body = _StageBody(model, self.first, self.last, loss)
-        self.forward = _Forward(body)
-        self.backward = _Backward(body, self.weights, self.buffers)
-        self.exchange = _Exchange(self.group)
         # The tied table's copies on the first and last stages: gradients summed over the two.
         self.tied = params.tie_embeddings and self.stages > 1 and (self.first or self.last)
-        self.tied_sum = None
+        ends = comm.group((self.group.ranks[0], self.group.ranks[-1])) if self.tied else None
+        weights = model.trainable_params()
         if self.tied:
-            ends = comm.group((self.group.ranks[0], self.group.ranks[-1]))
             table = model.embed_tokens.weight
-            index = next(i for i, w in enumerate(self.weights) if w is table)
-            self.tied_sum = _PairSum(self.buffers[index], ends)
+            weights = [table] + [w for w in weights if w is not table]
+        self.weights = ParameterTuple(weights)
+        self.shards = None
+        if zero2_group is not None:
+            self.shards = GradientShards(self.weights, zero2_group, _common_shard_length(self.weights, zero2_group, ends))
+            self.buffers = self.shards.buffers
+            self.piece_params, self.shard_length = self.shards.piece_params, self.shards.shard_length
+        else:
+            self.buffers = ParameterTuple(
+                Parameter(ops.zeros(w.shape, ms.float32), name=f"grad_accum.{w.name}", requires_grad=False)
+                for w in self.weights
+            )
+        body = _StageBody(model, self.first, self.last, loss)
+        self.forward = _Forward(body)
+        self.backward = _Backward(body, self.weights, self.buffers, self.shards)
+        self.exchange = _Exchange(self.group)
+        self.tied_sum = None
+        if self.tied:  # the table is weight 0: its gradient buffer, or under ZeRO-2 its piece of this shard
+            owners = self.piece_params if self.shards is not None else range(len(self.weights))
+            table_buffers = [buffer for buffer, owner in zip(self.buffers, owners) if owner == 0]
+            self.tied_sum = _PairSum(table_buffers[0], ends) if table_buffers else None
         self.last_timing = PassTiming()
 
     def counted_in_norm(self, weights: Sequence[Parameter]) -> list[bool]:

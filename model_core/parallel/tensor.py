@@ -80,6 +80,14 @@ class RowParallelLinear(nn.Cell):
         return self.reduce(self.linear(x, self.weight.astype(x.dtype)))
 
 
+class RowLookup(nn.Cell):
+    """Rows of `table` at `ids`: the embedding lookup, a cell of its own so ZeRO-3 can swap in one that
+    gathers the table from shards first."""
+
+    def construct(self, ids, table):
+        return ops.gather(table, ids, 0)
+
+
 class VocabParallelEmbedding(nn.Cell):
     """Token id -> embedding row, `weight` holding rows [start, start + block) of the vocabulary.
 
@@ -91,12 +99,13 @@ class VocabParallelEmbedding(nn.Cell):
         self.weight = weight
         self.start = start
         self.block = weight.shape[0]
+        self.lookup = RowLookup()
         self.reduce = ReduceFromTensorParallel(group)
 
     def construct(self, tokens):
         local = tokens - self.start
         inside = mint.logical_and(local >= 0, local < self.block)
-        rows = ops.gather(self.weight, mint.where(inside, local, ops.zeros_like(local)), 0)  # [B, T, hidden]
+        rows = self.lookup(mint.where(inside, local, ops.zeros_like(local)), self.weight)  # [B, T, hidden]
         kept = inside.astype(rows.dtype).unsqueeze(-1)
         return self.reduce(rows * expand(kept, rows))
 

@@ -11,7 +11,8 @@ independent of the layout; `state_dict` is a collective: every rank calls it.
 ZeRO-1 sums the full gradients over the group once per step and lets each rank slice its pieces out.
 ZeRO-2 keeps no full gradient buffer: each micro-batch's gradients, flattened the same way, are
 reduce-scattered over the group at once and only this rank's shard is added into shard-sized buffers, one
-per piece; the gradient norm sums the shards' squares over the group.
+per piece (`GradientShards`, which pipeline stages use too); the gradient norm sums the shards' squares over
+the group.
 """
 
 from __future__ import annotations
@@ -38,10 +39,11 @@ class Piece:
     end: int
 
 
-def shard_pieces(sizes: Sequence[int], shards: int, shard: int) -> tuple[list[Piece], int]:
-    """The pieces of shard `shard` of `shards` over parameters of these sizes, and the shard length."""
+def shard_pieces(sizes: Sequence[int], shards: int, shard: int, length: int | None = None) -> tuple[list[Piece], int]:
+    """The pieces of shard `shard` of `shards` over parameters of these sizes, and the shard length: the
+    flat parameters split evenly, or into shards of `length` (at least that even split) when given."""
     total = sum(sizes)
-    length = -(-total // shards)
+    length = max(-(-total // shards), length or 0)
     first, last = shard * length, min(total, (shard + 1) * length)
     pieces, offset = [], 0
     for index, size in enumerate(sizes):
@@ -65,7 +67,9 @@ class ShardedAdamW(nn.Cell):
         names: Sequence[str],
         group: Group,
         sharded_gradients: bool = False,
+        shard_length: int | None = None,
     ) -> None:
+        """`shard_length` as for `shard_pieces` (ZeRO-2 passes its gradient shards' length)."""
         super().__init__()
         self.params = ParameterTuple(parameters)
         self.param_names = tuple(names)
@@ -73,7 +77,7 @@ class ShardedAdamW(nn.Cell):
         self.sharded_gradients = sharded_gradients
         self.shapes = tuple(tuple(p.shape) for p in parameters)
         self.sizes = tuple(int(np.prod(shape)) for shape in self.shapes)
-        pieces, self.shard_length = shard_pieces(self.sizes, group.size, group.index)
+        pieces, self.shard_length = shard_pieces(self.sizes, group.size, group.index, shard_length)
         if not pieces:
             raise ValueError(f"{sum(self.sizes)} parameters are too few to shard over {group.size} ranks")
         self.pieces = tuple((p.index, p.start, p.end) for p in pieces)
@@ -129,16 +133,19 @@ class ShardedAdamW(nn.Cell):
                 ops.assign(moment, Tensor(value[start:end]))
 
 
-class ShardedAccumulateGradients(AccumulateGradients):
-    """ZeRO-2 accumulation: forward + backward of one micro-batch, its gradients reduce-scattered over the
-    group and this rank's shard added into fp32 buffers, one per piece (the pieces `ShardedAdamW` updates)."""
+class GradientShards(nn.Cell):
+    """ZeRO-2's gradient store: fp32 `buffers`, one per piece of this rank's shard of the weights' flattened,
+    concatenated gradients (the pieces `ShardedAdamW` updates). Called inside a compiled step with one
+    micro-batch's full gradients, it reduce-scatters them over the group and adds this rank's shard in.
 
-    def __init__(self, model: nn.Cell, group: Group, loss: nn.Cell | None = None) -> None:
-        """`loss` as for `AccumulateGradients` (tensor parallelism passes its vocab-parallel one)."""
-        weights = model.trainable_params()
+    `shard_length` (`shard_pieces`) lets two pipeline stages that hold the same tied table first cut it at
+    the same offsets, so its gradient pieces can be summed over the two stages piece by piece."""
+
+    def __init__(self, weights: Sequence[Parameter], group: Group, shard_length: int | None = None) -> None:
+        super().__init__()
         sizes = [int(np.prod(w.shape)) for w in weights]
-        pieces, shard_length = shard_pieces(sizes, group.size, group.index)
-        buffers = ParameterTuple(
+        pieces, self.shard_length = shard_pieces(sizes, group.size, group.index, shard_length)
+        self.buffers = ParameterTuple(
             Parameter(
                 ops.zeros((p.end - p.start,), ms.float32),
                 name=f"grad_shard.{weights[p.index].name}.{p.start}",
@@ -146,15 +153,12 @@ class ShardedAccumulateGradients(AccumulateGradients):
             )
             for p in pieces
         )
-        super().__init__(model, buffers, loss)
         self.group = group
         self.piece_params = tuple(p.index for p in pieces)  # the weight each buffer is a piece of
-        self.padding = shard_length * group.size - sum(sizes)
+        self.padding = self.shard_length * group.size - sum(sizes)
         self.piece_lengths = tuple(p.end - p.start for p in pieces)
 
-    @ms.jit
-    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
-        (_, summed), grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale)
+    def construct(self, grads):
         flat = [grad.reshape(-1).astype(ms.float32) for grad in grads]
         if self.padding:
             flat.append(ops.zeros((self.padding,), ms.float32))
@@ -163,6 +167,25 @@ class ShardedAccumulateGradients(AccumulateGradients):
         for buffer, length in zip(self.buffers, self.piece_lengths):
             ops.assign_add(buffer, shard[offset : offset + length])
             offset += length
+        return shard
+
+
+class ShardedAccumulateGradients(AccumulateGradients):
+    """ZeRO-2 accumulation: forward + backward of one micro-batch, its gradients reduce-scattered over the
+    group and this rank's shard added into fp32 buffers, one per piece (the pieces `ShardedAdamW` updates)."""
+
+    def __init__(self, model: nn.Cell, group: Group, loss: nn.Cell | None = None) -> None:
+        """`loss` as for `AccumulateGradients` (tensor parallelism passes its vocab-parallel one)."""
+        shards = GradientShards(model.trainable_params(), group)
+        super().__init__(model, shards.buffers, loss)
+        self.shards = shards
+        self.piece_params = shards.piece_params
+        self.shard_length = shards.shard_length
+
+    @ms.jit
+    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
+        (_, summed), grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale)
+        self.shards(grads)
         return summed
 
 

@@ -1,7 +1,10 @@
 """ZeRO-3: every trainable parameter sharded over the data-parallel group and gathered only where it is used.
 
 `shard_parameters(model, group)` turns the full model (built from the seed on every rank, initial weights
-loaded) into this rank's shard in place, from outside, as `parallelize` does for tensor parallelism. Each
+loaded) into this rank's shard in place, from outside, as `parallelize` does for tensor parallelism. Under
+tensor parallelism it shards each tp block as it would a whole weight; under pipeline parallelism it shards
+what the stage kept (the tied table's copies on the two end stages are cut alike, being the same size, so
+the pipeline sums their gradient shards over the pair as it sums whole gradients). Each
 trainable weight becomes a flat fp32 Parameter of L = ceil(size / dp) elements under the same path
 (`layers.0.mlp.down_proj.weight`): elements [index * L, (index + 1) * L) of the flattened weight, zero-padded
 to dp * L. Every function that uses a weight takes the shard instead and, with a hand-written bprop:
@@ -9,9 +12,10 @@ to dp * L. Every function that uses a weight takes the shard instead and, with a
   backward  gathers it again where the backward needs it (a matmul's input gradient, a norm's), rather than
             keep the forward's copy from forward to backward, and reduce-scatters the flat, padded weight
             gradient: the gradient wrt this rank's shard, summed over dp.
-The swaps: a Linear's and the head's matmul function and RMSNorm's function become `WithGatheredWeight`;
-the token embedding, which indexes its table directly, becomes a `GatheredEmbedding`, whose backward needs
-no table. In a low-precision compute dtype the shard is cast before it is gathered, so gathers and
+The swaps: a Linear's (and a row-parallel one's) and the head's matmul function and RMSNorm's function
+become `WithGatheredWeight` (inside the tp copy that follows a norm or precedes a vocab-parallel head); the
+token embedding, which indexes its table directly, becomes a `GatheredEmbedding`, or a vocab-parallel one
+gets a `GatheredLookup`; neither lookup's backward needs the table. In a low-precision compute dtype the shard is cast before it is gathered, so gathers and
 reduce-scatters move compute-dtype values. Counted in the compiled step of the 2-layer test model: 20
 all-gathers in the forward and 20 in the backward. (A gather cell marked for recomputation, the simpler
 design, did not regather: MindSpore 2.10's jit on CPU kept only the forward's 20.)
@@ -34,6 +38,12 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from model_core.model.llama import Embedding, Linear, Llama, RMSNorm
 from model_core.parallel.comm import Group
+from model_core.parallel.tensor import (
+    RowParallelLinear,
+    ThenCopyToTensorParallel,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+)
 from model_core.train.optim import AdamW, applies_weight_decay
 from params.schema import OptimizerParams
 
@@ -153,7 +163,9 @@ class ShardedParameters:
 
 
 def shard_parameters(model: Llama, group: Group) -> ShardedParameters:
-    """Make `model` (the full single-device model, in place) keep only its `group.index` shard of every weight."""
+    """Make `model` (in place) keep only its `group.index` shard of every weight it holds: the full
+    single-device model, its tensor-parallel blocks (`parallelize` applied first: a block is sharded like a
+    whole weight) or its pipeline stage (`pipeline.prune_to_stage` applied first)."""
     shards, shapes, decays = {}, {}, {}
 
     def own_shard(name: str, cell: nn.Cell) -> Parameter:
@@ -163,18 +175,39 @@ def shard_parameters(model: Llama, group: Group) -> ShardedParameters:
         return shards[name]
 
     for name, cell in list(model.cells_and_names()):
-        if isinstance(cell, (Linear, RMSNorm)):
-            cell.weight = own_shard(f"{name}.weight", cell)
-            function = "linear" if isinstance(cell, Linear) else "rms_norm"
-            setattr(cell, function, WithGatheredWeight(getattr(cell, function), shapes[f"{name}.weight"], group))
-    embedding = model.embed_tokens
-    if not isinstance(embedding, Embedding):
-        raise TypeError(f"ZeRO-3 shards a Llama's Embedding, not {type(embedding).__name__}")
-    shard = own_shard("embed_tokens.weight", embedding)
-    model.embed_tokens = GatheredEmbedding(shard, shapes["embed_tokens.weight"], group)
-    head = "embed_tokens.weight" if model.tie_embeddings else "lm_head.weight"
-    model.head = WithGatheredWeight(model.head, shapes[head], group)
+        path = f"{name}.weight"
+        if isinstance(cell, (Linear, RowParallelLinear)):
+            cell.weight = own_shard(path, cell)
+            cell.linear = WithGatheredWeight(cell.linear, shapes[path], group)
+        elif isinstance(cell, RMSNorm):
+            cell.weight = own_shard(path, cell)
+            function = cell.rms_norm
+            if isinstance(function, ThenCopyToTensorParallel):  # the gather goes inside, the tp copy after it
+                function.inner = WithGatheredWeight(function.inner, shapes[path], group)
+            else:
+                cell.rms_norm = WithGatheredWeight(function, shapes[path], group)
+    if _holds(model, "embed_tokens"):  # the first stage, or the last holding a tied table
+        embedding = model.embed_tokens
+        shard = own_shard("embed_tokens.weight", embedding)
+        if isinstance(embedding, VocabParallelEmbedding):
+            embedding.weight = shard
+            embedding.lookup = GatheredLookup(shapes["embed_tokens.weight"], group)
+        elif isinstance(embedding, Embedding):
+            model.embed_tokens = GatheredEmbedding(shard, shapes["embed_tokens.weight"], group)
+        else:
+            raise TypeError(f"ZeRO-3 shards an Embedding or VocabParallelEmbedding, not {type(embedding).__name__}")
+    if _holds(model, "norm"):  # the stage with the head
+        shape = shapes["embed_tokens.weight" if model.tie_embeddings else "lm_head.weight"]
+        if isinstance(model.head, VocabParallelHead):  # the tp copy of its input stays outside the gather
+            model.head.linear = WithGatheredWeight(model.head.linear, shape, group)
+        else:
+            model.head = WithGatheredWeight(model.head, shape, group)
     return ShardedParameters(group, shards, shapes, decays)
+
+
+def _holds(model: nn.Cell, child: str) -> bool:
+    """Whether `model` still has the cell `child` (a pipeline stage drops what it does not run)."""
+    return child in model.name_cells()
 
 
 class Zero3AdamW(AdamW):

@@ -15,7 +15,8 @@ step; token counts and summed losses are summed too, so the update is the one a 
 whole global batch. ZeRO-1 shards the Adam moments over the dp group; ZeRO-2 the gradient buffers too,
 reduce-scattering each micro-batch's gradients instead of summing once per step; ZeRO-3 the weights too
 (`model_core.parallel.zero3`: each rank keeps a shard of every weight and gathers it where it is used, and
-checkpoints gather whole weights). Only rank 0 reports metrics. Checkpoints are written by the ranks of
+checkpoints gather whole weights). ZeRO shards what a rank holds: its tp block, its pipeline stage (a stage
+is pruned before ZeRO-3 shards it). Only rank 0 reports metrics. Checkpoints are written by the ranks of
 the first dp replica, one file per tp block of each pipeline stage, and resume under another tp or pp
 (resharded in memory) or, with the same global batch, another dp.
 """
@@ -38,9 +39,9 @@ from model_core.model import Llama, count_parameters
 from model_core.parallel import comm
 from model_core.parallel.data_parallel import GradientAllReduce, broadcast_parameters, sum_over
 from model_core.parallel.gradient_norm import ParallelGradientNorm
-from model_core.parallel.layout import Layout, check_implemented
+from model_core.parallel.layout import Layout
 from model_core.parallel.parallelize import VocabParallelTokenLoss, parallelize, split_axis
-from model_core.parallel.pipeline import MicroBatch, PipelineStage, SummedVocabParallelLoss
+from model_core.parallel.pipeline import MicroBatch, PipelineStage, SummedVocabParallelLoss, prune_to_stage
 from model_core.parallel.pipeline import SummedTokenLoss as StageTokenLoss
 from model_core.parallel.reshard import blocks_for, stage_tensors
 from model_core.parallel.zero import ShardedAccumulateGradients, ShardedAdamW
@@ -146,6 +147,9 @@ class Trainer:
         self.tensor_parallelism = (
             parallelize(self.model, self.layout, self.rank, params.model) if self.tp_group.size > 1 else None
         )
+        if self.layout.pp > 1:  # this rank keeps only its stage's layers (before ZeRO-3 shards what it keeps)
+            stage = self.layout.coordinates(self.rank).pp
+            prune_to_stage(self.model, self.layout.stage_sizes(params.model.num_layers), stage, params.model.tie_embeddings)
         self.zero3 = (  # each rank keeps its shard of every weight and gathers weights where they are used
             shard_parameters(self.model, self.dp_group) if params.parallel.zero_stage == 3 and self.dp_group.size > 1 else None
         )
@@ -170,7 +174,8 @@ class Trainer:
         if self.layout.pp > 1:  # this rank keeps its stage's layers; a step's micro-batches run the schedule
             self.eval_loss = None
             self.pipeline = self.accumulate = PipelineStage(
-                self.model, self.layout, self.rank, params.model, params.parallel.pipeline_schedule, self._stage_loss()
+                self.model, self.layout, self.rank, params.model, params.parallel.pipeline_schedule, self._stage_loss(),
+                zero2_group=self.dp_group if zero_stage == 2 else None,
             )
         elif self.tensor_parallelism is not None:
             self.eval_loss = VocabParallelTokenLoss(self.model, self.tensor_parallelism)
@@ -190,7 +195,8 @@ class Trainer:
             self.optimizer = Zero3AdamW(self.zero3, params.optimizer, weight_names)
         elif zero_stage >= 1:
             self.optimizer = ShardedAdamW(
-                self.accumulate.weights, params.optimizer, weight_names, self.dp_group, sharded_gradients=zero_stage == 2
+                self.accumulate.weights, params.optimizer, weight_names, self.dp_group, sharded_gradients=zero_stage == 2,
+                shard_length=self.accumulate.shard_length if zero_stage == 2 else None,
             )
         else:
             self.optimizer = AdamW.from_params(self.accumulate.weights, params.optimizer, weight_names)
@@ -200,11 +206,12 @@ class Trainer:
             self.norm = GradientNorm(self.accumulate.buffers)  # whole gradients (summed over dp, if any)
         else:
             # The weight each buffer holds gradients of: ZeRO-2's buffers are pieces of this rank's shard.
-            owners = [weight_names[i] for i in self.accumulate.piece_params] if zero_stage == 2 else weight_names
+            owner = self.accumulate.piece_params if zero_stage == 2 else range(len(weight_names))
+            counted = self.pipeline.counted_in_norm(self.accumulate.weights) if self.pipeline is not None else None
             self.norm = ParallelGradientNorm(
                 self.accumulate.buffers,
-                split=[self.tp_group.size > 1 and split_axis(name) is not None for name in owners],
-                counted=self.pipeline.counted_in_norm(self.accumulate.weights) if self.pipeline is not None else None,
+                split=[self.tp_group.size > 1 and split_axis(weight_names[i]) is not None for i in owner],
+                counted=[counted[i] for i in owner] if counted is not None else None,
                 tp_group=self.tp_group,
                 shard_group=self.dp_group if zero_stage >= 2 else None,  # ZeRO-3's buffers are shards too
                 pp_group=self.pipeline.group if self.pipeline is not None else None,
@@ -394,16 +401,10 @@ class Trainer:
         try:
             if self.zero3 is not None:
                 total, counted = self._evaluate_in_lockstep(list(batches))
-            elif self.pipeline is not None:  # every stage of this replica's pipeline takes part
+            else:  # under pipeline parallelism every stage of this replica's pipeline takes part
                 for index, batch in enumerate(batches):
                     if index % self.dp_group.size == self.dp_group.index:
-                        total += self.pipeline.loss(_micro_batch(batch))
-                        counted += batch.counted_tokens
-            else:
-                for index, batch in enumerate(batches):
-                    if index % self.dp_group.size == self.dp_group.index:
-                        _, summed = self.eval_loss(*_inputs(batch), scalar(1.0))
-                        total += float(summed.asnumpy())
+                        total += self._summed_loss(batch)
                         counted += batch.counted_tokens
         finally:
             self.model.set_train(True)
@@ -417,11 +418,18 @@ class Trainer:
         size, index = self.dp_group.size, self.dp_group.index
         for start in range(0, len(batches), size):
             mine = start + index
-            _, summed = self.eval_loss(*_inputs(batches[min(mine, len(batches) - 1)]), scalar(1.0))
+            summed = self._summed_loss(batches[min(mine, len(batches) - 1)])
             if mine < len(batches):
-                total += float(summed.asnumpy())
+                total += summed
                 counted += batches[mine].counted_tokens
         return total, counted
+
+    def _summed_loss(self, batch: Batch) -> float:
+        """The summed token loss of one batch, forward only (through every stage of a pipeline)."""
+        if self.pipeline is not None:
+            return self.pipeline.loss(_micro_batch(batch))
+        _, summed = self.eval_loss(*_inputs(batch), scalar(1.0))
+        return float(summed.asnumpy())
 
     # ------------------------------------------------------------------------------------- checkpoints
 
@@ -448,7 +456,6 @@ class Trainer:
 
 def _join_layout(params: PipelineParams) -> tuple[Layout, int]:
     """(layout, this rank): joins the msrun job when params ask for more than one rank."""
-    check_implemented(params)
     if params.parallel.world_size > 1:
         if not comm.launched_by_msrun():
             raise ValueError(

@@ -1,0 +1,114 @@
+"""ZeRO-2 and ZeRO-3 composed with pipeline and tensor parallelism, on four msrun workers, against one process
+on the same global batch (8 rows a step, 8 steps): dp2 x pp2 with ZeRO-2 and a tied table (its gradient
+pieces cut alike on both end stages and summed over them), dp2 x pp2 with ZeRO-3, dp2 x tp2 with ZeRO-3 (each
+tp block sharded over dp). Each gives the single-process losses, gradient norms and validation losses; each
+rank holds half the gradients (ZeRO-2) or weights (ZeRO-3) of its stage or block; the checkpoints join into
+the single-process weights; a ZeRO-2 pipeline checkpoint resumes bit-exactly, and under dp2 x tp2 ZeRO-3."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from model_core.parallel.layout import Layout
+from model_core.parallel.parallelize import split_axis
+from model_core.parallel.pipeline import stage_owns
+from model_core.parallel.reshard import reshard
+from model_core.train.trainer import Trainer, model_weights
+from params import load_params
+from test_parallel_msrun import (
+    RUN,
+    SHORT,
+    assert_resumed_tail,
+    assert_same_metrics,
+    dataset_dir,
+    resume_from_step,
+    train_job,
+)
+
+pytestmark = pytest.mark.slow
+
+__all__ = ["dataset_dir"]  # the module fixture shared with the dp tests
+
+# A narrow MLP makes a stage's weights small enough that the tied table (32,768 elements) is cut between the two
+# dp shards (a shard holds 27,712 of a first stage's 55,424 elements): the case where the two end stages must cut
+# it at the same offset.
+NARROW = "model.ffn_hidden_size=32"
+DP2_PP2 = ("parallel.data_parallel=2", "parallel.pipeline_parallel=2", "parallel.micro_batches=2")
+DP2_TP2 = ("parallel.data_parallel=2", "parallel.tensor_parallel=2", "parallel.micro_batches=2")
+
+
+@pytest.fixture(scope="module")
+def one_process(dataset_dir, tmp_path_factory):
+    """The reference: one process, 4 micro-batches of 2 rows a step, 8 steps; its metrics and final weights."""
+    out = tmp_path_factory.mktemp("one")
+    trainer = Trainer(load_params("tiny", [*RUN, SHORT, NARROW, "parallel.micro_batches=4", f"train.output_dir={out}"]), dataset_dir, out / "ckpt")
+    history = trainer.run().history
+    return {"history": history, "final": model_weights(trainer.model)}
+
+
+def _held_bytes(full: dict[str, np.ndarray], layout: Layout, rank: int) -> int:
+    """Bytes of the weights rank `rank` of `layout` holds without ZeRO: its stage's layers, its tp blocks."""
+    at = layout.coordinates(rank)
+    sizes = layout.stage_sizes(2)
+    return sum(
+        value.nbytes // (layout.tp if split_axis(name) is not None else 1)
+        for name, value in full.items()
+        if stage_owns(name, sizes, at.pp, tie_embeddings=True)
+    )
+
+
+LAYOUTS = {
+    "dp2_pp2_zero2": ((*DP2_PP2, "parallel.zero_stage=2"), Layout(dp=2, pp=2), "gradient_bytes"),
+    "dp2_pp2_zero3": ((*DP2_PP2, "parallel.zero_stage=3"), Layout(dp=2, pp=2), "parameter_bytes"),
+    "dp2_tp2_zero3": ((*DP2_TP2, "parallel.zero_stage=3"), Layout(dp=2, tp=2), "parameter_bytes"),
+}
+EVERY_4 = "train.checkpoint_interval=4"
+
+
+@pytest.fixture(scope="module")
+def jobs(dataset_dir, tmp_path_factory):
+    """name -> (output directory, every rank's report) of that layout's 8-step job, run when first asked for."""
+    done = {}
+
+    def job(name: str):
+        if name not in done:
+            out = tmp_path_factory.mktemp(name)
+            done[name] = out, train_job(out, dataset_dir, SHORT, NARROW, EVERY_4, *LAYOUTS[name][0], workers=4)
+        return done[name]
+
+    return job
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_zero_composes_with_pipeline_and_tensor_parallelism(name, jobs, one_process, tmp_path):
+    _, layout, held = LAYOUTS[name]
+    out, ranks = jobs(name)
+    for rank in ranks:
+        assert_same_metrics(rank["history"], one_process["history"])
+
+    for rank, report in enumerate(ranks):  # half of the stage's or block's bytes, give or take padding
+        unsharded = _held_bytes(one_process["final"], layout, rank)
+        assert 0.45 * unsharded <= report[held] <= 0.55 * unsharded, (rank, report[held], unsharded)
+    for group in layout.all_groups("dp"):  # the dp shards of one stage or block add up to it
+        sizes = [ranks[rank][held] for rank in group]
+        assert 0 <= sum(sizes) - _held_bytes(one_process["final"], layout, group[0]) < 4 * 64, sizes  # padding
+
+    saved = out / "out" / "checkpoints" / "step-00000008"
+    weights, _, _ = reshard(saved, Layout(), tmp_path / "joined").load()
+    assert weights.keys() == one_process["final"].keys()
+    for name, value in one_process["final"].items():
+        assert np.linalg.norm(weights[name] - value) <= 1e-5 * np.linalg.norm(value), name
+
+
+def test_a_dp2_pp2_zero2_checkpoint_resumes_bit_exactly_and_under_dp2_tp2_zero3(jobs, one_process, dataset_dir, tmp_path):
+    """Stopped after step 4: the same layout repeats steps 5-8 to the bit; dp2 x tp2 with ZeRO-3 reshards the
+    stages into tp blocks on resuming and follows the single-process run."""
+    out, uninterrupted = jobs("dp2_pp2_zero2")
+    start = resume_from_step(out / "out" / "checkpoints", 4, tmp_path / "same" / "out" / "checkpoints")
+    again = train_job(tmp_path / "same", dataset_dir, SHORT, NARROW, EVERY_4, *LAYOUTS["dp2_pp2_zero2"][0], resume=start, workers=4)
+    assert_resumed_tail(uninterrupted, again, after=4)
+    start = resume_from_step(out / "out" / "checkpoints", 4, tmp_path / "other" / "out" / "checkpoints")
+    other = train_job(tmp_path / "other", dataset_dir, SHORT, NARROW, *LAYOUTS["dp2_tp2_zero3"][0], resume=start, workers=4)
+    for rank in other:
+        assert_same_metrics(rank["history"], [r for r in one_process["history"] if r["step"] > 4])
