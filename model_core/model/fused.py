@@ -11,9 +11,10 @@ parts (the softmax of the scores, the log-sum-exp of the logits) instead of stor
 A second CPU trap shapes the code: an elementwise op whose operands broadcast (x * w with w [D], x - m
 with m [N, 1]) keeps two int64 index arrays of the output's size alive for the life of the compiled graph,
 16 bytes per element, per op (measured: 128 MB for one 32 MB product). `expand` materialises the small
-operand first, which costs one write and keeps nothing. A scalar operand is free either way. The Transpose
-kernel does the same (8 bytes per element), so the head axis is moved by slicing and concatenating
-(`HeadsFirst`, `HeadsLast`) rather than by swapaxes.
+operand first, which costs one write and keeps nothing; `expand_rows` and `expand_leading` do the common
+patterns as matmuls, several times faster than the BroadcastTo kernel. A scalar operand is free either
+way. The Transpose kernel does the same (8 bytes per element), so the head axis is moved by slicing and
+concatenating (`HeadsFirst`, `HeadsLast`) rather than by swapaxes.
 
 The forward of every Cell is the same arithmetic as the plain formulation; tests compare both directions.
 """
@@ -23,6 +24,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import mint, nn, ops
 
+_matmul = ops.MatMul()
 _matmul_nt = ops.MatMul(transpose_b=True)  # a @ b^T
 _matmul_tn = ops.MatMul(transpose_a=True)  # a^T @ b
 _bmm_nt = ops.BatchMatMul(transpose_b=True)
@@ -32,6 +34,28 @@ _bmm_tn = ops.BatchMatMul(transpose_a=True)
 def expand(small, like):
     """`small` broadcast to the shape of `like`, as a real tensor (see the module docstring for why)."""
     return small.broadcast_to(like.shape)
+
+
+def expand_rows(column, like):
+    """`column` [..., 1] repeated along the last axis of `like` [..., D]: `expand` as an outer product with a row of
+    ones, a matmul with one term per element (so exact) that runs ~7x faster than the BroadcastTo kernel on
+    CPU (measured in jit: 6 ms against 40 ms for [2048, 1] -> [2048, 8000], 0.4 against 2.8 for [2048, 512]).
+    """
+    ones = ops.ones((1, like.shape[-1]), column.dtype)
+    return _matmul(column.reshape(-1, 1), ones).reshape(like.shape)
+
+
+def expand_leading(small, like):
+    """`small`, the trailing shape of `like`, repeated over its leading axes (w [D] -> [N, D]), as `expand_rows`
+    does it."""
+    ones = ops.ones((like.size // small.size, 1), small.dtype)
+    return _matmul(ones, small.reshape(1, -1)).reshape(like.shape)
+
+
+def row_sum(x):
+    """Sum over the last axis, kept as a size-1 axis. Reduced as a 2-D view: over the last axis of a 3-D or 4-D
+    tensor the CPU kernels are ~10x slower (measured: 14.6 ms against 1.3 ms for [8, 8, 256, 64])."""
+    return mint.sum(x.reshape(-1, x.shape[-1]), dim=-1, keepdim=True).reshape(x.shape[:-1] + (1,))
 
 
 class LinearFunction(nn.Cell):
@@ -58,19 +82,19 @@ class RMSNormFunction(nn.Cell):
         self.eps = eps
 
     def construct(self, x, weight):
-        return x * self._inverse_rms(x) * expand(weight, x)
+        return x * self._inverse_rms(x) * expand_leading(weight, x)
 
     def bprop(self, x, weight, out, dout):
         inverse_rms = self._inverse_rms(x)
         normed = x * inverse_rms
         dweight = (dout * normed).reshape(-1, weight.shape[0]).sum(0)
-        g = dout * expand(weight, x)
-        dx = inverse_rms * (g - normed * expand(mint.mean(g * normed, dim=-1, keepdim=True), x))
+        g = dout * expand_leading(weight, x)
+        dx = inverse_rms * (g - normed * expand_rows(mint.mean(g * normed, dim=-1, keepdim=True), x))
         return dx, dweight
 
     def _inverse_rms(self, x):
         """1 / rms(x) over the last axis, already broadcast to the shape of x."""
-        return expand(mint.rsqrt(mint.mean(x * x, dim=-1, keepdim=True) + self.eps), x)
+        return expand_rows(mint.rsqrt(mint.mean(x * x, dim=-1, keepdim=True) + self.eps), x)
 
 
 def heads_first(x):
@@ -142,7 +166,8 @@ class SoftmaxAttentionFunction(nn.Cell):
     fp32, broadcastable to [B, H, T, T] (0 where allowed, a huge negative number where masked).
 
     The backward recomputes the probabilities from q and k rather than keeping the [B, H, T, T] tensor
-    alive between the two passes (what flash attention does, minus the tiling).
+    alive between the two passes (what flash attention does, minus the tiling). The scale is applied to the
+    [B, H, T, D] operands, never to the four-times-larger [B, H, T, T] scores.
     """
 
     def __init__(self, scale: float):
@@ -155,32 +180,33 @@ class SoftmaxAttentionFunction(nn.Cell):
     def bprop(self, q, k, v, bias, out, dout):
         probs = self._probabilities(q, k, bias)
         dv = _bmm_tn(probs.astype(v.dtype), dout)
-        dprobs = _bmm_nt(dout, v).astype(ms.float32)
-        dscores = probs * (dprobs - expand(mint.sum(dprobs * probs, dim=-1, keepdim=True), probs)) * self.scale
-        dscores = dscores.astype(q.dtype)
+        # Softmax backward: dscores = probs * (dprobs - rowsum(dprobs * probs)) with dprobs = dout v^T. The row
+        # sum equals rowsum(dout * out) (out = probs v), a sum over D instead of T; and appending it as one more
+        # column ([dout, -sum] [v, 1]^T = dprobs - sum) subtracts it inside the matmul instead of broadcasting
+        # it over the scores.
+        row = row_sum(dout.astype(ms.float32) * out.astype(ms.float32)).astype(dout.dtype) * self.scale
+        shifted = _bmm_nt(mint.cat((dout * self.scale, -row), dim=-1), mint.cat((v, ops.ones_like(row)), dim=-1))
+        dscores = (probs * shifted.astype(ms.float32)).astype(q.dtype)
         dq = ops.matmul(dscores, k)
         dk = _bmm_tn(dscores, q)
         return dq, dk, dv, ops.zeros_like(bias)
 
     def _probabilities(self, q, k, bias):
-        scores = _bmm_nt(q, k).astype(ms.float32) * self.scale
+        scores = _bmm_nt(q * self.scale, k).astype(ms.float32)
         return mint.softmax(scores + expand(bias, scores), dim=-1)
 
 
 class TokenNLLFunction(nn.Cell):
-    """Per-row -log softmax(logits)[label] for logits [N, V] fp32 and labels [N] (each a valid class id)."""
+    """Per-row -log softmax(logits)[label] for logits [N, V] fp32 and labels [N] (each a valid class id).
+
+    The fused LogSoftmax and Softmax kernels replace a max, subtraction, exp and sum spelled out over the
+    [N, V] logits (measured on [2048, 8000]: ~20 ms and ~13 ms, against ~65 ms for the spelled-out form).
+    """
 
     def construct(self, logits, labels):
-        picked = ops.gather_d(logits, 1, labels.reshape(-1, 1)).reshape(-1)
-        return _log_sum_exp(logits) - picked
+        return -ops.gather_d(ops.log_softmax(logits, -1), 1, labels.reshape(-1, 1)).reshape(-1)
 
     def bprop(self, logits, labels, out, dout):
-        probs = ops.exp(logits - expand(_log_sum_exp(logits).reshape(-1, 1), logits))
+        probs = mint.softmax(logits, dim=-1)
         one_hot = ops.one_hot(labels, logits.shape[1], ms.Tensor(1.0, ms.float32), ms.Tensor(0.0, ms.float32))
-        return (probs - one_hot) * expand(dout.reshape(-1, 1), logits), ops.zeros_like(labels)
-
-
-def _log_sum_exp(logits):
-    """log(sum(exp(logits), -1)) for [N, V], shifted by the row max for range."""
-    row_max = logits.max(axis=-1, keepdims=True)
-    return (ops.log(ops.exp(logits - expand(row_max, logits)).sum(-1, keepdims=True)) + row_max).reshape(-1)
+        return (probs - one_hot) * expand_rows(dout.reshape(-1, 1), logits), ops.zeros_like(labels)
