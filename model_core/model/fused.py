@@ -89,11 +89,13 @@ class RMSNormFunction(nn.Cell):
         normed = x * inverse_rms
         dweight = (dout * normed).reshape(-1, weight.shape[0]).sum(0)
         g = dout * expand_leading(weight, x)
-        dx = inverse_rms * (g - normed * expand_rows(mint.mean(g * normed, dim=-1, keepdim=True), x))
+        dx = inverse_rms * (g - normed * expand_rows(row_sum(g * normed) / x.shape[-1], x))
         return dx, dweight
 
     def _inverse_rms(self, x):
         """1 / rms(x) over the last axis, already broadcast to the shape of x."""
+        # The 3-D mean is ~10x slower than `row_sum` but correctly rounded; with the 2-D sum here, weights after
+        # four accumulated micro-batches drifted from those of one batch beyond tests/test_trainer.py's tolerance.
         return expand_rows(mint.rsqrt(mint.mean(x * x, dim=-1, keepdim=True) + self.eps), x)
 
 
