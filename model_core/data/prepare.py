@@ -59,7 +59,9 @@ MAX_REPORTED_RECORDS = 20
 _ENCODE_BATCH_DOCS = 1024  # small enough that minhashing one batch overlaps encoding the next
 _LAST_BATCH_DOCS = 128  # the smallest of the last batches, so little MinHash follows encoding (small batches cost)
 # Batches encoded at once: while one turns its ids into arrays under the GIL (~1.5 ms per 1024 documents),
-# the other keeps the cores encoding.
+# the other keeps the cores encoding. They share the workers' cores (one native thread each on two cores)
+# rather than each taking all of them: twice as many native threads as cores cost 4-14 ms more CPU per
+# 460K tokens, for the same time on a quiet machine.
 _BATCHES_IN_FLIGHT = 2
 _CLEAN_CHUNK_DOCS = 512  # cleaned at a time, so that encoding starts after the first chunk, not the corpus
 # Reading in worker processes pays for their start (about a second) only on several large files.
@@ -438,8 +440,8 @@ def _encode(
     """The token ids of all documents of all chunks concatenated (int32), the number of tokens of each,
     and (when near-dedup is on) their MinHash signatures.
 
-    Batches are encoded on background threads (SentencePiece drops the GIL and runs `workers` native
-    threads per batch) while this thread pulls the next chunk (which reads and cleans it, when the chunks come
+    Batches are encoded on background threads (SentencePiece drops the GIL and runs each batch on its
+    share of the `workers` native threads) while this thread pulls the next chunk (which reads and cleans it, when the chunks come
     lazily from the inputs) and computes the signatures of finished batches, so that work shares the
     cores with encoding instead of following it.
     """
@@ -459,10 +461,11 @@ def _encode(
 
     def submit(documents: list[str]) -> None:
         nonlocal submitted
-        waiting.append(encoder.submit(encode_documents, processor, documents, workers))
+        waiting.append(encoder.submit(encode_documents, processor, documents, threads))
         submitted += len(documents)
 
     progress(phase, 0, None)
+    threads = max(1, workers // _BATCHES_IN_FLIGHT)
     encoder = ThreadPoolExecutor(_BATCHES_IN_FLIGHT, thread_name_prefix="encode")
     waiting: deque[Future] = deque()
     batch: list[str] = []
