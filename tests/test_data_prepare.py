@@ -12,8 +12,8 @@ import sentencepiece as spm
 
 from model_core.data import DataPrepError, prepare, prepare_dataset, read_shards
 from model_core.data.cleaning import clean_text
-from model_core.data.shards import file_sha256
 from model_core.data.docstrings import stdlib_files
+from model_core.data.shards import file_sha256
 from model_core.data.sources import InputFile, read_input
 from params.schema import DataParams, DataSource, ModelParams, TokenizerParams
 
@@ -37,13 +37,13 @@ def corpus(tmp_path, documents):
 
 
 def params(tmp_path, corpus, **overrides):
-    values = dict(
-        sources=[DataSource(kind="jsonl", paths=[str(corpus)])],
-        output_dir=str(tmp_path / "out"),
-        validation_fraction=0.2,
-        rows_per_shard=16,
-        near_dup_threshold=None,
-    )
+    values = {
+        "sources": [DataSource(kind="jsonl", paths=[str(corpus)])],
+        "output_dir": str(tmp_path / "out"),
+        "validation_fraction": 0.2,
+        "rows_per_shard": 16,
+        "near_dup_threshold": None,
+    }
     return DataParams(**{**values, **overrides})
 
 
@@ -239,21 +239,29 @@ def test_streaming_in_tiny_chunks_gives_the_same_dataset(tmp_path, corpus, monke
     lines[5] = "{broken json"
     near_copy = json.dumps({"text": json.loads(lines[11])["text"] + " One more sentence at the end."})
     corpus.write_text("\n".join([*lines, lines[7], lines[9], near_copy]) + "\n")  # a bad line, repeats, a near copy
-    trained = prepare_dataset(params(tmp_path, corpus, max_bad_record_fraction=0.05, near_dup_threshold=0.8), TOKENIZER, MODEL)
+    trained = prepare_dataset(
+        params(tmp_path, corpus, max_bad_record_fraction=0.05, near_dup_threshold=0.8), TOKENIZER, MODEL
+    )
     given = TokenizerParams(model_path=str(trained.tokenizer_path))
-    streamed = prepare_dataset(params(tmp_path, corpus, max_bad_record_fraction=0.05, near_dup_threshold=0.8, output_dir=str(tmp_path / "b")), given, MODEL)
+    streamed = prepare_dataset(
+        params(tmp_path, corpus, max_bad_record_fraction=0.05, near_dup_threshold=0.8, output_dir=str(tmp_path / "b")),
+        given,
+        MODEL,
+    )
     monkeypatch.setattr(sources, "_JSONL_CHUNK_BYTES", 300)
     monkeypatch.setattr(prepare, "_CLEAN_CHUNK_DOCS", 3)
     monkeypatch.setattr(prepare, "_ENCODE_BATCH_DOCS", 5)
     monkeypatch.setattr(dedup, "_MAX_PAIRS_PER_DOCUMENT", 0)  # near dedup by its bucket loop, not candidate pairs
     calls = []
     tiny = prepare_dataset(
-        params(tmp_path, corpus, max_bad_record_fraction=0.05, near_dup_threshold=0.8, output_dir=str(tmp_path / "c")), given, MODEL,
+        params(tmp_path, corpus, max_bad_record_fraction=0.05, near_dup_threshold=0.8, output_dir=str(tmp_path / "c")),
+        given,
+        MODEL,
         progress=lambda stage, done, total: calls.append((stage, done, total)),
     )
     assert tiny.manifest["splits"] == streamed.manifest["splits"] == trained.manifest["splits"]
     assert tiny.manifest["counts"] == trained.manifest["counts"]
     assert trained.manifest["counts"]["dropped"]["exact_duplicate"] == 2
     assert trained.manifest["counts"]["dropped"]["near_duplicate"] == 1 and trained.manifest["counts"]["malformed"] == 1
-    stage, done, total = [call for call in calls if call[0] == "read and tokenize"][-1]
+    _, done, total = [call for call in calls if call[0] == "read and tokenize"][-1]
     assert done == total

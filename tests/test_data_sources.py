@@ -8,9 +8,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from model_core.data.errors import DataPrepError
 from model_core.data import docstrings
 from model_core.data.docstrings import stdlib_docstrings, stdlib_files
+from model_core.data.errors import DataPrepError
 from model_core.data.sources import InputFile, fingerprint, list_inputs, read_input
 from params.schema import DataSource
 

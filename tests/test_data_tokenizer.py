@@ -3,8 +3,8 @@
 import pytest
 
 from model_core.data.cleaning import clean_text
-from model_core.data.errors import DataPrepError
 from model_core.data.docstrings import stdlib_files
+from model_core.data.errors import DataPrepError
 from model_core.data.sources import InputFile, read_input
 from model_core.data.tokenizer import open_tokenizer, train_tokenizer
 from params.schema import TokenizerParams

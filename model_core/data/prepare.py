@@ -441,9 +441,9 @@ def _encode(
     and (when near-dedup is on) their MinHash signatures.
 
     Batches are encoded on background threads (SentencePiece drops the GIL and runs each batch on its
-    share of the `workers` native threads) while this thread pulls the next chunk (which reads and cleans it, when the chunks come
-    lazily from the inputs) and computes the signatures of finished batches, so that work shares the
-    cores with encoding instead of following it.
+    share of the `workers` native threads) while this thread pulls the next chunk (which reads and cleans
+    it, when the chunks come lazily from the inputs) and computes the signatures of finished batches, so
+    that work shares the cores with encoding instead of following it.
     """
     token_ids, lengths = _Appended(np.int32), _Appended(np.int64)
     signatures = _Appended(np.uint32, data.minhash_permutations) if data.near_dup_threshold is not None else None
@@ -496,7 +496,8 @@ def _encode(
 class _Appended:
     """An array that batches are appended to, in a buffer that doubles when full. Concatenating the batches
     at the end instead copied every token id and signature once more, into new pages, on the
-    single-threaded stretch after encoding (~3.5 ms per 460K tokens); the doublings come while encoding."""
+    single-threaded stretch after encoding; the doublings come while encoding (page faults per prep run
+    of 460K tokens: 1,812 -> 883)."""
 
     def __init__(self, dtype: type, row_width: int | None = None) -> None:
         self._rows = () if row_width is None else (row_width,)
