@@ -5,8 +5,9 @@ Measured on MindSpore 2.10 (CPU, jit): the derived backward of `ops.cross_entrop
 buffers and differentiated through its max-subtraction; RMSNorm's held about 13 activation-sized buffers;
 `masked_fill` + softmax about 10 score-sized ones; `mint.nn.functional.linear` transposed its gradient
 explicitly. The graph keeps what a backward pass needs for the whole step, so every buffer counts. Each Cell
-below computes exactly the textbook gradient from its inputs, keeps nothing else, and recomputes the cheap
-parts (the softmax of the scores, the log-sum-exp of the logits) instead of storing them.
+below computes exactly the textbook gradient from its inputs (and, for attention, its [B, H, T, D] output),
+keeps nothing else, and recomputes the cheap parts (the softmax of the scores, the softmax of the logits)
+instead of storing them.
 
 A second CPU trap shapes the code: an elementwise op whose operands broadcast (x * w with w [D], x - m
 with m [N, 1]) keeps two int64 index arrays of the output's size alive for the life of the compiled graph,
