@@ -9,13 +9,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from model_core.parallel.layout import Layout
-from model_core.parallel.parallelize import split_axis
-from model_core.parallel.pipeline import stage_owns
-from model_core.parallel.reshard import reshard
-from model_core.train.trainer import Trainer, model_weights
-from params import load_params
 from test_parallel_msrun import (
     RUN,
     SHORT,
@@ -25,6 +18,13 @@ from test_parallel_msrun import (
     resume_from_step,
     train_job,
 )
+
+from model_core.parallel.layout import Layout
+from model_core.parallel.parallelize import split_axis
+from model_core.parallel.pipeline import stage_owns
+from model_core.parallel.reshard import reshard
+from model_core.train.trainer import Trainer, model_weights
+from params import load_params
 
 pytestmark = pytest.mark.slow
 
@@ -97,8 +97,8 @@ def test_zero_composes_with_pipeline_and_tensor_parallelism(name, jobs, one_proc
     saved = out / "out" / "checkpoints" / "step-00000008"
     weights, _, _ = reshard(saved, Layout(), tmp_path / "joined").load()
     assert weights.keys() == one_process["final"].keys()
-    for name, value in one_process["final"].items():
-        assert np.linalg.norm(weights[name] - value) <= 1e-5 * np.linalg.norm(value), name
+    for weight, value in one_process["final"].items():
+        assert np.linalg.norm(weights[weight] - value) <= 1e-5 * np.linalg.norm(value), weight
 
 
 def test_a_dp2_pp2_zero2_checkpoint_resumes_bit_exactly_and_under_dp2_tp2_zero3(jobs, one_process, dataset_dir, tmp_path):

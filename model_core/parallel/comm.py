@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from functools import lru_cache
+from functools import cache
 
 import mindspore as ms
 import numpy as np
@@ -69,7 +69,7 @@ def init() -> None:
         init_communication()
 
 
-@lru_cache(maxsize=None)
+@cache
 def _group_name(ranks: tuple[int, ...]) -> str:
     """The backend's name for the group of `ranks`, created once; every member must ask for it."""
     from mindspore.communication import GlobalComm, create_group
@@ -81,7 +81,7 @@ def _group_name(ranks: tuple[int, ...]) -> str:
     return name
 
 
-@lru_cache(maxsize=None)
+@cache
 def group(ranks: Sequence[int]) -> Group:
     """The (cached) collectives over `ranks`, which must include this rank. Call with a tuple."""
     return Group(tuple(ranks), rank())

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import mindspore as ms
 from mindspore import ParameterTuple, mint, nn, ops
 
+from model_core.model.fused import row_sum
 from model_core.parallel.comm import Group
 
 
@@ -47,12 +48,12 @@ class ParallelGradientNorm(nn.Cell):
     def construct(self, grad_scale):
         split = ops.zeros((1,), ms.float32)
         replicated = ops.zeros((1,), ms.float32)
-        for buffer, is_split, is_counted in zip(self.buffers, self.split, self.counted):
+        for buffer, is_split, is_counted in zip(self.buffers, self.split, self.counted):  # row sums first, as step.py
             if is_counted:
                 if is_split:
-                    split = split + mint.sum(buffer * buffer)
+                    split = split + mint.sum(row_sum(buffer * buffer))
                 else:
-                    replicated = replicated + mint.sum(buffer * buffer)
+                    replicated = replicated + mint.sum(row_sum(buffer * buffer))
         if self.across_shards:
             totals = self.shard_group.all_reduce(ops.cat((split, replicated)))
             split, replicated = totals[0:1], totals[1:2]

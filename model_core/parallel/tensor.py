@@ -19,7 +19,7 @@ from __future__ import annotations
 import mindspore as ms
 from mindspore import Parameter, mint, nn, ops
 
-from model_core.model.fused import LinearFunction, expand
+from model_core.model.fused import LinearFunction, expand, expand_rows
 from model_core.parallel.comm import Group
 
 
@@ -141,7 +141,7 @@ class VocabParallelCrossEntropy(nn.Cell):
     def construct(self, logits, labels):
         block = logits.shape[1]
         row_max = self.group.all_reduce(logits.max(axis=-1), "max")  # [N]
-        sum_exp = ops.exp(logits - expand(row_max.reshape(-1, 1), logits)).sum(-1)  # [N]
+        sum_exp = ops.exp(logits - expand_rows(row_max.reshape(-1, 1), logits)).sum(-1)  # [N]
         inside = self._inside(labels, block)
         local = self._local(labels, inside)
         picked = ops.gather_d(logits, 1, local.reshape(-1, 1)).reshape(-1) * inside.astype(ms.float32)
@@ -152,11 +152,11 @@ class VocabParallelCrossEntropy(nn.Cell):
     def bprop(self, logits, labels, out, dout):
         block = logits.shape[1]
         log_sum_exp = out[1]
-        probs = ops.exp(logits - expand(log_sum_exp.reshape(-1, 1), logits))
+        probs = ops.exp(logits - expand_rows(log_sum_exp.reshape(-1, 1), logits))
         inside = self._inside(labels, block)
         one_hot = ops.one_hot(self._local(labels, inside), block, ms.Tensor(1.0, ms.float32), ms.Tensor(0.0, ms.float32))
-        one_hot = one_hot * expand(inside.astype(ms.float32).reshape(-1, 1), one_hot)
-        return (probs - one_hot) * expand(dout[0].reshape(-1, 1), logits), ops.zeros_like(labels)
+        one_hot = one_hot * expand_rows(inside.astype(ms.float32).reshape(-1, 1), one_hot)
+        return (probs - one_hot) * expand_rows(dout[0].reshape(-1, 1), logits), ops.zeros_like(labels)
 
     def _inside(self, labels, block):
         """Whether each label falls in this rank's block."""
