@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import mindspore as ms
 from mindspore import ParameterTuple, mint, nn, ops
 
-from model_core.model.fused import row_sum
 from model_core.parallel.comm import Group
+from model_core.train.step import sum_of_squares
 
 
 class ParallelGradientNorm(nn.Cell):
@@ -48,12 +48,12 @@ class ParallelGradientNorm(nn.Cell):
     def construct(self, grad_scale):
         split = ops.zeros((1,), ms.float32)
         replicated = ops.zeros((1,), ms.float32)
-        for buffer, is_split, is_counted in zip(self.buffers, self.split, self.counted):  # row sums first, as step.py
+        for buffer, is_split, is_counted in zip(self.buffers, self.split, self.counted):
             if is_counted:
                 if is_split:
-                    split = split + mint.sum(row_sum(buffer * buffer))
+                    split = split + sum_of_squares(buffer)
                 else:
-                    replicated = replicated + mint.sum(row_sum(buffer * buffer))
+                    replicated = replicated + sum_of_squares(buffer)
         if self.across_shards:
             totals = self.shard_group.all_reduce(ops.cat((split, replicated)))
             split, replicated = totals[0:1], totals[1:2]

@@ -39,6 +39,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from model_core.model import Llama, token_cross_entropy
 from model_core.parallel import comm
+from model_core.parallel.data_parallel import sum_over
 from model_core.parallel.layout import Layout
 from model_core.parallel.tensor import VocabParallelCrossEntropy
 from model_core.parallel.zero import GradientShards
@@ -343,11 +344,8 @@ def _common_shard_length(weights: Sequence[Parameter], group: comm.Group, ends: 
     length = -(-sum(int(np.prod(w.shape)) for w in weights) // group.size)
     if ends is None:
         return length
-    # Each end writes its length into its row as two float32-exact parts; the sum of the rows is the table.
-    table = np.zeros((ends.size, 2), np.float32)
-    table[ends.index] = divmod(length, 2**20)
-    table = ends.all_reduce(Tensor(table)).asnumpy().astype(np.int64)
-    return int((table[:, 0] * 2**20 + table[:, 1]).max())
+    lengths = sum_over(ends, [length if end == ends.index else 0 for end in range(ends.size)])  # each end's
+    return round(max(lengths))
 
 
 @dataclass(frozen=True)
