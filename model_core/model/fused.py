@@ -76,28 +76,43 @@ class LinearFunction(nn.Cell):
 
 
 class RMSNormFunction(nn.Cell):
-    """x / sqrt(mean(x^2) + eps) * weight over the last axis, all in the dtype of x (callers pass fp32)."""
+    """x / sqrt(mean(x^2) + eps) * weight over the last axis, all in the dtype of x (callers pass fp32).
+
+    The backward reduces dout * x twice by matmul, against each row's r = 1 / rms(x) for the weight's gradient
+    and against the weight for each row's sum(g * x) with g = dout * weight; and it scales dout by the outer
+    product r weight^T, one matmul with one term per element, instead of broadcasting r and weight in two passes.
+    """
 
     def __init__(self, eps: float):
         super().__init__()
         self.eps = eps
 
     def construct(self, x, weight):
-        return x * self._inverse_rms(x) * expand_leading(weight, x)
+        return x * expand_rows(self._inverse_rms(x), x) * expand_leading(weight, x)
 
     def bprop(self, x, weight, out, dout):
-        inverse_rms = self._inverse_rms(x)
-        normed = x * inverse_rms
-        dweight = (dout * normed).reshape(-1, weight.shape[0]).sum(0)
-        g = dout * expand_leading(weight, x)
-        dx = inverse_rms * (g - normed * expand_rows(row_sum(g * normed) / x.shape[-1], x))
+        size = x.shape[-1]
+        inverse_rms = self._inverse_rms(x)  # [N, 1]
+        dout_x = (dout * x).reshape(-1, size)
+        dweight = _matmul_tn(inverse_rms, dout_x).reshape(size)
+        # dx = r g - x r^3 mean(g * x): the second term's per-row factor is a column, expanded once.
+        correction = inverse_rms * inverse_rms * inverse_rms * _matmul(dout_x, weight.reshape(size, 1)) / size
+        dx = dout * self._scale(inverse_rms, weight, x) - x * expand_rows(correction, x)
         return dx, dweight
 
     def _inverse_rms(self, x):
-        """1 / rms(x) over the last axis, already broadcast to the shape of x."""
-        # The 3-D mean is ~10x slower than `row_sum` but correctly rounded; with the 2-D sum here, weights after
-        # four accumulated micro-batches drifted from those of one batch beyond tests/test_trainer.py's tolerance.
-        return expand_rows(mint.rsqrt(mint.mean(x * x, dim=-1, keepdim=True) + self.eps), x)
+        """1 / rms(x) per row, [N, 1] for x viewed as [N, D]."""
+        # The mean kernel over the last axis of a 3-D tensor sums in fp64: its means are the fp64 sums of the fp32
+        # squares, rounded, and training depends on those last bits (tests/test_trainer.py's accumulation test
+        # failed with a 2-D fp32 row sum). A fp64 matmul with a column of ones gives the same bits in 1.1 ms
+        # instead of 4.2 (measured on [8, 256, 512]).
+        squares = (x * x).reshape(-1, x.shape[-1]).astype(ms.float64)
+        sums = _matmul(squares, ops.ones((x.shape[-1], 1), ms.float64))
+        return mint.rsqrt((sums / x.shape[-1]).astype(x.dtype) + self.eps)
+
+    def _scale(self, inverse_rms, weight, like):
+        """inverse_rms [N, 1] times weight [D] as an outer product, shaped like x."""
+        return _matmul(inverse_rms, weight.reshape(1, -1)).reshape(like.shape)
 
 
 def heads_first(x):
