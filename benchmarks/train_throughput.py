@@ -5,7 +5,7 @@ model_core.train.step (AccumulateGradients, GradientNorm, ApplyGradients with mo
 as the trainer does; PyTorch runs a compact Llama of the same architecture and init with torch.optim.AdamW.
 Every variant runs in its own subprocess, so its peak RSS (VmHWM of that child, see model_core.train.system.peak_rss_bytes) is its own.
 
-    python benchmarks/train_throughput.py                 # every variant, reference size
+    python benchmarks/train_throughput.py                 # every variant, reference size, two rounds
     python benchmarks/train_throughput.py --variants torch-fp32,ours-fp32   # just the fp32 pair
     python benchmarks/train_throughput.py --variant ours-fp32   # one variant in this process (JSON line)
     python benchmarks/train_throughput.py --variants torch-fp32,ours-fp32 --threads 1   # one kernel thread each
@@ -14,8 +14,12 @@ On a loaded machine wall time mostly measures the neighbours; compare CPU second
 child) too. `--threads` sets each framework's kernel thread count (torch.set_num_threads, MindSpore's
 op_tuning.threads_num); with 1, torch's OpenMP threads stop spinning at barriers while other load runs.
 
-The last line printed is one JSON object for the fp32 reference size: ours_tokens_per_s, torch_tokens_per_s,
-ours_peak_rss_mb, torch_peak_rss_mb and their ratios. Timings are medians of the timed steps after warm-up.
+The variants run one after another, `--rounds` times over (torch, ours, torch, ours, ...), and each variant's
+figures pool its rounds: the median of all its timed steps, the highest of its peak RSS. The last line printed
+is one JSON object for the fp32 reference size: ours_tokens_per_s, torch_tokens_per_s, ours_peak_rss_mb,
+torch_peak_rss_mb and their ratios. Timings are medians of the timed steps after warm-up; the warm-up steps' seconds are printed
+too (`warmup_step_seconds`: ours run slower there while MindSpore's kernels search their thread split, see
+AUTOTUNED_AFTER).
 """
 
 from __future__ import annotations
@@ -40,6 +44,12 @@ REFERENCE = dict(
 MICRO_BATCH = 8
 BETAS, EPS, WEIGHT_DECAY, LR = (0.9, 0.95), 1e-8, 0.1, 3e-4
 FP16_LOSS_SCALE = 1024.0
+# MindSpore's CPU kernels pick how many threads to split each elementwise kernel over by timing it: every kernel of
+# a graph runs 5 times as one task, 5 as two, then 4, 8, 16 and 32, and keeps the fastest from its 31st launch
+# on (ParallelLaunchAutoSearch). A graph launches each of its kernels once a step, so the first 30 steps run
+# the trials (the first five all on one thread) and a training run's steady state starts at step 31. Both
+# frameworks warm up as long.
+AUTOTUNED_AFTER = 31
 
 # name -> (framework, compute dtype, recompute every block)
 VARIANTS = {
@@ -70,21 +80,23 @@ def random_batch(seed: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def time_steps(step, warmup: int, steps: int) -> dict:
-    """Run `step(i) -> loss` warmup + steps times; seconds and losses of the timed ones."""
-    for i in range(warmup):
-        step(i)
+    """Run `step(i) -> loss` warmup + steps times; seconds and losses of the timed ones, and the seconds of the
+    warm-up steps after the first (which compiles)."""
     seconds, cpu_seconds, losses = [], [], []
-    for i in range(warmup, warmup + steps):
+    for i in range(warmup + steps):
         start, cpu_start = time.perf_counter(), time.process_time()
         losses.append(step(i))
         seconds.append(time.perf_counter() - start)
         cpu_seconds.append(time.process_time() - cpu_start)
+    timed = slice(warmup, None)
     tokens = MICRO_BATCH * REFERENCE["seq_len"]
     return {
-        "tokens_per_s": tokens / statistics.median(seconds),
+        "tokens_per_s": tokens / statistics.median(seconds[timed]),
         # CPU time of all the process's threads: steadier than wall time on a shared machine.
-        "cpu_seconds_per_step": round(statistics.median(cpu_seconds), 3),
-        "step_seconds": [round(s, 3) for s in seconds],
+        "cpu_seconds_per_step": round(statistics.median(cpu_seconds[timed]), 3),
+        "step_seconds": [round(s, 3) for s in seconds[timed]],
+        "cpu_step_seconds": [round(s, 3) for s in cpu_seconds[timed]],
+        "warmup_step_seconds": [round(s, 3) for s in seconds[1:warmup]],
         "last_loss": losses[-1],
     }
 
@@ -252,6 +264,23 @@ def run_in_child(name: str, warmup: int, steps: int, threads: int | None) -> dic
     return json.loads(lines[-1])
 
 
+def pooled(runs: list[dict]) -> dict:
+    """One variant's runs (one per round) as one result: throughput and CPU time from the medians of all their
+    timed steps, the highest peak RSS."""
+    if len(runs) == 1 or any("tokens_per_s" not in run for run in runs):
+        return runs[-1]
+    seconds = [s for run in runs for s in run["step_seconds"]]
+    cpu_seconds = [s for run in runs for s in run["cpu_step_seconds"]]
+    return {
+        "variant": runs[0]["variant"],
+        "tokens_per_s": MICRO_BATCH * REFERENCE["seq_len"] / statistics.median(seconds),
+        "cpu_seconds_per_step": round(statistics.median(cpu_seconds), 3),
+        "peak_rss_mb": max(run["peak_rss_mb"] for run in runs),
+        "tokens_per_s_by_round": [round(run["tokens_per_s"]) for run in runs],
+        "peak_rss_mb_by_round": [run["peak_rss_mb"] for run in runs],
+    }
+
+
 def describe(result: dict, torch_fp32: dict | None) -> str:
     name = result["variant"]
     if "unsupported" in result:
@@ -275,9 +304,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--variant", choices=sorted(VARIANTS), help="run one variant here and print its JSON")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variant names to run")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument(
+        "--warmup", type=int, default=AUTOTUNED_AFTER, help=f"untimed steps first (default {AUTOTUNED_AFTER}, see above)"
+    )
+    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--threads", type=int, help="kernel threads per framework (default: each one's own)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="times every variant runs, in turn (a drifting load then meets each alike)"
+    )
     args = parser.parse_args()
     if args.variant:
         print(json.dumps(run_variant(args.variant, args.warmup, args.steps, args.threads)), flush=True)
@@ -287,10 +321,12 @@ def main() -> None:
     unknown = sorted(set(names) - set(VARIANTS))
     if unknown:
         parser.error(f"unknown variants {unknown}; choose from {sorted(VARIANTS)}")
-    results = {}
-    for name in names:
-        results[name] = run_in_child(name, args.warmup, args.steps, args.threads)
-        print(json.dumps(results[name]), flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            runs[name].append(run_in_child(name, args.warmup, args.steps, args.threads))
+            print(json.dumps(runs[name][-1]), flush=True)
+    results = {name: pooled(runs[name]) for name in names}
     torch_fp32 = results.get("torch-fp32")
     print("| variant | tokens/s | CPU s/step | peak RSS | vs torch-fp32 |\n|---|---|---|---|---|")
     for name in names:
