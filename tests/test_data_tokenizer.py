@@ -1,12 +1,15 @@
 """Training, loading and checking the SentencePiece tokenizer."""
 
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
 import pytest
 
 from model_core.data.cleaning import clean_text
 from model_core.data.docstrings import stdlib_files
 from model_core.data.errors import DataPrepError
 from model_core.data.sources import InputFile, read_input
-from model_core.data.tokenizer import open_tokenizer, train_tokenizer
+from model_core.data.tokenizer import encode_documents, encoding_threads, open_tokenizer, train_tokenizer
 from params.schema import TokenizerParams
 
 VOCAB = 512
@@ -34,6 +37,18 @@ def test_decode_of_encode_gives_the_cleaned_text_back(texts, model):
     for text in samples:
         assert processor.decode(processor.encode(text)) == text
     assert processor.unk_id() not in processor.encode(samples[-1])  # byte fallback, not <unk>
+
+
+def test_batches_sharing_native_threads_encode_as_one_text_at_a_time(texts, model):
+    processor = open_tokenizer(model, TokenizerParams(), VOCAB, "test")
+    expected = [processor.encode(text) for text in texts]
+    threads = encoding_threads(2)
+    batches = [texts[first : first + 7] for first in range(0, len(texts), 7)]
+    with ThreadPoolExecutor(2) as callers:  # two batches in flight on the same native threads
+        encoded = list(callers.map(lambda batch: encode_documents(processor, batch, 2, threads), batches))
+    ids = [document for batch in encoded for document in batch]
+    assert all(document.dtype == np.int32 for document in ids)
+    assert [document.tolist() for document in ids] == expected
 
 
 def test_sampled_training_sentences_still_train(texts):

@@ -49,7 +49,13 @@ from model_core.data.errors import DataPrepError
 from model_core.data.packing import pack_documents
 from model_core.data.shards import MANIFEST_NAME, file_sha256, write_shards
 from model_core.data.sources import FileReport, InputFile, fingerprint, list_inputs, read_input, read_input_chunks
-from model_core.data.tokenizer import encode_documents, load_tokenizer, open_tokenizer, train_tokenizer
+from model_core.data.tokenizer import (
+    encode_documents,
+    encoding_threads,
+    load_tokenizer,
+    open_tokenizer,
+    train_tokenizer,
+)
 from params.schema import DataParams, ModelParams, TokenizerParams
 
 FORMAT_VERSION = 2  # 2: near duplicates are found on token shingles
@@ -58,10 +64,10 @@ CACHE_DIR = ".cache"  # under data.output_dir: the extracted standard-library do
 MAX_REPORTED_RECORDS = 20
 _ENCODE_BATCH_DOCS = 1024  # small enough that minhashing one batch overlaps encoding the next
 _LAST_BATCH_DOCS = 128  # the smallest of the last batches, so little MinHash follows encoding (small batches cost)
-# Batches encoded at once: while one turns its ids into arrays under the GIL (~1.5 ms per 1024 documents),
-# the other keeps the cores encoding. They share the workers' cores (one native thread each on two cores)
-# rather than each taking all of them: twice as many native threads as cores cost 4-14 ms more CPU per
-# 460K tokens, for the same time on a quiet machine.
+# Batches handed to the encoder at once: while one turns its ids into arrays under the GIL (~1.5 ms per
+# 1024 documents), the next keeps the cores encoding. They queue for one pool of `workers` native threads
+# (twice as many threads as cores cost 4-14 ms more CPU per 460K tokens), which take a batch's documents
+# one at a time, so the last batch ends on all cores together.
 _BATCHES_IN_FLIGHT = 2
 _CLEAN_CHUNK_DOCS = 512  # cleaned at a time, so that encoding starts after the first chunk, not the corpus
 # Reading in worker processes pays for their start (about a second) only on several large files.
@@ -440,10 +446,10 @@ def _encode(
     """The token ids of all documents of all chunks concatenated (int32), the number of tokens of each,
     and (when near-dedup is on) their MinHash signatures.
 
-    Batches are encoded on background threads (SentencePiece drops the GIL and runs each batch on its
-    share of the `workers` native threads) while this thread pulls the next chunk (which reads and cleans
-    it, when the chunks come lazily from the inputs) and computes the signatures of finished batches, so
-    that work shares the cores with encoding instead of following it.
+    Batches are encoded from background threads (SentencePiece drops the GIL and runs each batch on the
+    `workers` native threads, which the batches queue for) while this thread pulls the next chunk (which
+    reads and cleans it, when the chunks come lazily from the inputs) and computes the signatures of
+    finished batches, so that work shares the cores with encoding instead of following it.
     """
     token_ids, lengths = _Appended(np.int32), _Appended(np.int64)
     signatures = _Appended(np.uint32, data.minhash_permutations) if data.near_dup_threshold is not None else None
@@ -461,11 +467,13 @@ def _encode(
 
     def submit(documents: list[str]) -> None:
         nonlocal submitted
-        waiting.append(encoder.submit(encode_documents, processor, documents, threads))
+        waiting.append(encoder.submit(encode_documents, processor, documents, threads, native_threads))
         submitted += len(documents)
 
     progress(phase, 0, None)
-    threads = max(1, workers // _BATCHES_IN_FLIGHT)
+    native_threads = encoding_threads(workers)
+    # Without a shared pool, each batch in flight starts its share of the workers' threads.
+    threads = workers if native_threads is not None else max(1, workers // _BATCHES_IN_FLIGHT)
     encoder = ThreadPoolExecutor(_BATCHES_IN_FLIGHT, thread_name_prefix="encode")
     waiting: deque[Future] = deque()
     batch: list[str] = []

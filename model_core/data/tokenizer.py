@@ -22,8 +22,11 @@ from params.schema import TokenizerParams
 
 _SPECIAL_IDS = ("unk_id", "bos_id", "eos_id", "pad_id")
 # Newer sentencepiece releases hand each document's ids back as an int32 array, skipping a Python int
-# per token; older ones only have lists.
-_RETURNS_NUMPY = "return_type" in inspect.signature(spm.SentencePieceProcessor.Encode).parameters
+# per token, and let calls share one pool of native threads; older ones only have lists, and start
+# threads of their own for every call.
+_ENCODE_PARAMETERS = inspect.signature(spm.SentencePieceProcessor.Encode).parameters
+_RETURNS_NUMPY = "return_type" in _ENCODE_PARAMETERS
+_SHARES_THREADS = "thread_pool" in _ENCODE_PARAMETERS
 
 
 def train_tokenizer(
@@ -88,8 +91,17 @@ def open_tokenizer(model: bytes, params: TokenizerParams, vocab_size: int, origi
     return processor
 
 
-def encode_documents(processor: spm.SentencePieceProcessor, texts: list[str], num_threads: int) -> list[np.ndarray]:
-    """The int32 token ids of each text, encoded on `num_threads` native threads."""
+def encoding_threads(num_threads: int) -> spm.ThreadPool | None:
+    """Native threads for `encode_documents` calls to share, or None where sentencepiece cannot share them."""
+    return spm.ThreadPool(num_threads) if _SHARES_THREADS else None
+
+
+def encode_documents(
+    processor: spm.SentencePieceProcessor, texts: list[str], num_threads: int, threads: spm.ThreadPool | None = None
+) -> list[np.ndarray]:
+    """The int32 token ids of each text, encoded on the shared native `threads` when given (each takes
+    the next text as it finishes one, so the texts end together), else on `num_threads` of its own."""
     if _RETURNS_NUMPY:
-        return processor.encode(texts, num_threads=num_threads, return_type="numpy")
+        shared = {"thread_pool": threads} if threads is not None else {}
+        return processor.encode(texts, num_threads=num_threads, return_type="numpy", **shared)
     return [np.array(ids, dtype=np.int32) for ids in processor.encode(texts, num_threads=num_threads)]
