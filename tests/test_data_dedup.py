@@ -3,7 +3,13 @@
 import numpy as np
 import pytest
 
-from model_core.data.dedup import exact_duplicate_mask, minhash_signatures, near_duplicate_mask, rows_per_band
+from model_core.data.dedup import (
+    _band_pairs,
+    exact_duplicate_mask,
+    minhash_signatures,
+    near_duplicate_mask,
+    rows_per_band,
+)
 
 VOCAB = 5000
 
@@ -93,3 +99,20 @@ def test_bands_catch_a_pair_at_the_threshold_with_high_probability(permutations,
     rows = rows_per_band(permutations, threshold)
     bands = permutations // rows
     assert 1 - (1 - threshold**rows) ** bands >= 0.99
+
+
+def test_band_pairs_lists_every_pair_sharing_a_band_key_once():
+    # Few distinct values, so that keys are shared by groups of every size and across bands.
+    rng = np.random.default_rng(3)
+    for documents, bands in [(1, 3), (2, 1), (40, 4), (300, 12)]:
+        keys = rng.integers(0, 4, size=(documents, bands)).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        expected = [
+            (earlier, later)
+            for earlier in range(documents)
+            for later in range(earlier + 1, documents)
+            if (keys[earlier] == keys[later]).any()
+        ]
+        earlier, later = _band_pairs(keys, limit=bands * documents * documents)
+        assert list(zip(earlier.tolist(), later.tolist())) == expected
+        if expected:
+            assert _band_pairs(keys, limit=len(expected) - 1) is None

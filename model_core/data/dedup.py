@@ -70,31 +70,32 @@ def near_duplicate_mask(signatures: np.ndarray, threshold: float) -> np.ndarray:
 def _band_pairs(keys: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Every pair of documents with some band key in common, once, as (earlier, later) document
     indices; None when the bands hold more than `limit` such pairs."""
-    documents = len(keys)
+    documents, bands = keys.shape
     # Sorting values is faster than argsort, so the low bits of each key carry its document instead: a
     # key's documents come out consecutive and in corpus order, and keys equal only in the remaining
-    # high bits are told apart when the pairs are checked against the whole keys.
+    # high bits are told apart when the pairs are checked against the whole keys. All bands are sorted
+    # and grouped in one pass (a loop over the bands cost ~0.2 ms each in numpy calls, on the tail).
     bits = max((documents - 1).bit_length(), 1)
     low = np.uint64((1 << bits) - 1)
-    ids = np.arange(documents, dtype=np.uint64)
-    groups = []
-    for band in keys.T:
-        ranked = np.sort((band & ~low) | ids)
-        starts = np.flatnonzero(np.concatenate([[True], (ranked[1:] ^ ranked[:-1]) > low]))
-        groups.append(((ranked & low).astype(np.int64), starts, np.diff(np.append(starts, documents))))
-    if sum(int((sizes * (sizes - 1) // 2).sum()) for _, _, sizes in groups) > limit:
+    ranked = np.sort((keys.T & ~low) | np.arange(documents, dtype=np.uint64), axis=1).reshape(-1)
+    group_start = np.empty(len(ranked), dtype=bool)
+    group_start[1:] = (ranked[1:] ^ ranked[:-1]) > low
+    group_start[::documents] = True  # every band starts a group of its own
+    starts = np.flatnonzero(group_start)
+    sizes = np.diff(np.append(starts, len(ranked)))
+    if int((sizes * (sizes - 1) // 2).sum()) > limit:
         return None
-    pair_ids = [np.zeros(0, dtype=np.int64)]
-    for band, (order, starts, sizes) in zip(keys.T, groups):
-        group = np.repeat(np.arange(len(starts)), sizes)  # of each position in `order`
-        position = np.flatnonzero(sizes[group] > 1)
-        later_count = starts[group[position]] + sizes[group[position]] - 1 - position
-        first = np.repeat(position, later_count)
-        second = first + 1 + np.arange(len(first)) - np.repeat(np.cumsum(later_count) - later_count, later_count)
-        earlier, later = order[first], order[second]
-        same = band[earlier] == band[later]
-        pair_ids.append(earlier[same] * documents + later[same])
-    unique = np.unique(np.concatenate(pair_ids))
+    shared = sizes > 1
+    starts, sizes = starts[shared], sizes[shared]
+    # Each position of a shared key pairs with every later position of that key.
+    position = np.repeat(starts, sizes) + np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    later_count = np.repeat(starts + sizes - 1, sizes) - position
+    first = np.repeat(position, later_count)
+    second = first + 1 + np.arange(len(first)) - np.repeat(np.cumsum(later_count) - later_count, later_count)
+    document = (ranked & low).astype(np.int64)
+    earlier, later, band = document[first], document[second], first // documents
+    same = keys[earlier, band] == keys[later, band]
+    unique = np.unique(earlier[same] * documents + later[same])
     return unique // documents, unique % documents
 
 
