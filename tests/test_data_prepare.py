@@ -4,6 +4,8 @@ import json
 import logging
 import multiprocessing
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pyarrow.parquet as pq
@@ -265,3 +267,18 @@ def test_streaming_in_tiny_chunks_gives_the_same_dataset(tmp_path, corpus, monke
     assert trained.manifest["counts"]["dropped"]["near_duplicate"] == 1 and trained.manifest["counts"]["malformed"] == 1
     _, done, total = [call for call in calls if call[0] == "read and tokenize"][-1]
     assert done == total
+
+
+def test_writing_shards_does_not_import_pandas(tmp_path):
+    # pa.array(ndarray) imports pandas on its first call (175 ms, once per process); shards need no pandas.
+    script = f"""
+import sys
+import numpy as np
+from model_core.data.packing import pack_documents
+from model_core.data.shards import write_shards
+rows = pack_documents(np.arange(4, 100, dtype=np.int32), np.array([40, 56]), 17, 1, 2, 3, "pad")
+write_shards(rows, __import__("pathlib").Path({str(tmp_path)!r}), "train", 2, 3)
+assert "pandas" not in sys.modules, "writing shards imported pandas"
+"""
+    subprocess.run([sys.executable, "-c", script], check=True)
+    assert len(list(tmp_path.glob("train-*.parquet"))) == 3
