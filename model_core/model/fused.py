@@ -14,8 +14,8 @@ with m [N, 1]) keeps two int64 index arrays of the output's size alive for the l
 16 bytes per element, per op (measured: 128 MB for one 32 MB product). `expand` materialises the small
 operand first, which costs one write and keeps nothing; `expand_rows` and `expand_leading` do the common
 patterns as matmuls, several times faster than the BroadcastTo kernel. A scalar operand is free either
-way. The Transpose kernel does the same (8 bytes per element), so the head axis is moved by slicing and
-concatenating (`HeadsFirst`, `HeadsLast`) rather than by swapaxes.
+way. The Transpose kernel does the same (8 bytes per element), so the head axis is moved by a Gather of rows
+(`HeadsFirst`, `HeadsLast`) rather than by swapaxes.
 
 The forward of every Cell is the same arithmetic as the plain formulation; tests compare both directions.
 """
@@ -161,8 +161,20 @@ class HeadsLast(nn.Cell):
 
 def apply_rotary(x, cos, sin):
     """RoPE: rotate each (x[i], x[i + D/2]) pair by its angle. x: [B, H, T, D]; cos, sin broadcast to it."""
+    return x * expand(cos, x) + _swap_halves(x) * expand(_sign_first_half(sin), x)
+
+
+def _swap_halves(x):
+    """[x[D/2:], x[:D/2]] over the last axis: rotate_half without its minus sign, which `_sign_first_half` moves
+    onto the [T, D] sine table (one Neg of the table per step instead of one per rotated [B, H, T, D] tensor)."""
     half = x.shape[-1] // 2
-    return x * expand(cos, x) + mint.cat((-x[..., half:], x[..., :half]), dim=-1) * expand(sin, x)
+    return mint.cat((x[..., half:], x[..., :half]), dim=-1)
+
+
+def _sign_first_half(sin):
+    """sin with its first half negated, so that rotate_half(x) * sin == _swap_halves(x) * it, bit for bit."""
+    half = sin.shape[-1] // 2
+    return mint.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
 class RotaryFunction(nn.Cell):
@@ -172,17 +184,21 @@ class RotaryFunction(nn.Cell):
         return apply_rotary(x, cos, sin)
 
     def bprop(self, x, cos, sin, out, dout):
-        half = x.shape[-1] // 2
-        by_sin = dout * expand(sin, dout)
-        dx = dout * expand(cos, dout) + mint.cat((by_sin[..., half:], -by_sin[..., :half]), dim=-1)  # rotate_half^T
+        # rotate_half^T(dout * sin) = _swap_halves(dout * sin with its first half negated)
+        dx = dout * expand(cos, dout) + _swap_halves(dout * expand(_sign_first_half(sin), dout))
         return dx, ops.zeros_like(cos), ops.zeros_like(sin)
 
 
 class SwiGLUFunction(nn.Cell):
-    """silu(gate) * up, keeping only its two inputs for the backward."""
+    """silu(gate) * up, keeping its two inputs and sigmoid(gate), gate * sigmoid(gate) for the backward.
+
+    The forward spells silu out (the same bits as mint's silu) so that jit merges the backward's sigmoid and
+    product with the forward's: one Sigmoid and one Mul over [B, T, ffn] less per layer (8 of 16 Sigmoids a step
+    left on the reference model), for those two tensors kept between the passes (+30 MB peak RSS measured there).
+    """
 
     def construct(self, gate, up):
-        return mint.nn.functional.silu(gate) * up
+        return gate * ops.sigmoid(gate) * up
 
     def bprop(self, gate, up, out, dout):
         sigmoid = ops.sigmoid(gate)
