@@ -318,6 +318,29 @@ def test_hand_written_backward_matches_automatic_differentiation(case):
         np.testing.assert_allclose(mine.asnumpy(), expected.asnumpy(), atol=1e-5)
 
 
+def test_fused_forwards_are_bit_for_bit_the_plain_formulation():
+    """RMSNorm's fp64-matmul mean, the Gather head moves, RoPE's signed sine table and the spelled-out silu must
+    not change a bit: the trainer's accumulation test depends on the last bits of the forward."""
+    rng = np.random.default_rng(5)
+    x = ms.Tensor((rng.standard_normal((2, 32, 512)) * 3).astype(np.float32))
+    norm_weight = ms.Tensor(rng.uniform(0.5, 1.5, 512).astype(np.float32))
+    rms_normed = fused.RMSNormFunction(1e-5)(x, norm_weight)
+    np.testing.assert_array_equal(rms_normed.asnumpy(), _plain_rms_norm(x, norm_weight).asnumpy())
+
+    heads = x.reshape(2, 32, 8, 64)  # [B, T, H, D]
+    np.testing.assert_array_equal(fused.heads_first(heads).asnumpy(), heads.swapaxes(1, 2).asnumpy())
+    np.testing.assert_array_equal(fused.heads_last(heads).asnumpy(), heads.swapaxes(1, 2).asnumpy())
+
+    q = heads.swapaxes(1, 2)  # [B, H, T, D]
+    cos, sin = rope_tables(64, 32, theta=10_000.0)
+    plain_rotary = q * cos + ms.mint.cat((-q[..., 32:], q[..., :32]), dim=-1) * sin
+    np.testing.assert_array_equal(apply_rotary(q, cos, sin).asnumpy(), plain_rotary.asnumpy())
+
+    gate, up = x, x * 0.5 + 1.0
+    plain_swiglu = ms.mint.nn.functional.silu(gate) * up
+    np.testing.assert_array_equal(fused.SwiGLUFunction()(gate, up).asnumpy(), plain_swiglu.asnumpy())
+
+
 # ------------------------------------------------------------------------------------ Hugging Face
 
 
