@@ -70,7 +70,7 @@ def near_duplicate_mask(signatures: np.ndarray, threshold: float) -> np.ndarray:
 def _band_pairs(keys: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray] | None:
     """Every pair of documents with some band key in common, once, as (earlier, later) document
     indices; None when the bands hold more than `limit` such pairs."""
-    documents, bands = keys.shape
+    documents = len(keys)
     # Sorting values is faster than argsort, so the low bits of each key carry its document instead: a
     # key's documents come out consecutive and in corpus order, and keys equal only in the remaining
     # high bits are told apart when the pairs are checked against the whole keys. All bands are sorted

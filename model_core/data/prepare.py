@@ -534,7 +534,8 @@ class _Appended:
 
 def _last_batches(documents: int) -> list[int]:
     """The sizes of the batches that the documents left after reading encode in: halving from a full batch
-    down to _LAST_BATCH_DOCS, so that the batches in flight end close together and the last ones are small."""
+    down to _LAST_BATCH_DOCS, so that the last ones are small (the last batch's MinHash follows encoding)
+    and, where batches cannot share native threads, the batches in flight end close together."""
     sizes = []
     while documents:
         sizes.append(min(_ENCODE_BATCH_DOCS, max(documents // 2, _LAST_BATCH_DOCS), documents))

@@ -97,11 +97,14 @@ def encoding_threads(num_threads: int) -> spm.ThreadPool | None:
 
 
 def encode_documents(
-    processor: spm.SentencePieceProcessor, texts: list[str], num_threads: int, threads: spm.ThreadPool | None = None
+    processor: spm.SentencePieceProcessor,
+    texts: list[str],
+    num_threads: int,
+    shared_threads: spm.ThreadPool | None = None,
 ) -> list[np.ndarray]:
-    """The int32 token ids of each text, encoded on the shared native `threads` when given (each takes
+    """The int32 token ids of each text, encoded on the native `shared_threads` when given (each takes
     the next text as it finishes one, so the texts end together), else on `num_threads` of its own."""
     if _RETURNS_NUMPY:
-        shared = {"thread_pool": threads} if threads is not None else {}
+        shared = {"thread_pool": shared_threads} if shared_threads is not None else {}
         return processor.encode(texts, num_threads=num_threads, return_type="numpy", **shared)
     return [np.array(ids, dtype=np.int32) for ids in processor.encode(texts, num_threads=num_threads)]
