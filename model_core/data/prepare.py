@@ -467,13 +467,11 @@ def _encode(
 
     def submit(documents: list[str]) -> None:
         nonlocal submitted
-        waiting.append(encoder.submit(encode_documents, processor, documents, threads, native_threads))
+        waiting.append(encoder.submit(encode_documents, processor, documents, workers, native_threads))
         submitted += len(documents)
 
     progress(phase, 0, None)
     native_threads = encoding_threads(workers)
-    # Without a shared pool, each batch in flight starts its share of the workers' threads.
-    threads = workers if native_threads is not None else max(1, workers // _BATCHES_IN_FLIGHT)
     encoder = ThreadPoolExecutor(_BATCHES_IN_FLIGHT, thread_name_prefix="encode")
     waiting: deque[Future] = deque()
     batch: list[str] = []
@@ -534,8 +532,7 @@ class _Appended:
 
 def _last_batches(documents: int) -> list[int]:
     """The sizes of the batches that the documents left after reading encode in: halving from a full batch
-    down to _LAST_BATCH_DOCS, so that the last ones are small (the last batch's MinHash follows encoding)
-    and, where batches cannot share native threads, the batches in flight end close together."""
+    down to _LAST_BATCH_DOCS, so that the last ones are small (the last batch's MinHash follows encoding)."""
     sizes = []
     while documents:
         sizes.append(min(_ENCODE_BATCH_DOCS, max(documents // 2, _LAST_BATCH_DOCS), documents))

@@ -9,7 +9,6 @@ model, so the same sentences give the same .model bytes on any machine.
 
 from __future__ import annotations
 
-import inspect
 import io
 from pathlib import Path
 
@@ -21,12 +20,6 @@ from model_core.data.errors import DataPrepError
 from params.schema import TokenizerParams
 
 _SPECIAL_IDS = ("unk_id", "bos_id", "eos_id", "pad_id")
-# Newer sentencepiece releases hand each document's ids back as an int32 array, skipping a Python int
-# per token, and let calls share one pool of native threads; older ones only have lists, and start
-# threads of their own for every call.
-_ENCODE_PARAMETERS = inspect.signature(spm.SentencePieceProcessor.Encode).parameters
-_RETURNS_NUMPY = "return_type" in _ENCODE_PARAMETERS
-_SHARES_THREADS = "thread_pool" in _ENCODE_PARAMETERS
 
 
 def train_tokenizer(
@@ -91,9 +84,9 @@ def open_tokenizer(model: bytes, params: TokenizerParams, vocab_size: int, origi
     return processor
 
 
-def encoding_threads(num_threads: int) -> spm.ThreadPool | None:
-    """Native threads for `encode_documents` calls to share, or None where sentencepiece cannot share them."""
-    return spm.ThreadPool(num_threads) if _SHARES_THREADS else None
+def encoding_threads(num_threads: int) -> spm.ThreadPool:
+    """Native threads for `encode_documents` calls to share."""
+    return spm.ThreadPool(num_threads)
 
 
 def encode_documents(
@@ -103,8 +96,7 @@ def encode_documents(
     shared_threads: spm.ThreadPool | None = None,
 ) -> list[np.ndarray]:
     """The int32 token ids of each text, encoded on the native `shared_threads` when given (each takes
-    the next text as it finishes one, so the texts end together), else on `num_threads` of its own."""
-    if _RETURNS_NUMPY:
-        shared = {"thread_pool": shared_threads} if shared_threads is not None else {}
-        return processor.encode(texts, num_threads=num_threads, return_type="numpy", **shared)
-    return [np.array(ids, dtype=np.int32) for ids in processor.encode(texts, num_threads=num_threads)]
+    the next text as it finishes one, so the texts end together), else on `num_threads` of its own.
+    return_type="numpy" hands each text's ids back as one int32 array instead of a Python int per token."""
+    shared = {"thread_pool": shared_threads} if shared_threads is not None else {}
+    return processor.encode(texts, num_threads=num_threads, return_type="numpy", **shared)
