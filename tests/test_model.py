@@ -278,6 +278,13 @@ def _plain_nll(logits, labels):
     return -ms.ops.gather_d(ms.ops.log_softmax(logits, -1), 1, labels.reshape(-1, 1)).reshape(-1)
 
 
+def _rms_norm_off_cpu():
+    """RMSNormFunction as it runs on devices without fp64 matmuls: the mean kernel instead."""
+    norm = fused.RMSNormFunction(1e-5)
+    norm.fp64_matmul_mean = False
+    return norm
+
+
 def _fused_cases():
     rng = np.random.default_rng(11)
 
@@ -291,6 +298,7 @@ def _fused_cases():
     return [
         (fused.LinearFunction(), lambda x, w: ms.mint.matmul(x, w.T), (tensor(2, 5, 7), tensor(3, 7)), 2),
         (fused.RMSNormFunction(1e-5), _plain_rms_norm, (tensor(2, 5, 8), tensor(8)), 2),
+        (_rms_norm_off_cpu(), _plain_rms_norm, (tensor(2, 5, 8), tensor(8)), 2),
         (fused.RotaryFunction(), lambda x, c, s: x * c + ms.mint.cat((-x[..., 4:], x[..., :4]), dim=-1) * s, (tensor(2, 3, 6, 8), cos, sin), 1),
         (fused.SoftmaxAttentionFunction(1 / math.sqrt(8)), _plain_attention, (tensor(2, 3, 6, 8), tensor(2, 3, 6, 8), tensor(2, 3, 6, 8), bias), 3),
         (fused.TokenNLLFunction(), _plain_nll, (tensor(10, 11), labels), 1),
@@ -301,7 +309,9 @@ def _fused_cases():
 
 
 @pytest.mark.parametrize(
-    "case", range(8), ids=["linear", "rms_norm", "rotary", "attention", "nll", "swiglu", "heads_first", "heads_last"]
+    "case",
+    range(9),
+    ids=["linear", "rms_norm", "rms_norm_off_cpu", "rotary", "attention", "nll", "swiglu", "heads_first", "heads_last"],
 )
 def test_hand_written_backward_matches_automatic_differentiation(case):
     function, plain, inputs, differentiable = _fused_cases()[case]

@@ -88,6 +88,8 @@ class RMSNormFunction(nn.Cell):
     def __init__(self, eps: float):
         super().__init__()
         self.eps = eps
+        # fp64 matmuls are a CPU trick (below); Ascend's matmul units have no fp64, so elsewhere the mean kernel runs.
+        self.fp64_matmul_mean = ms.get_context("device_target") == "CPU"
 
     def construct(self, x, weight):
         return x * expand_rows(self._inverse_rms(x), x) * expand_leading(weight, x)
@@ -109,9 +111,13 @@ class RMSNormFunction(nn.Cell):
         # squares, rounded, and training depends on those last bits (tests/test_trainer.py's accumulation test
         # failed with a 2-D fp32 row sum). A fp64 matmul with a column of ones gives the same bits, the cast
         # included, in about 1 ms against 2-4 ms for that kernel (measured on [8, 256, 512]).
-        squares = (x * x).reshape(-1, x.shape[-1]).astype(ms.float64)
-        sums = _matmul(squares, ops.ones((x.shape[-1], 1), ms.float64))
-        return mint.rsqrt((sums / x.shape[-1]).astype(x.dtype) + self.eps)
+        squares = (x * x).reshape(-1, x.shape[-1])
+        if self.fp64_matmul_mean:
+            sums = _matmul(squares.astype(ms.float64), ops.ones((x.shape[-1], 1), ms.float64))
+            means = (sums / x.shape[-1]).astype(x.dtype)
+        else:
+            means = mint.mean(squares, dim=-1, keepdim=True)
+        return mint.rsqrt(means + self.eps)
 
 
 def heads_first(x):
