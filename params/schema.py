@@ -91,16 +91,44 @@ class DataParams(StrictModel):
         "pad_id (padding positions are not documents and carry no loss).",
     )
     validation_fraction: float = Field(
-        0.05, ge=0.0, lt=1.0, description="Share of documents (after shuffling) held out for validation."
+        0.05,
+        ge=0.0,
+        lt=1.0,
+        description="Share of documents held out for validation: a document is held out when its keyed hash "
+        "(data.shuffle_seed, its text) falls in this share of the hash range, so the split needs no global "
+        "shuffle and a document lands in the same split whatever else the corpus holds.",
     )
     shuffle_seed: int = Field(1234, description="Seed of the document and row shuffles; same seed, same shards.")
-    rows_per_shard: int = Field(4096, ge=1, description="Packed rows per Parquet shard file.")
+    rows_per_shard: int = Field(4096, ge=1, description="Packed rows per token shard file.")
+    shard_bytes: int = Field(
+        64 << 20,
+        ge=1 << 16,
+        description="Input bytes per map task: a larger uncompressed JSONL or text file is read as byte ranges "
+        "of about this size (cut at line ends). Compressed files and Parquet row groups are not split below "
+        "a file or a row group. A map task's memory grows with this, never with the corpus.",
+    )
     num_workers: int | None = Field(
-        None, ge=1, description="Processes/threads for cleaning and tokenization. null means all cores."
+        None,
+        ge=1,
+        description="Local worker processes for the map steps (runner=local), and native encoding threads per "
+        "worker process. null means all cores.",
+    )
+    runner: Literal["local", "ray"] = Field(
+        "local",
+        description="Where the map steps run: `local` worker processes on this machine (no extra service), or "
+        "a Ray cluster (`ray`, through prefect-ray's RayTaskRunner under Prefect; data.output_dir must then be "
+        "a filesystem every Ray node sees).",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="Ray cluster address for runner=ray (`auto`, `ray://head:10001`, or `host:6379`); null starts "
+        "a Ray instance on this machine.",
     )
 
     @model_validator(mode="after")
     def _length_bounds(self) -> DataParams:
+        if self.ray_address is not None and self.runner != "ray":
+            raise ValueError(f"data.ray_address={self.ray_address!r} is set but data.runner={self.runner!r}, not 'ray'")
         if self.min_chars > self.max_chars:
             raise ValueError(f"data.min_chars={self.min_chars} is greater than data.max_chars={self.max_chars}")
         return self
@@ -118,7 +146,10 @@ class TokenizerParams(StrictModel):
         0.9995, gt=0.0, le=1.0, description="Share of characters the trained vocabulary must cover."
     )
     training_sentences: int = Field(
-        2_000_000, ge=1, description="At most this many lines are sampled to train the tokenizer."
+        2_000_000,
+        ge=1,
+        description="At most this many lines of training documents train the tokenizer: a deterministic "
+        "sample (the lines with the smallest keyed hashes), taken shard by shard in bounded memory.",
     )
     unk_id: int = Field(0, ge=0, description="Id of the unknown token.")
     bos_id: int = Field(1, ge=0, description="Id of the beginning-of-sequence token.")

@@ -1,79 +1,63 @@
-"""`prepare_dataset`: corpus inputs -> cleaned, deduplicated, filtered documents -> tokenizer -> packed,
-shuffled train/validation shards plus a manifest, in a directory named by the hash of the inputs and
-params, so an unchanged request reuses what is already there.
+"""`prepare_dataset`: corpus inputs -> cleaned, filtered, deduplicated documents -> tokenizer -> packed,
+shuffled train/validation token shards plus a manifest, in a directory named by the hash of the inputs
+and params, so an unchanged request reuses what is already there.
 
-The steps run in this order: read and clean (batched; in "spawn" worker processes only for several
-large files); drop empty, too short and too long documents, then exact duplicates; shuffle and split
-documents; train or load the tokenizer on the training documents; encode every document (native,
-multi-threaded, straight into numpy); drop near duplicates, found on token shingles, from both splits;
-pack; shuffle rows; write shards. Length filters run before deduplication so a document that is dropped
-anyway never hides a near-copy of itself. Near-deduplication follows the split, so `validation_fraction`
-is the held-out share before it; it needs the token ids, and encoding has to happen anyway.
+The steps keep their order (clean -> filter -> exact dedup -> split -> tokenize -> near dedup -> pack ->
+shuffle rows) and run as map -> reduce -> map over input shards, each step in memory bounded by a shard
+or a partition, never by the corpus:
 
-A given tokenizer (tokenizer.model_path) is loaded first, and then the corpus streams: each chunk is
-read, cleaned and filtered on this thread while the chunks before it encode and their MinHash
-signatures are computed, and the bad-record and empty-corpus checks come after the last chunk. The
-outcome is the same as in the order above, which a trained tokenizer needs (it sees every training
-document before anything is encoded). The two splits pack and write side by side.
-The dataset is built in a temporary sibling directory and renamed into place, so a failure never
-leaves a final directory behind.
+1. map (shard_map.py), per input shard (a file, a byte range of a large one, Parquet row groups): read,
+   clean, filter, drop repeats inside the shard, hash, split by keyed hash, tokenize, MinHash. When the
+   tokenizer is trained, a sampling map runs first and the tokenizer trains on the merged sample.
+2. reduce (global_dedup.py): exact duplicates across shards by hash partition, then near duplicates by
+   LSH-band-key partition, settled in corpus order. The output is a keep mask per shard.
+3. map (row_shuffle.py): each shard packs its kept documents into rows of its split's token stream (the
+   kept documents in corpus order); rows go to positions of a keyed permutation of the split; each
+   write step gathers one run of output shards from every pack file.
+
+Steps run through a `Mapper` (engine.py): local worker processes by default, a Ray cluster through
+Prefect in tasks/. The result does not depend on the mapper, the number of workers or data.shard_bytes:
+documents are numbered in corpus order, and every choice is a keyed hash of a document's text or a
+row's number. Map results are cached under data.output_dir/.work by the shard's content, the params
+and the tokenizer, so a run after new files landed maps only those (dedup and packing see everything).
+The dataset is built in a temporary sibling directory and renamed into place, so a failure or a kill
+never leaves a final directory behind.
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import shutil
-import sys
 import tempfile
-import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from itertools import chain, compress
 from pathlib import Path
 
 import numpy as np
-import sentencepiece as spm
 
-from model_core.data import dedup
-from model_core.data.cleaning import clean_texts
+from model_core.data import global_dedup, row_shuffle, shard_map
+from model_core.data.docstrings import stdlib_fingerprint
+from model_core.data.engine import LocalMapper, Mapper, available_cores
 from model_core.data.errors import DataPrepError
-from model_core.data.packing import pack_documents
-from model_core.data.shards import MANIFEST_NAME, file_sha256, write_shards
-from model_core.data.sources import FileReport, InputFile, fingerprint, list_inputs, read_input, read_input_chunks
-from model_core.data.tokenizer import (
-    encode_documents,
-    encoding_threads,
-    load_tokenizer,
-    open_tokenizer,
-    train_tokenizer,
-)
+from model_core.data.input_shards import InputShard, file_identity, plan_shards
+from model_core.data.shards import MANIFEST_NAME, file_sha256
+from model_core.data.sources import FileReport, InputFile, list_inputs
+from model_core.data.tokenizer import load_tokenizer, open_tokenizer, train_tokenizer
 from params.schema import DataParams, ModelParams, TokenizerParams
 
-FORMAT_VERSION = 2  # 2: near duplicates are found on token shingles
+FORMAT_VERSION = 3  # 3: map/reduce prep, split by keyed hash, flat memory-mappable token shards
 TOKENIZER_NAME = "tokenizer.model"
+REPORT_NAME = "prep_report.json"  # timings and the run's own details, beside (not in) the manifest
 CACHE_DIR = ".cache"  # under data.output_dir: the extracted standard-library docstrings
-MAX_REPORTED_RECORDS = 20
-_ENCODE_BATCH_DOCS = 1024  # small enough that minhashing one batch overlaps encoding the next
-_LAST_BATCH_DOCS = 128  # the smallest of the last batches, so little MinHash follows encoding (small batches cost)
-# Batches handed to the encoder at once: while one turns its ids into arrays under the GIL (~1.5 ms per
-# 1024 documents), the next keeps the cores encoding. They queue for one pool of `workers` native threads
-# (twice as many threads as cores cost 4-14 ms more CPU per 460K tokens), which take a batch's documents
-# one at a time, so the last batch ends on all cores together.
-_BATCHES_IN_FLIGHT = 2
-_CLEAN_CHUNK_DOCS = 512  # cleaned at a time, so that encoding starts after the first chunk, not the corpus
-# Reading in worker processes pays for their start (about a second) only on several large files.
-_PARALLEL_READ_BYTES = 64 << 20
+WORK_DIR = ".work"  # under data.output_dir: map results kept for later runs, and each build's scratch
+MAX_REPORTED_RECORDS = shard_map.MAX_REPORTED_RECORDS
 # Params that change where or how fast the data is made, not what it is.
-_NON_DATA_PARAMS = {"output_dir", "num_workers"}
+_NON_DATA_PARAMS = {"output_dir", "num_workers", "runner", "ray_address", "shard_bytes"}
+_PROGRESS_LOG_SECONDS = 10.0
 
 logger = logging.getLogger(__name__)
 
@@ -90,14 +74,24 @@ class PrepResult:
 
 
 def prepare_dataset(
-    data: DataParams, tokenizer: TokenizerParams, model: ModelParams, progress: Progress | None = None
+    data: DataParams,
+    tokenizer: TokenizerParams,
+    model: ModelParams,
+    progress: Progress | None = None,
+    mapper: Mapper | None = None,
 ) -> PrepResult:
+    if mapper is None:
+        with LocalMapper(data.num_workers or available_cores()) as local:
+            return prepare_dataset(data, tokenizer, model, progress, local)
     progress = progress or (lambda stage, done, total: None)
+    workers = data.num_workers or available_cores()
     inputs = list_inputs(data.sources)
+    work = Path(data.output_dir).resolve() / WORK_DIR
+    contents = _content_hashes(inputs, work, mapper, progress)
     params = data_params(data, tokenizer, model)
-    input_fingerprint = fingerprint(inputs)
+    input_fingerprint = _fingerprint(inputs, contents)
     key = _hash({"params": params, "inputs": input_fingerprint})[:16]
-    final_dir = Path(data.output_dir) / key
+    final_dir = Path(data.output_dir).resolve() / key
 
     if final_dir.exists():
         problem = verify_dataset(final_dir)
@@ -106,14 +100,20 @@ def prepare_dataset(
         logger.warning("prepared dataset %s is damaged (%s); rebuilding it", final_dir, problem)
 
     final_dir.parent.mkdir(parents=True, exist_ok=True)
+    (work / "builds").mkdir(parents=True, exist_ok=True)
     build_dir = Path(tempfile.mkdtemp(prefix=f".{key}.building-", dir=final_dir.parent))
+    scratch = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=work / "builds"))
     try:
-        manifest = _build(build_dir, inputs, data, tokenizer, model, progress)
+        build = _Build(data, tokenizer, model, mapper, progress, build_dir, scratch, work, workers)
+        shards = plan_shards(inputs, data.shard_bytes, contents)
+        manifest = build.run(shards)
         manifest.update(key=key, params=params, params_hash=_hash(params), input_fingerprint=input_fingerprint)
         (build_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+        (build_dir / REPORT_NAME).write_text(json.dumps(build.report(workers), indent=2) + "\n")
         _move_into_place(build_dir, final_dir)
     finally:
         shutil.rmtree(build_dir, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
     return _result(final_dir, reused=False)
 
 
@@ -150,460 +150,379 @@ def verify_dataset(directory: Path) -> str | None:
     return None
 
 
-def _build(
-    build_dir: Path,
-    inputs: list[InputFile],
-    data: DataParams,
-    tokenizer: TokenizerParams,
-    model: ModelParams,
-    progress: Progress,
-) -> dict:
-    workers = data.num_workers or len(os.sched_getaffinity(0))
-    watch = _Stopwatch()
-    given = tokenizer.model_path is not None
-    if given:
-        tokenizer_info, processor = _tokenizer(build_dir, None, tokenizer, model, data.shuffle_seed, workers)
-        watch.lap("tokenizer")
-
-    selection = _Selection(data)
-    reports: list[FileReport] = []
-    # With a given tokenizer every chunk is encoded as soon as it is selected, while the next one is read
-    # and cleaned; a trained one needs the whole corpus first. Either way the chunks come in corpus order.
-    reading = _quiet if given else progress
-    chunks = _read_and_clean(
-        inputs, data.normalize_unicode, workers, Path(data.output_dir) / CACHE_DIR, reports, reading
-    )
-    documents = _selected(chunks, selection, watch, reading)
-    if given:
-        token_ids, lengths, signatures = _encode(documents, processor, workers, data, progress, "read and tokenize")
-        watch.lap("encode_and_minhash")
-    else:
-        texts = list(chain.from_iterable(documents))
-    read_counts = _check_bad_records(reports, data.max_bad_record_fraction)
-    bad_records = read_counts.pop("examples")
-    dropped, steps = selection.outcome()
-    train_order, validation_order = _split_documents(selection.kept, data.validation_fraction, data.shuffle_seed)
-    if not given:
-        train_texts = [texts[i] for i in train_order]
-        tokenizer_info, processor = _tokenizer(build_dir, train_texts, tokenizer, model, data.shuffle_seed, workers)
-        watch.lap("tokenizer")
-        token_ids, lengths, signatures = _encode([texts], processor, workers, data, progress, "tokenize")
-        watch.lap("encode_and_minhash")
-
-    near_copies = np.zeros(selection.kept, dtype=bool)
-    if signatures is not None:
-        progress("near dedup", 0, 1)
-        near_copies = dedup.near_duplicate_mask(signatures, data.near_dup_threshold)
-        progress("near dedup", 1, 1)
-        dropped["near_duplicate"] = int(near_copies.sum())
-        steps.append({"step": "near_duplicate", "in": selection.kept, "out": int((~near_copies).sum())})
-    watch.lap("near_dedup")
-
-    orders = {
-        "train": train_order[~near_copies[train_order]],
-        "validation": validation_order[~near_copies[validation_order]],
-    }
-    for split in orders:
-        progress(f"write {split}", 0, 1)
-    # The validation split packs and writes beside the training one (numpy, zstd and the writes drop the GIL).
-    # The larger training split stays on this thread, whose allocator has freed memory to reuse: in the
-    # writer thread more of its arrays were new pages (page faults cost ~4.5 us each on these machines).
-    with ThreadPoolExecutor(1, thread_name_prefix="write") as writer:
-        validation = writer.submit(
-            _pack_and_write, build_dir, "validation", token_ids, lengths, orders["validation"], data, tokenizer, model
-        )
-        train = _pack_and_write(build_dir, "train", token_ids, lengths, orders["train"], data, tokenizer, model)
-        splits = {"train": train, "validation": validation.result()}
-    for split in splits:
-        progress(f"write {split}", 1, 1)
-    watch.lap("pack_and_write")
-    if splits["train"]["rows"] == 0:
-        raise DataPrepError(
-            f"the {splits['train']['documents']} training documents make {splits['train']['tokens']} tokens, "
-            f"less than one row of model.seq_len + 1 = {model.seq_len + 1}"
-        )
-    return {
-        "format_version": FORMAT_VERSION,
-        "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "counts": {**read_counts, "dropped": dropped, "kept_documents": selection.kept - int(near_copies.sum())},
-        "steps": steps,
-        "near_dedup": {
-            "shingle": f"{data.shingle_words} consecutive token ids (data.shingle_words counts tokens)",
-            "signature": f"one-permutation MinHash, {data.minhash_permutations} positions, optimal densification",
-        },
-        "bad_records": bad_records,
-        "tokenizer": tokenizer_info,
-        "vocab_size": model.vocab_size,
-        "seq_len": model.seq_len,
-        "splits": splits,
-        "timings_s": {stage: round(seconds, 4) for stage, seconds in watch.seconds.items()},
-    }
+def _content_hashes(inputs: list[InputFile], work: Path, mapper: Mapper, progress: Progress) -> dict[Path, str]:
+    """The sha256 of every input file, hashed (by the mapper's workers) only when its path, size, mtime or
+    inode changed since a run last hashed it; the standard library by its `stdlib_fingerprint`."""
+    cache = work / "file-hashes"
+    known: dict[Path, str] = {}
+    missing: list[Path] = []
+    for item in inputs:
+        if item.path.is_dir():
+            known[item.path] = stdlib_fingerprint()
+            continue
+        entry = cache / hashlib.sha256(file_identity(item.path).encode()).hexdigest()[:32]
+        try:
+            known[item.path] = entry.read_text().strip()
+        except OSError:
+            missing.append(item.path)
+    progress("hash inputs", 0, len(missing))
+    for done, (path, digest) in enumerate(zip(missing, mapper("hash inputs", file_sha256, missing)), 1):
+        known[path] = digest
+        _write_text_atomically(cache / hashlib.sha256(file_identity(path).encode()).hexdigest()[:32], digest)
+        progress("hash inputs", done, len(missing))
+    return known
 
 
-class _Stopwatch:
-    """Wall seconds per stage; a stage met several times (reading interleaved with encoding) adds up."""
+def _fingerprint(inputs: list[InputFile], contents: dict[Path, str]) -> str:
+    """Hash of every input's identity and content."""
+    digest = hashlib.sha256()
+    for item in inputs:
+        digest.update(f"{item.kind}\t{item.text_field}\t{item.text_unit}\t{item.path}\t{contents[item.path]}\n".encode())
+    return digest.hexdigest()
 
-    def __init__(self) -> None:
+
+class _Build:
+    """One dataset build: the steps in order, their results, and what they report."""
+
+    def __init__(
+        self,
+        data: DataParams,
+        tokenizer: TokenizerParams,
+        model: ModelParams,
+        mapper: Mapper,
+        progress: Progress,
+        build_dir: Path,
+        scratch: Path,
+        work: Path,
+        workers: int,
+    ) -> None:
+        self.data, self.tokenizer, self.model = data, tokenizer, model
+        self.mapper, self.progress = mapper, progress
+        self.build_dir, self.scratch, self.work, self.workers = build_dir, scratch, work, workers
         self.seconds: dict[str, float] = {}
-        self._last = time.perf_counter()
+        self.reuse: dict[str, int] = {}
 
-    def lap(self, stage: str) -> None:
-        now = time.perf_counter()
-        self.seconds[stage] = self.seconds.get(stage, 0.0) + now - self._last
-        self._last = now
+    def run(self, shards: list[InputShard]) -> dict:
+        threads = max(1, self.workers // max(1, min(self.workers, len(shards))))
+        tokenizer_info, tokenizer_path = self._tokenizer(shards, threads)
+        results = self._map(shards, threads, tokenizer_path, tokenizer_info["sha256"])
+        read_counts = check_bad_records(results, self.data.max_bad_record_fraction)
+        plan = self._plan(results)
+        across_shards = self._exact_dedup(plan)
+        dropped, steps = _filter_counts(results, self.data, across_shards)
+        near = self._near_dedup(plan)
+        if self.data.near_dup_threshold is not None:
+            kept_before = steps[-1]["out"]
+            dropped["near_duplicate"] = near
+            steps.append({"step": "near_duplicate", "in": kept_before, "out": kept_before - near})
+        kept = steps[-1]["out"] if steps else plan.documents
+        splits = {split: self._pack_and_write(plan, split) for split in row_shuffle.SPLITS}
+        if splits["train"]["rows"] == 0:
+            raise DataPrepError(
+                f"the {splits['train']['documents']} training documents make {splits['train']['tokens']} tokens, "
+                f"less than one row of model.seq_len + 1 = {self.model.seq_len + 1}"
+            )
+        return {
+            "format_version": FORMAT_VERSION,
+            "counts": {**read_counts, "dropped": dropped, "kept_documents": kept},
+            "steps": steps,
+            "split": f"a document is held out when its keyed text hash is in the lowest "
+            f"data.validation_fraction={self.data.validation_fraction} of the hash range",
+            "near_dedup": {
+                "shingle": f"{self.data.shingle_words} consecutive token ids (data.shingle_words counts tokens)",
+                "signature": f"one-permutation MinHash, {self.data.minhash_permutations} positions, optimal densification",
+            },
+            "bad_records": read_counts.pop("examples"),
+            "tokenizer": tokenizer_info,
+            "vocab_size": self.model.vocab_size,
+            "seq_len": self.model.seq_len,
+            "splits": splits,
+            "reuse": self.reuse,
+        }
+
+    def report(self, workers: int) -> dict:
+        return {"timings_s": {stage: round(s, 4) for stage, s in self.seconds.items()}, "workers": workers, "reuse": self.reuse}
+
+    def _run_step(self, stage: str, function: Callable, jobs: list, sizes: list[int] | None = None) -> list:
+        """Every job's result in order, reporting progress as they arrive."""
+        watch = _StepProgress(stage, len(jobs), sizes, self.progress)
+        results = []
+        for result in self.mapper(stage, function, jobs):
+            results.append(result)
+            watch.update(result)
+        watch.finish()
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + watch.elapsed
+        return results
+
+    def _shard_job(self, shard: InputShard, threads: int, directory: Path, tokenizer_path: Path | None = None):
+        return shard_map.ShardJob(
+            shard, self.data, self.tokenizer, self.model.vocab_size, threads, directory,
+            Path(self.data.output_dir).resolve() / CACHE_DIR, tokenizer_path,
+        )
+
+    def _tokenizer(self, shards: list[InputShard], threads: int) -> tuple[dict, Path]:
+        """The tokenizer's manifest entry and its file in the build: loaded from tokenizer.model_path, or
+        trained on the bottom-k sample of the training documents' lines."""
+        started = time.perf_counter()
+        if self.tokenizer.model_path is not None:
+            model_bytes, origin = load_tokenizer(Path(self.tokenizer.model_path)), f"tokenizer {self.tokenizer.model_path}"
+        else:
+            sample_params = self._map_params("sample", training_sentences=self.tokenizer.training_sentences)
+            jobs = [self._shard_job(s, threads, self._cache_dir("sample", s, sample_params)) for s in shards]
+            results = self._run_step("sample", shard_map.sample_shard, jobs, [_shard_size(s) for s in shards])
+            self.reuse["sample_shards_reused"] = sum(bool(r.get("reused")) for r in results)
+            check_bad_records(results, self.data.max_bad_record_fraction)
+            lines = _merged_sample([job.output for job in jobs], self.tokenizer.training_sentences)
+            model_bytes = train_tokenizer(lines, self.tokenizer, self.model.vocab_size, self.data.shuffle_seed, self.workers)
+            origin = "the trained tokenizer"
+        open_tokenizer(model_bytes, self.tokenizer, self.model.vocab_size, origin)
+        path = self.build_dir / TOKENIZER_NAME
+        path.write_bytes(model_bytes)
+        self.seconds["tokenizer"] = time.perf_counter() - started
+        info = {
+            "file": TOKENIZER_NAME,
+            "sha256": hashlib.sha256(model_bytes).hexdigest(),
+            "trained": self.tokenizer.model_path is None,
+            "origin": origin,
+            "vocab_size": self.model.vocab_size,
+            **{name: getattr(self.tokenizer, name) for name in ("unk_id", "bos_id", "eos_id", "pad_id")},
+        }
+        return info, path
+
+    def _map_params(self, step: str, **extra: object) -> dict:
+        fields = {"normalize_unicode", "min_chars", "max_chars", "dedup_exact", "shuffle_seed", "validation_fraction"}
+        if step == "map":
+            fields |= {"near_dup_threshold", "shingle_words", "minhash_permutations"}
+        return {"format_version": FORMAT_VERSION, "step": step, **self.data.model_dump(include=fields), **extra}
+
+    def _cache_dir(self, step: str, shard: InputShard, params: dict) -> Path:
+        return self.work / step / _hash({"shard": shard.identity(), "params": params})[:32]
+
+    def _map(self, shards: list[InputShard], threads: int, tokenizer_path: Path, tokenizer_sha256: str) -> list[dict]:
+        # The tokenizer is copied into the work directory: the build directory may be on a disk the
+        # workers of a cluster do not see, while data.output_dir must be shared.
+        shared_tokenizer = self.scratch / TOKENIZER_NAME
+        shutil.copyfile(tokenizer_path, shared_tokenizer)
+        params = self._map_params(
+            "map", tokenizer_sha256=tokenizer_sha256, vocab_size=self.model.vocab_size, near=self.data.near_dup_threshold is not None
+        )
+        jobs = [self._shard_job(s, threads, self._cache_dir("map", s, params), shared_tokenizer) for s in shards]
+        results = self._run_step("map", shard_map.map_shard, jobs, [_shard_size(s) for s in shards])
+        self.reuse["input_shards"] = len(shards)
+        self.reuse["map_shards_reused"] = sum(bool(r.get("reused")) for r in results)
+        for job, result in zip(jobs, results):
+            result["directory"] = str(job.output)
+        return results
+
+    def _plan(self, results: list[dict]) -> global_dedup.Plan:
+        directories = [Path(r["directory"]) for r in results]
+        first = np.concatenate([[0], np.cumsum([r["documents"] for r in results])]).astype(int).tolist()
+        plan = global_dedup.Plan(directories, first)
+        plan.save(self.scratch / "plan.json")
+        for shard, result in enumerate(results):
+            np.save(plan.keep_path(self.scratch, shard), np.ones(result["documents"], dtype=bool))
+        return plan
+
+    def _exact_dedup(self, plan: global_dedup.Plan) -> int:
+        """Repeats of a text in another, earlier shard (those inside a shard went in its map step)."""
+        if not self.data.dedup_exact or len(plan.directories) < 2:
+            return 0
+        count = global_dedup.partitions_for(plan.documents, 1, global_dedup._EXACT_ENTRY_BYTES)
+        jobs = [global_dedup.ReduceJob(self.scratch / "plan.json", self.scratch, p, count) for p in range(count)]
+        self._run_step("exact dedup", global_dedup.exact_partition, jobs)
+        return global_dedup.drop_from_keep_masks(plan, self.scratch, [job.output for job in jobs], None)
+
+    def _near_dedup(self, plan: global_dedup.Plan) -> int:
+        threshold = self.data.near_dup_threshold
+        if threshold is None:
+            return 0
+        bands = self.data.minhash_permutations // global_dedup.dedup.rows_per_band(self.data.minhash_permutations, threshold)
+        count = global_dedup.partitions_for(plan.documents, bands, global_dedup._NEAR_ENTRY_BYTES)
+        jobs = [global_dedup.ReduceJob(self.scratch / "plan.json", self.scratch, p, count, threshold) for p in range(count)]
+        self._run_step("near dedup", global_dedup.near_partition, jobs)
+        started = time.perf_counter()
+        pairs = [np.load(job.output) for job in jobs]
+        dropped = global_dedup.settle_near_duplicates(np.concatenate(pairs) if pairs else np.empty((0, 2), np.int64))
+        global_dedup.drop_from_keep_masks(plan, self.scratch, None, dropped)
+        self.seconds["near dedup"] += time.perf_counter() - started
+        return len(dropped)
+
+    def _pack_and_write(self, plan: global_dedup.Plan, split: str) -> dict:
+        """Pack, shuffle and write one split; its manifest entry."""
+        packing = row_shuffle.Packing(
+            split=split,
+            row_len=self.model.seq_len + 1,
+            bos_id=self.tokenizer.bos_id if self.data.add_bos else None,
+            eos_id=self.tokenizer.eos_id,
+            pad_id=self.tokenizer.pad_id,
+            pad_last_row=self.data.last_row == "pad",
+            seed=self.data.shuffle_seed,
+            rows_per_shard=self.data.rows_per_shard,
+            vocab_size=self.model.vocab_size,
+        )
+        documents, tokens = row_shuffle.stream_lengths(plan, self.scratch, split, self.data.add_bos)
+        _check_split(split, sum(documents), self.data.validation_fraction)
+        row_shuffle.save_offsets(self.scratch, split, tokens)
+        plan_path = self.scratch / "plan.json"
+        pack_jobs = [row_shuffle.PackJob(plan_path, self.scratch, s, packing) for s in range(len(plan.directories))]
+        self._run_step(f"pack {split}", row_shuffle.pack_shard, pack_jobs)
+        rows = row_shuffle.rows_of(sum(tokens), packing)
+        write_jobs = [
+            row_shuffle.WriteJob(plan_path, self.scratch, self.build_dir, packing, first, end)
+            for first, end in row_shuffle.buckets(rows, packing)
+        ]
+        shards = [entry for entries in self._run_step(f"write {split}", row_shuffle.write_bucket, write_jobs) for entry in entries]
+        return {
+            "documents": sum(documents),
+            "tokens": sum(tokens),
+            "rows": rows,
+            "packed_tokens": sum(shard["tokens"] for shard in shards),
+            "shards": shards,
+        }
 
 
-def _quiet(stage: str, done: int, total: int | None) -> None:
-    """Progress that is not shown: reading runs inside the "read and tokenize" phase."""
+def _check_split(split: str, documents: int, fraction: float) -> None:
+    if split == "train" and documents == 0:
+        raise DataPrepError(
+            f"data.validation_fraction={fraction} left no training document: every kept document was held out"
+        )
+    if split == "validation" and fraction > 0 and documents == 0:
+        raise DataPrepError(
+            f"data.validation_fraction={fraction} held out none of the kept documents (a document is held out by "
+            "its keyed hash); raise the fraction or add documents"
+        )
 
 
-def _read_and_clean(
-    inputs: list[InputFile],
-    normalize_unicode: bool,
-    workers: int,
-    cache_dir: Path,
-    reports: list[FileReport],
-    progress: Progress,
-) -> Iterator[list[str]]:
-    """The cleaned documents of every input in order, a chunk at a time; each input's FileReport is
-    appended to `reports` once it is read. In "spawn" worker processes when there are several large files.
-
-    Never "fork": this runs inside Prefect flows, whose process has threads, and a child forked while
-    another thread holds a lock (logging's, say) can hang on it forever.
-    """
-    file_bytes = sum(item.path.stat().st_size for item in inputs if item.path.is_file())
-    progress("read", 0, len(inputs))
-    if workers > 1 and len(inputs) > 1 and file_bytes > _PARALLEL_READ_BYTES:
-        jobs = [(item, normalize_unicode, cache_dir) for item in inputs]
-        pool = ProcessPoolExecutor(min(workers, len(jobs)), mp_context=multiprocessing.get_context("spawn"))
-        with pool:
-            for done, (texts, report) in enumerate(pool.map(_read_and_clean_input, jobs), 1):
-                reports.append(report)
-                progress("read", done, len(inputs))
-                yield texts
-        return
-    for done, item in enumerate(inputs, 1):
-        reports.append(FileReport(item.path))
-        for texts in read_input_chunks(item, reports[-1], cache_dir):
-            for first in range(0, len(texts), _CLEAN_CHUNK_DOCS):
-                yield clean_texts(texts[first : first + _CLEAN_CHUNK_DOCS], normalize_unicode)
-        progress("read", done, len(inputs))
+def _shard_size(shard: InputShard) -> int:
+    return shard_map._shard_bytes(shard)
 
 
-def _read_and_clean_input(job: tuple[InputFile, bool, Path]) -> tuple[list[str], FileReport]:
-    item, normalize_unicode, cache_dir = job
-    texts, report = read_input(item, cache_dir)
-    return clean_texts(texts, normalize_unicode), report
+def _merged_sample(directories: Iterable[Path], limit: int) -> list[str]:
+    """The `limit` lines with the smallest keys over every shard's sample, in key order; at most about
+    2 * limit lines are held at once."""
+    keys, lines = np.empty(0, dtype=np.uint64), []
+    for directory in directories:
+        shard_keys, shard_lines = shard_map.read_sample(directory)
+        keys, lines = np.concatenate([keys, shard_keys]), lines + shard_lines
+        keys, lines = shard_map._smallest(keys, lines, limit)
+    return lines
 
 
-def _selected(
-    chunks: Iterator[list[str]], selection: _Selection, watch: _Stopwatch, progress: Progress
-) -> Iterator[list[str]]:
-    """The kept documents of each chunk; the time between chunks is the consumer's (encoding)."""
-    for chunk in chunks:
-        watch.lap("read_and_clean")
-        kept = selection.keep(chunk)
-        watch.lap("filter_and_exact_dedup")
-        yield kept
-        watch.lap("encode_and_minhash")
-    progress("filter and dedup", selection.checked, selection.checked)
-
-
-def _check_bad_records(reports: list[FileReport], max_fraction: float) -> dict:
-    """Log bad records, fail when malformed ones exceed the allowed share, return the read counts."""
-    records = sum(report.records for report in reports)
-    malformed = [f"{r.path}:{line}: {reason}" for r in reports for line, reason in r.malformed]
-    undecodable = [f"{r.path}:{line}: undecodable bytes replaced" for r in reports for line in r.undecodable_lines]
-    examples = (malformed + undecodable)[:MAX_REPORTED_RECORDS]
+def check_bad_records(results: list[dict], max_fraction: float) -> dict:
+    """Log the bad records that the map steps found, fail when malformed ones exceed the allowed share,
+    return the read counts (with up to MAX_REPORTED_RECORDS examples, in corpus order)."""
+    records = sum(r["records"] for r in results)
+    malformed = sum(r["malformed"] for r in results)
+    undecodable = sum(r["undecodable"] for r in results)
+    examples = [example for r in results for example in r["examples"]][:MAX_REPORTED_RECORDS]
     for example in examples:
         logger.warning("bad record %s", example)
     if malformed or undecodable:
         logger.warning(
             "%d malformed records skipped and %d lines with undecodable bytes kept, of %d records",
-            len(malformed),
-            len(undecodable),
+            malformed,
+            undecodable,
             records,
         )
-    if records and len(malformed) / records > max_fraction:
+    if records and malformed / records > max_fraction:
+        first = next(r["first_malformed"] for r in results if r["first_malformed"])
         raise DataPrepError(
-            f"{len(malformed)} of {records} records ({len(malformed) / records:.2%}) are malformed, more than "
-            f"data.max_bad_record_fraction={max_fraction}; first: {malformed[0]}"
+            f"{malformed} of {records} records ({malformed / records:.2%}) are malformed, more than "
+            f"data.max_bad_record_fraction={max_fraction}; first: {first}"
         )
-    return {
-        "records": records,
-        "malformed": len(malformed),
-        "undecodable": len(undecodable),
-        "examples": examples,
-    }
+    return {"records": records, "malformed": malformed, "undecodable": undecodable, "examples": examples}
 
 
-class _Selection:
-    """Drops empty, too short, too long and exactly duplicated documents, a chunk at a time in corpus
-    order, and counts each reason. The outcome is that of the whole corpus at once: length filters
-    look at one document, and a duplicate is judged against every earlier kept one.
-    """
+def _check_bad_records(reports: list[FileReport], max_fraction: float) -> dict:
+    """`check_bad_records` of whole-file read reports (instruction prep reads its files in one piece)."""
+    results = []
+    for report in reports:
+        malformed = [f"{report.path}:{line}: {reason}" for line, reason in report.malformed]
+        undecodable = [f"{report.path}:{line}: undecodable bytes replaced" for line in report.undecodable_lines]
+        results.append(
+            {
+                "records": report.records,
+                "malformed": len(malformed),
+                "undecodable": len(undecodable),
+                "examples": (malformed + undecodable)[:MAX_REPORTED_RECORDS],
+                "first_malformed": malformed[0] if malformed else None,
+            }
+        )
+    return check_bad_records(results, max_fraction)
 
-    def __init__(self, data: DataParams) -> None:
-        self.data = data
-        self.steps = ["empty", "too_short", "too_long"] + (["exact_duplicate"] if data.dedup_exact else [])
-        self.seen = dict.fromkeys(self.steps, 0)  # documents that reached each step
-        self.dropped = dict.fromkeys(self.steps, 0)
-        self.kept = 0
-        self._texts: set[str] = set()
+
+def _filter_counts(results: list[dict], data: DataParams, exact_across_shards: int) -> tuple[dict, list]:
+    """The count dropped per reason and each step's documents in and out, summed over the shards (exact
+    repeats inside a shard, counted by its map step, and across shards, by the reduce)."""
+    steps = [*shard_map.FILTER_STEPS] + (["exact_duplicate"] if data.dedup_exact else [])
+    seen = {step: sum(r["seen"][step] for r in results) for step in steps}
+    dropped = {step: sum(r["dropped"][step] for r in results) for step in (*shard_map.FILTER_STEPS, "exact_duplicate")}
+    dropped["exact_duplicate"] += exact_across_shards
+    dropped["near_duplicate"] = 0
+    if sum(r["documents"] for r in results) == exact_across_shards:
+        counts = ", ".join(f"{reason}={count}" for reason, count in dropped.items())
+        raise DataPrepError(f"no document is left after cleaning, filtering and deduplication ({counts})")
+    return dropped, [{"step": step, "in": seen[step], "out": seen[step] - dropped[step]} for step in steps]
+
+
+class _StepProgress:
+    """Per step: the `progress` callback after every job, and a log line at most every
+    _PROGRESS_LOG_SECONDS and at the end with documents/s, tokens/s, MB read and the ETA."""
+
+    def __init__(self, stage: str, jobs: int, sizes: list[int] | None, progress: Progress) -> None:
+        self.stage, self.jobs, self.progress = stage, jobs, progress
+        self.total_bytes = sum(sizes) if sizes else None
+        self.done = self.documents = self.tokens = self.bytes = 0
+        self.started = self._logged = time.perf_counter()
+        progress(stage, 0, jobs)
 
     @property
-    def checked(self) -> int:
-        return self.seen["empty"]
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.started
 
-    def keep(self, texts: list[str]) -> list[str]:
-        lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
-        keep = np.ones(len(texts), dtype=bool)
-        for step, mask in (
-            ("empty", lengths == 0),
-            ("too_short", lengths < self.data.min_chars),
-            ("too_long", lengths > self.data.max_chars),
-        ):
-            keep &= ~self._count(step, keep, mask)
-        kept = list(compress(texts, keep.tolist()))
-        if self.data.dedup_exact:
-            duplicate = self._count(
-                "exact_duplicate", np.ones(len(kept), dtype=bool), dedup.exact_duplicate_mask(kept, self._texts)
-            )
-            kept = list(compress(kept, (~duplicate).tolist()))
-        self.kept += len(kept)
-        return kept
+    def update(self, result: dict) -> None:
+        self.done += 1
+        if isinstance(result, dict):
+            self.documents += result.get("documents", 0)
+            self.tokens += result.get("tokens", 0)
+            self.bytes += result.get("bytes", 0)
+        self.progress(self.stage, self.done, self.jobs)
+        if time.perf_counter() - self._logged >= _PROGRESS_LOG_SECONDS:
+            self._log()
 
-    def outcome(self) -> tuple[dict, list]:
-        """The count dropped per reason and each step's documents in and out."""
-        dropped = {"empty": 0, "too_short": 0, "too_long": 0, "exact_duplicate": 0, **self.dropped, "near_duplicate": 0}
-        if not self.kept:
-            counts = ", ".join(f"{reason}={count}" for reason, count in dropped.items())
-            raise DataPrepError(f"no document is left after cleaning, filtering and deduplication ({counts})")
-        steps = [
-            {"step": step, "in": self.seen[step], "out": self.seen[step] - self.dropped[step]} for step in self.steps
-        ]
-        return dropped, steps
+    def finish(self) -> None:
+        if self.jobs:
+            self._log()
 
-    def _count(self, step: str, keep: np.ndarray, mask: np.ndarray) -> np.ndarray:
-        """The still kept documents that `mask` drops, counted against `step`."""
-        newly = mask & keep
-        self.seen[step] += int(keep.sum())
-        self.dropped[step] += int(newly.sum())
-        return newly
+    def _log(self) -> None:
+        self._logged = now = time.perf_counter()
+        seconds = max(now - self.started, 1e-9)
+        parts = [f"{self.stage}: {self.done}/{self.jobs} jobs"]
+        if self.documents:
+            parts.append(f"{self.documents:,} documents ({self.documents / seconds:,.0f}/s)")
+        if self.tokens:
+            parts.append(f"{self.tokens:,} tokens ({self.tokens / seconds:,.0f}/s)")
+        if self.bytes:
+            parts.append(f"{self.bytes / 1e6:,.1f} MB read ({self.bytes / 1e6 / seconds:,.1f} MB/s)")
+        share = self.bytes / self.total_bytes if self.total_bytes and self.bytes else self.done / max(self.jobs, 1)
+        if 0 < share < 1:
+            parts.append(f"ETA {_duration(seconds * (1 - share) / share)}")
+        parts.append(f"{_duration(seconds)} elapsed")
+        logger.info(", ".join(parts))
 
 
-def _split_documents(documents: int, validation_fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """Shuffled document indices of the training and validation documents (at least one held out when
-    the share is > 0)."""
-    order = _rng(seed, "documents").permutation(documents)
-    held_out = max(1, round(documents * validation_fraction)) if validation_fraction > 0 else 0
-    if held_out >= documents:
-        raise DataPrepError(
-            f"{documents} documents cannot be split with data.validation_fraction={validation_fraction}: "
-            "no training document would be left"
-        )
-    return order[held_out:], order[:held_out]
+def _duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
-def _tokenizer(
-    build_dir: Path,
-    train_docs: list[str] | None,
-    tokenizer: TokenizerParams,
-    model: ModelParams,
-    seed: int,
-    workers: int,
-) -> tuple[dict, spm.SentencePieceProcessor]:
-    """The tokenizer's manifest entry and processor, after writing it into the build: loaded from
-    tokenizer.model_path, or trained on `train_docs` (None when the tokenizer is given)."""
-    started = time.perf_counter()
-    if tokenizer.model_path is not None:
-        model_bytes, origin = load_tokenizer(Path(tokenizer.model_path)), f"tokenizer {tokenizer.model_path}"
-    else:
-        model_bytes = train_tokenizer(train_docs, tokenizer, model.vocab_size, seed, workers)
-        origin = "the trained tokenizer"
-    processor = open_tokenizer(model_bytes, tokenizer, model.vocab_size, origin)
-    (build_dir / TOKENIZER_NAME).write_bytes(model_bytes)
-    info = {
-        "file": TOKENIZER_NAME,
-        "sha256": hashlib.sha256(model_bytes).hexdigest(),
-        "trained": tokenizer.model_path is None,
-        "origin": origin,
-        "seconds": round(time.perf_counter() - started, 4),
-        "vocab_size": model.vocab_size,
-        **{name: getattr(tokenizer, name) for name in ("unk_id", "bos_id", "eos_id", "pad_id")},
-    }
-    return info, processor
-
-
-def _encode(
-    chunks: Iterable[list[str]],
-    processor: spm.SentencePieceProcessor,
-    workers: int,
-    data: DataParams,
-    progress: Progress,
-    phase: str,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    """The token ids of all documents of all chunks concatenated (int32), the number of tokens of each,
-    and (when near-dedup is on) their MinHash signatures.
-
-    Batches are encoded from background threads (SentencePiece drops the GIL and runs each batch on the
-    `workers` native threads, which the batches queue for) while this thread pulls the next chunk (which
-    reads and cleans it, when the chunks come lazily from the inputs) and computes the signatures of
-    finished batches, so that work shares the cores with encoding instead of following it.
-    """
-    token_ids, lengths = _Appended(np.int32), _Appended(np.int64)
-    signatures = _Appended(np.uint32, data.minhash_permutations) if data.near_dup_threshold is not None else None
-    total: int | None = None  # known once every chunk is in
-
-    def absorb(encoded: Future) -> None:
-        pieces = encoded.result()
-        batch_lengths = lengths.extend([np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))])
-        batch_ids = token_ids.extend(pieces)
-        if signatures is not None:
-            signatures.extend(
-                [dedup.minhash_signatures(batch_ids, batch_lengths, data.shingle_words, data.minhash_permutations)]
-            )
-        progress(phase, len(lengths), total)
-
-    def submit(documents: list[str]) -> None:
-        nonlocal submitted
-        waiting.append(encoder.submit(encode_documents, processor, documents, workers, native_threads))
-        submitted += len(documents)
-
-    progress(phase, 0, None)
-    native_threads = encoding_threads(workers)
-    encoder = ThreadPoolExecutor(_BATCHES_IN_FLIGHT, thread_name_prefix="encode")
-    waiting: deque[Future] = deque()
-    batch: list[str] = []
-    submitted = 0
-    try:
-        with _PROMPT_SWITCHES.lowered():
-            for chunk in chunks:
-                batch += chunk
-                # Whatever there is, up to a full batch, whenever an encoder is free: none waits in a queue,
-                # so none starts late and ends after the last ones.
-                while batch and sum(not f.done() for f in waiting) < _BATCHES_IN_FLIGHT:
-                    submit(batch[:_ENCODE_BATCH_DOCS])
-                    batch = batch[_ENCODE_BATCH_DOCS:]
-                while waiting and waiting[0].done():
-                    absorb(waiting.popleft())
-            for size in _last_batches(len(batch)):
-                submit(batch[:size])
-                batch = batch[size:]
-            total = submitted
-            while waiting:
-                absorb(waiting.popleft())
-            progress(phase, submitted, total)  # also when every batch was taken in while chunks still came
-    finally:
-        encoder.shutdown(cancel_futures=True)  # after a failure, the batches not started yet are dropped
-    return token_ids.values(), lengths.values(), None if signatures is None else signatures.values()
-
-
-class _Appended:
-    """An array that batches are appended to, in a buffer that doubles when full. Concatenating the batches
-    at the end instead copied every token id and signature once more, into new pages, on the
-    single-threaded stretch after encoding; the doublings come while encoding (page faults per prep run
-    of 460K tokens: 1,812 -> 883)."""
-
-    def __init__(self, dtype: type, row_width: int | None = None) -> None:
-        self._rows = () if row_width is None else (row_width,)
-        self._buffer = np.empty((1024, *self._rows), dtype=dtype)
-        self._size = 0
-
-    def __len__(self) -> int:
-        return self._size
-
-    def extend(self, parts: list[np.ndarray]) -> np.ndarray:
-        """Append the parts, one after another; returns the appended rows (a view)."""
-        end = self._size + sum(map(len, parts))
-        if end > len(self._buffer):
-            grown = np.empty((max(2 * len(self._buffer), end), *self._rows), dtype=self._buffer.dtype)
-            grown[: self._size] = self._buffer[: self._size]
-            self._buffer = grown
-        added = self._buffer[self._size : end]
-        if parts:
-            np.concatenate(parts, out=added)
-        self._size = end
-        return added
-
-    def values(self) -> np.ndarray:
-        return self._buffer[: self._size]
-
-
-def _last_batches(documents: int) -> list[int]:
-    """The sizes of the batches that the documents left after reading encode in: halving from a full batch
-    down to _LAST_BATCH_DOCS, so that the last ones are small (the last batch's MinHash follows encoding)."""
-    sizes = []
-    while documents:
-        sizes.append(min(_ENCODE_BATCH_DOCS, max(documents // 2, _LAST_BATCH_DOCS), documents))
-        documents -= sizes[-1]
-    return sizes
-
-
-class _SwitchInterval:
-    """Lowers the interpreter's thread switch interval while Python work here runs beside encoding.
-
-    The encoder thread needs the GIL for a moment before and after every batch. While this thread runs
-    Python code (reading, cleaning) it gets it only once the switch interval (5 ms by default) is up,
-    and meanwhile the cores that would encode wait (measured: requests took 6 ms at p90, 1.2 ms at
-    0.5 ms). The interval is process-wide, so overlapping uses share one saved value.
-    """
-
-    def __init__(self, seconds: float) -> None:
-        self.seconds = seconds
-        self._lock = threading.Lock()
-        self._users = 0
-        self._saved = 0.0
-
-    @contextmanager
-    def lowered(self) -> Iterator[None]:
-        with self._lock:
-            if not self._users:
-                self._saved = sys.getswitchinterval()
-                sys.setswitchinterval(min(self._saved, self.seconds))
-            self._users += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._users -= 1
-                if not self._users:
-                    sys.setswitchinterval(self._saved)
-
-
-_PROMPT_SWITCHES = _SwitchInterval(0.0005)
-
-
-def _pack_and_write(
-    build_dir: Path,
-    split: str,
-    token_ids: np.ndarray,
-    lengths: np.ndarray,
-    order: np.ndarray,
-    data: DataParams,
-    tokenizer: TokenizerParams,
-    model: ModelParams,
-) -> dict:
-    """Pack the documents at `order` (indices into `lengths`), shuffle the rows and write the split."""
-    rows = pack_documents(
-        token_ids,
-        lengths,
-        model.seq_len + 1,
-        tokenizer.bos_id if data.add_bos else None,
-        tokenizer.eos_id,
-        tokenizer.pad_id,
-        data.last_row,
-        order,
-        shuffle=_rng(data.shuffle_seed, split),
-    )
-    shards = write_shards(rows, build_dir, split, data.rows_per_shard, tokenizer.pad_id)
-    return {
-        "documents": len(order),
-        "tokens": int(lengths[order].sum()) + len(order) * (1 + data.add_bos),
-        "rows": len(rows),
-        "packed_tokens": sum(shard["tokens"] for shard in shards),
-        "shards": shards,
-    }
+def _write_text_atomically(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(handle, "w") as file:
+        file.write(text)
+    os.replace(temporary, path)
 
 
 def _move_into_place(build_dir: Path, final_dir: Path) -> None:
@@ -627,9 +546,10 @@ def _result(directory: Path, reused: bool) -> PrepResult:
 
 
 def _rng(seed: int, stream: str) -> np.random.Generator:
-    """An independent, reproducible random stream per purpose (document order, each split's rows)."""
+    """An independent, reproducible random stream per purpose (instruction prep's example order)."""
     return np.random.default_rng([seed % 2**64, int.from_bytes(stream.encode(), "little")])
 
 
 def _hash(value: object) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+

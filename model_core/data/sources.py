@@ -17,6 +17,7 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import BinaryIO
 from itertools import chain
 from pathlib import Path
 
@@ -104,28 +105,38 @@ def read_input_chunks(item: InputFile, report: FileReport, cache_dir: Path | Non
 
 
 def _read_jsonl_chunks(path: Path, text_field: str, report: FileReport) -> Iterator[list[str]]:
-    """Runs of whole lines, read from the file as they are needed: each parsed by Arrow when it is well
-    formed, else line by line with its problems reported; either way the same texts (see
-    `_read_wellformed_jsonl`). Reading the whole file first would delay the first run by the time it
-    takes (page faults included, ~1 ms for 2 MB)."""
-    first_line, size, rest = 1, _JSONL_CHUNK_BYTES >> 4, b""  # a small first run, so that its documents are ready soon
     with open(path, "rb") as file:
-        while True:
-            block = file.read(size)
-            data = rest + block
-            end = data.rfind(b"\n") + 1 if block else len(data)  # a line longer than the block waits for more
-            chunk, rest = data[:end], data[end:]
-            if chunk:
-                texts = _read_wellformed_jsonl(chunk, text_field)
-                if texts is None:
-                    texts = _read_jsonl(_decode(chunk, report, first_line), text_field, report, first_line)
-                else:
-                    report.records += len(texts)
-                yield texts
-                first_line += chunk.count(b"\n")
-            if not block:
-                return
-            size = min(2 * size, _JSONL_CHUNK_BYTES)
+        yield from read_jsonl_stream(file, text_field, report)
+
+
+def read_jsonl_stream(
+    file: BinaryIO, text_field: str, report: FileReport, limit: int | None = None, first_line: int = 1
+) -> Iterator[list[str]]:
+    """Runs of whole lines of a binary stream (at most `limit` bytes of it), read as they are needed:
+    each parsed by Arrow when it is well formed, else line by line with its problems reported; either
+    way the same texts (see `_read_wellformed_jsonl`). Reading the whole input first would delay the
+    first run by the time it takes (page faults included, ~1 ms for 2 MB). `first_line` is the line
+    number of the stream's first line, for reports."""
+    size, rest = _JSONL_CHUNK_BYTES >> 4, b""  # a small first run, so that its documents are ready soon
+    left = limit
+    while True:
+        block = file.read(size if left is None else min(size, left))
+        if left is not None:
+            left -= len(block)
+        data = rest + block
+        end = data.rfind(b"\n") + 1 if block else len(data)  # a line longer than the block waits for more
+        chunk, rest = data[:end], data[end:]
+        if chunk:
+            texts = _read_wellformed_jsonl(chunk, text_field)
+            if texts is None:
+                texts = _read_jsonl(_decode(chunk, report, first_line), text_field, report, first_line)
+            else:
+                report.records += len(texts)
+            yield texts
+            first_line += chunk.count(b"\n")
+        if not block:
+            return
+        size = min(2 * size, _JSONL_CHUNK_BYTES)
 
 
 def _decode(data: bytes, report: FileReport, first_line: int = 1) -> str:

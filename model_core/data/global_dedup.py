@@ -1,0 +1,210 @@
+"""The reduce steps of data prep: exact and near duplicates across every shard of the corpus, each
+found in partitions small enough for one worker's memory.
+
+Documents are numbered in corpus order (shard by shard, the order of the inputs). Both reduces read
+the map steps' arrays through memory maps and keep only the entries of their own partition:
+
+- exact: the 128-bit text hashes, partitioned by hash; within a partition, every document whose hash
+  an earlier document has is a duplicate. The first occurrence in the corpus is kept, as when the
+  corpus is read in one pass.
+- near: the LSH band keys of the MinHash signatures of the documents that survived exact dedup (the
+  banding of dedup.py), one entry per (document, band), partitioned by key. Documents sharing a band
+  key are candidate pairs; a pair is close when the signatures agree on at least `threshold` of their
+  positions. The close pairs of all partitions are then settled in corpus order, as dedup.py does: a
+  document is dropped when it is close to an earlier document that was kept.
+
+Each partition writes its result to a file (duplicate document numbers, or close pairs); only their
+union is held at once, and it grows with the duplicates, not the corpus.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from model_core.data import dedup
+from model_core.data.shard_map import mix64
+
+_PAIRS_AT_A_TIME = 1 << 20  # candidate pairs compared at once, to bound the memory
+# Bytes of partition entries a reduce worker may hold: partitions are counted from the corpus.
+PARTITION_BYTES = 256 << 20
+_EXACT_ENTRY_BYTES = 24  # two hash words and a document number
+_NEAR_ENTRY_BYTES = 16  # a band key and a document number
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The map steps' result directories in corpus order, and the number of the first document of each."""
+
+    directories: list[Path]
+    first_documents: list[int]  # one more entry than directories: the total at the end
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"directories": [str(d) for d in self.directories], "first": self.first_documents}))
+
+    @classmethod
+    def load(cls, path: Path) -> Plan:
+        raw = json.loads(path.read_text())
+        return cls([Path(d) for d in raw["directories"]], raw["first"])
+
+    @property
+    def documents(self) -> int:
+        return self.first_documents[-1]
+
+    def keep_path(self, scratch: Path, shard: int) -> Path:
+        return scratch / f"keep-{shard:06d}.npy"
+
+
+@dataclass(frozen=True)
+class ReduceJob:
+    plan_path: Path
+    scratch: Path  # keep masks (near reduce) and partition outputs
+    partition: int
+    partitions: int
+    threshold: float | None = None  # near reduce only
+
+    @property
+    def output(self) -> Path:
+        kind = "near" if self.threshold is not None else "exact"
+        return self.scratch / f"{kind}-{self.partition:05d}.npy"
+
+
+def partitions_for(documents: int, entries_per_document: int, entry_bytes: int) -> int:
+    return max(1, math.ceil(documents * entries_per_document * entry_bytes / PARTITION_BYTES))
+
+
+def exact_partition(job: ReduceJob) -> dict:
+    """Write the sorted numbers of the documents in this hash partition that repeat an earlier text."""
+    plan = Plan.load(job.plan_path)
+    words, numbers = [], []
+    for shard, directory in enumerate(plan.directories):
+        hashes = np.load(directory / "hashes.npy", mmap_mode="r")
+        mine = np.flatnonzero(hashes[:, 0] % np.uint64(job.partitions) == job.partition)
+        words.append(np.asarray(hashes[mine]))
+        numbers.append(mine + plan.first_documents[shard])
+    hashes = np.concatenate(words) if words else np.empty((0, 2), dtype=np.uint64)
+    number = np.concatenate(numbers) if numbers else np.empty(0, dtype=np.int64)
+    order = np.lexsort((number, hashes[:, 1], hashes[:, 0]))
+    hashes, number = hashes[order], number[order]
+    repeat = (hashes[1:] == hashes[:-1]).all(axis=1)
+    duplicates = np.sort(number[1:][repeat])
+    np.save(job.output, duplicates)
+    return {"duplicates": len(duplicates)}
+
+
+def near_partition(job: ReduceJob) -> dict:
+    """Write the close pairs (earlier, later document number) among the candidates of this key partition."""
+    plan = Plan.load(job.plan_path)
+    keys, numbers, permutations = [], [], None
+    for shard, directory in enumerate(plan.directories):
+        signatures = np.load(directory / "signatures.npy", mmap_mode="r")
+        permutations = signatures.shape[1]
+        kept = np.flatnonzero(np.load(plan.keep_path(job.scratch, shard)))
+        band_keys = _tagged_band_keys(np.asarray(signatures[kept]), job.threshold)
+        mine = band_keys % np.uint64(job.partitions) == job.partition
+        keys.append(band_keys[mine])
+        numbers.append(np.broadcast_to((kept + plan.first_documents[shard])[:, None], band_keys.shape)[mine])
+    if permutations is None:
+        np.save(job.output, np.empty((0, 2), dtype=np.int64))
+        return {"candidates": 0, "close": 0}
+    key = np.concatenate(keys)
+    number = np.concatenate(numbers).astype(np.int64)
+    order = np.lexsort((number, key))
+    key, number = key[order], number[order]
+    needed = math.ceil(job.threshold * permutations - 1e-9)
+    close, candidates = [], 0
+    reader = _SignatureReader(plan)
+    for earlier, later in _group_pairs(key, number):
+        candidates += len(earlier)
+        agree = (reader.rows(earlier) == reader.rows(later)).sum(axis=1) >= needed
+        close.append(np.stack([earlier[agree], later[agree]], axis=1))
+    pairs = np.unique(np.concatenate(close), axis=0) if close else np.empty((0, 2), dtype=np.int64)
+    np.save(job.output, pairs)
+    return {"candidates": candidates, "close": len(pairs)}
+
+
+def _tagged_band_keys(signatures: np.ndarray, threshold: float) -> np.ndarray:
+    """(documents, bands) band keys of dedup.py, each mixed with its band's number, so that one key
+    space holds every band and equal keys mean the same band and the same band key."""
+    keys = dedup._band_keys(signatures, dedup.rows_per_band(signatures.shape[1], threshold))
+    return mix64(keys ^ (np.arange(keys.shape[1], dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)))
+
+
+def _group_pairs(key: np.ndarray, number: np.ndarray):
+    """Batches of (earlier, later) pairs of documents with an equal key (sorted by key, then number),
+    each pair once per key, at most about _PAIRS_AT_A_TIME a batch."""
+    if not len(key):
+        return
+    starts = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
+    sizes = np.diff(np.append(starts, len(key)))
+    shared = sizes > 1
+    starts, sizes = starts[shared], sizes[shared]
+    pairs_so_far = np.cumsum(sizes * (sizes - 1) // 2)
+    first = 0
+    while first < len(starts):
+        before = int(pairs_so_far[first - 1]) if first else 0
+        last = max(first + 1, int(np.searchsorted(pairs_so_far, before + _PAIRS_AT_A_TIME, side="right")))
+        yield _pairs_within(number, starts[first:last], sizes[first:last])
+        first = last
+
+
+def _pairs_within(number: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every pair of positions inside each group [start, start + size), as document numbers."""
+    position = np.repeat(starts, sizes) + np.arange(int(sizes.sum())) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+    later_count = np.repeat(starts + sizes - 1, sizes) - position
+    first = np.repeat(position, later_count)
+    second = first + 1 + np.arange(len(first)) - np.repeat(np.cumsum(later_count) - later_count, later_count)
+    return number[first], number[second]
+
+
+class _SignatureReader:
+    """Signature rows by document number, read shard by shard through memory maps."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.first = np.asarray(plan.first_documents)
+
+    def rows(self, numbers: np.ndarray) -> np.ndarray:
+        shards = np.searchsorted(self.first, numbers, side="right") - 1
+        out = None
+        for shard in np.unique(shards).tolist():
+            chosen = np.flatnonzero(shards == shard)
+            signatures = np.load(self.plan.directories[shard] / "signatures.npy", mmap_mode="r")
+            if out is None:
+                out = np.empty((len(numbers), signatures.shape[1]), dtype=signatures.dtype)
+            out[chosen] = signatures[numbers[chosen] - self.first[shard]]
+        return out
+
+
+def settle_near_duplicates(pairs: np.ndarray) -> np.ndarray:
+    """The sorted numbers of the documents dropped as near duplicates, given every close pair: in corpus
+    order, a document goes when it is close to an earlier document that was kept."""
+    dropped: set[int] = set()
+    order = np.lexsort((pairs[:, 0], pairs[:, 1])) if len(pairs) else np.empty(0, dtype=np.int64)
+    for earlier, later in pairs[order].tolist():
+        if earlier not in dropped:
+            dropped.add(later)
+    return np.array(sorted(dropped), dtype=np.int64)
+
+
+def drop_from_keep_masks(plan: Plan, scratch: Path, dropped_files: list[Path] | None, dropped: np.ndarray | None) -> int:
+    """Clear the dropped documents (sorted number arrays: in files, or given) in the shards' keep masks;
+    returns how many were cleared."""
+    sources = [np.load(path, mmap_mode="r") for path in dropped_files or []]
+    if dropped is not None:
+        sources.append(dropped)
+    cleared = 0
+    for shard in range(len(plan.directories)):
+        first, end = plan.first_documents[shard], plan.first_documents[shard + 1]
+        path = plan.keep_path(scratch, shard)
+        keep = np.load(path)
+        for numbers in sources:
+            lo, hi = np.searchsorted(numbers, (first, end))
+            keep[np.asarray(numbers[lo:hi]) - first] = False
+            cleared += int(hi - lo)
+        np.save(path, keep)
+    return cleared

@@ -1,0 +1,234 @@
+"""The last map steps of data prep: pack each shard's kept documents into rows of its split's token
+stream, then shuffle the rows over the whole split without ever holding it.
+
+The stream of a split is every kept document of the split as [BOS] + ids + [EOS] in corpus order, so it
+does not depend on how the corpus was cut into shards (the rows are shuffled afterwards). Row r is stream positions [r * row_len, (r + 1) * row_len), as if the stream were packed
+in one piece: `pack_shard` writes the rows that start inside its shard's part of the stream, reading the
+first documents of the next shards for its last row. The final partial row is dropped or padded
+(data.last_row).
+
+The row order is `KeyedPermutation(rows, (seed, split))`: the row at stream index r goes to position
+`inverse(r)`. `pack_shard` sorts its rows by position, so `write_bucket`, which owns the positions of a
+run of output shards, finds its rows in every pack file by binary search and writes them in order:
+each step holds one input shard's rows or one bucket of output shards, never the split.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from model_core.data.global_dedup import Plan
+from model_core.data.packing import PackedRows
+from model_core.data.permutation import KeyedPermutation
+from model_core.data.shard_map import token_dtype
+from model_core.data.shards import write_shard
+
+SPLITS = ("train", "validation")
+_SPLIT_KEYS = {"train": 1, "validation": 2}
+# Tokens of one write bucket: the output shards that one write step gathers and writes together.
+BUCKET_TOKENS = 64 << 20
+
+
+@dataclass(frozen=True)
+class Packing:
+    """What packing and writing a split needs besides the plan."""
+
+    split: str
+    row_len: int
+    bos_id: int | None
+    eos_id: int
+    pad_id: int
+    pad_last_row: bool
+    seed: int
+    rows_per_shard: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class PackJob:
+    plan_path: Path
+    scratch: Path
+    shard: int
+    packing: Packing
+
+    @property
+    def output(self) -> Path:
+        return self.scratch / f"pack-{self.packing.split}-{self.shard:06d}.npz"
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    plan_path: Path
+    scratch: Path
+    build_dir: Path
+    packing: Packing
+    first_shard: int  # the output shards [first_shard, end_shard) of the split
+    end_shard: int
+
+
+def stream_lengths(plan: Plan, scratch: Path, split: str, bos: bool) -> tuple[list[int], list[int]]:
+    """Per shard: its kept documents of the split and the stream tokens they make."""
+    documents, tokens = [], []
+    for shard, directory in enumerate(plan.directories):
+        chosen = _chosen(plan, scratch, shard, split)
+        lengths = np.load(directory / "lengths.npy", mmap_mode="r")
+        documents.append(int(chosen.sum()))
+        tokens.append(int(lengths[chosen].sum(dtype=np.int64)) + int(chosen.sum()) * (1 + bos))
+    return documents, tokens
+
+
+def _chosen(plan: Plan, scratch: Path, shard: int, split: str) -> np.ndarray:
+    validation = np.load(plan.directories[shard] / "validation.npy")
+    keep = np.load(plan.keep_path(scratch, shard))
+    return keep & (validation if split == "validation" else ~validation)
+
+
+def rows_of(total_tokens: int, packing: Packing) -> int:
+    rows, remainder = divmod(total_tokens, packing.row_len)
+    return rows + (1 if remainder and packing.pad_last_row else 0)
+
+
+def _offsets_path(scratch: Path, split: str) -> Path:
+    return scratch / f"stream-{split}.json"
+
+
+def save_offsets(scratch: Path, split: str, tokens: list[int]) -> None:
+    offsets = np.concatenate([[0], np.cumsum(tokens, dtype=np.int64)]).tolist()
+    _offsets_path(scratch, split).write_text(json.dumps(offsets))
+
+
+def pack_shard(job: PackJob) -> dict:
+    """Write the rows that start in this shard's part of the split's stream, sorted by shuffled position."""
+    plan, packing = Plan.load(job.plan_path), job.packing
+    offsets = json.loads(_offsets_path(job.scratch, packing.split).read_text())
+    total = offsets[-1]
+    rows = rows_of(total, packing)
+    start, end = offsets[job.shard], offsets[job.shard + 1]
+    length = packing.row_len
+    first_row, end_row = -(-start // length), min(-(-end // length), rows)
+    if first_row >= end_row:
+        np.savez(job.output, tokens=np.empty((0, length), np.int32), positions=np.empty(0, np.int64),
+                 starts=np.empty(0, np.int32), start_offsets=np.zeros(1, np.int64))
+        return {"rows": 0}
+    need = end_row * length - start  # stream tokens from this shard's start to the end of its last row
+    tokens, doc_starts = _stream(plan, job.scratch, job.shard, packing, need)
+    skip = first_row * length - start
+    tokens, doc_starts = tokens[skip:], doc_starts[doc_starts >= skip] - skip
+    count = end_row - first_row
+    body = np.full(count * length, packing.pad_id, dtype=np.int32)
+    body[: min(len(tokens), len(body))] = tokens[: len(body)]
+    rows_tokens = body.reshape(count, length)
+    values, row_offsets = _row_doc_starts(doc_starts[doc_starts < min(len(tokens), len(body))], count, length)
+    positions = KeyedPermutation(rows, (packing.seed, _SPLIT_KEYS[packing.split])).inverse(
+        np.arange(first_row, end_row, dtype=np.uint64)
+    ).astype(np.int64)
+    order = np.argsort(positions)
+    packed = PackedRows(rows_tokens, values, row_offsets).take(order)
+    np.savez(job.output, tokens=packed.tokens.astype(token_dtype(packing.vocab_size)), positions=positions[order],
+             starts=packed.doc_start_values, start_offsets=packed.doc_start_offsets)
+    return {"rows": count}
+
+
+def _stream(plan: Plan, scratch: Path, shard: int, packing: Packing, need: int) -> tuple[np.ndarray, np.ndarray]:
+    """At least `need` tokens of the split's stream from the start of `shard`'s part (fewer at the end of the
+    stream), and the stream positions where documents start."""
+    parts, starts, have = [], [], 0
+    while have < need and shard < len(plan.directories):
+        tokens, doc_starts = _shard_stream(plan, scratch, shard, packing, need - have)
+        parts.append(tokens)
+        starts.append(doc_starts + have)
+        have += len(tokens)
+        shard += 1
+    if not parts:
+        return np.empty(0, np.int32), np.empty(0, np.int64)
+    return np.concatenate(parts), np.concatenate(starts)
+
+
+def _shard_stream(plan: Plan, scratch: Path, shard: int, packing: Packing, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """The shard's part of the stream, its first documents until `limit` tokens are covered."""
+    directory = plan.directories[shard]
+    chosen = np.flatnonzero(_chosen(plan, scratch, shard, packing.split))
+    lengths = np.load(directory / "lengths.npy").astype(np.int64)
+    sources = np.cumsum(lengths) - lengths
+    has_bos = packing.bos_id is not None
+    doc_lengths = lengths[chosen] + 1 + has_bos
+    doc_starts = np.cumsum(doc_lengths) - doc_lengths
+    taken = int(np.searchsorted(doc_starts, limit, side="left"))  # documents starting before the limit
+    chosen, doc_lengths, doc_starts = chosen[:taken], doc_lengths[:taken], doc_starts[:taken]
+    body_lengths = lengths[chosen]
+    body_starts = np.cumsum(body_lengths) - body_lengths  # where each document's ids start among the bodies
+    within = np.arange(int(body_lengths.sum())) - np.repeat(body_starts, body_lengths)
+    token_ids = np.load(directory / "tokens.npy", mmap_mode="r")
+    stream = np.empty(int(doc_lengths.sum()), dtype=np.int32)
+    stream[np.repeat(doc_starts + has_bos, body_lengths) + within] = token_ids[np.repeat(sources[chosen], body_lengths) + within]
+    if has_bos:
+        stream[doc_starts] = packing.bos_id
+    stream[doc_starts + doc_lengths - 1] = packing.eos_id
+    return stream, doc_starts
+
+
+def _row_doc_starts(doc_starts: np.ndarray, rows: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+    """CSR of each row's document-start offsets, always including 0 (a row starts a sequence)."""
+    row_starts = np.arange(rows, dtype=np.int64) * length
+    starts = np.union1d(row_starts, doc_starts)
+    offsets = np.searchsorted(starts, np.append(row_starts, rows * length)).astype(np.int64)
+    return (starts % length).astype(np.int32), offsets
+
+
+def output_shards(rows: int, rows_per_shard: int) -> int:
+    return -(-rows // rows_per_shard)
+
+
+def buckets(rows: int, packing: Packing) -> list[tuple[int, int]]:
+    """Runs of output shards, [first, end), of about BUCKET_TOKENS tokens each."""
+    shards = output_shards(rows, packing.rows_per_shard)
+    per_bucket = max(1, BUCKET_TOKENS // (packing.rows_per_shard * packing.row_len))
+    return [(first, min(first + per_bucket, shards)) for first in range(0, shards, per_bucket)]
+
+
+def write_bucket(job: WriteJob) -> list[dict]:
+    """Gather the rows of output shards [first_shard, end_shard) from every pack file and write them."""
+    plan, packing = Plan.load(job.plan_path), job.packing
+    low, high = job.first_shard * packing.rows_per_shard, job.end_shard * packing.rows_per_shard
+    pieces = []
+    for shard in range(len(plan.directories)):
+        with np.load(PackJob(job.plan_path, job.scratch, shard, packing).output, mmap_mode="r") as pack:
+            positions = pack["positions"]
+            lo, hi = np.searchsorted(positions, (low, high))
+            if hi > lo:
+                offsets = pack["start_offsets"]
+                pieces.append(
+                    (
+                        positions[lo:hi],
+                        PackedRows(
+                            pack["tokens"][lo:hi].astype(np.int32),
+                            pack["starts"][offsets[lo] : offsets[hi]],
+                            offsets[lo : hi + 1] - offsets[lo],
+                        ),
+                    )
+                )
+    positions = np.concatenate([p for p, _ in pieces])
+    rows = PackedRows(
+        np.concatenate([r.tokens for _, r in pieces]),
+        np.concatenate([r.doc_start_values for _, r in pieces]),
+        _joined_offsets([r.doc_start_offsets for _, r in pieces]),
+    ).take(np.argsort(positions))
+    entries = []
+    for index in range(job.first_shard, job.end_shard):
+        first = index * packing.rows_per_shard - low
+        part = rows.take(slice(first, first + packing.rows_per_shard))
+        path = job.build_dir / f"{packing.split}-{index:05d}.tokens"
+        entries.append(write_shard(path, part, packing.pad_id, packing.vocab_size))
+    return entries
+
+
+def _joined_offsets(parts: list[np.ndarray]) -> np.ndarray:
+    joined, base = [np.zeros(1, np.int64)], 0
+    for offsets in parts:
+        joined.append(offsets[1:] + base)
+        base += int(offsets[-1])
+    return np.concatenate(joined)
