@@ -102,7 +102,7 @@ class DataParams(StrictModel):
     rows_per_shard: int = Field(4096, ge=1, description="Packed rows per token shard file.")
     shard_bytes: int = Field(
         64 << 20,
-        ge=1 << 16,
+        ge=1 << 12,
         description="Input bytes per map task: a larger uncompressed JSONL or text file is read as byte ranges "
         "of about this size (cut at line ends). Compressed files and Parquet row groups are not split below "
         "a file or a row group. A map task's memory grows with this, never with the corpus.",

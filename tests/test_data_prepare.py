@@ -1,20 +1,29 @@
-"""prepare_dataset end to end: shards, manifest, determinism, reuse, damage, bad input and failures."""
+"""prepare_dataset end to end: shards, manifest, determinism, reuse, damage, bad input and failures, and the
+map -> reduce -> map steps against a one-pass reference (the same result whatever the shards and workers)."""
 
+import gzip
 import json
 import logging
-import multiprocessing
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import sentencepiece as spm
 
-from model_core.data import DataPrepError, prepare, prepare_dataset, read_shards
+from model_core.data import DataPrepError, open_split, prepare_dataset, read_shards
+from model_core.data import dedup, prepare
 from model_core.data.cleaning import clean_text
 from model_core.data.docstrings import stdlib_files
+from model_core.data.packing import pack_documents
+from model_core.data.permutation import KeyedPermutation
+from model_core.data.shard_map import is_validation, text_hashes
 from model_core.data.shards import file_sha256
 from model_core.data.sources import InputFile, read_input
 from params.schema import DataParams, DataSource, ModelParams, TokenizerParams
@@ -31,11 +40,14 @@ def documents():
     return list(dict.fromkeys(text for text in texts if len(clean_text(text)) >= 64))
 
 
+def write_jsonl(path, texts):
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    return path
+
+
 @pytest.fixture
 def corpus(tmp_path, documents):
-    path = tmp_path / "corpus.jsonl"
-    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in documents))
-    return path
+    return write_jsonl(tmp_path / "corpus.jsonl", documents)
 
 
 def params(tmp_path, corpus, **overrides):
@@ -49,16 +61,8 @@ def params(tmp_path, corpus, **overrides):
     return DataParams(**{**values, **overrides})
 
 
-class SpyContexts:
-    """Stands in for multiprocessing.get_context and records which start methods were asked for."""
-
-    def __init__(self):
-        self.methods = []
-        self.real = multiprocessing.get_context
-
-    def __call__(self, method):
-        self.methods.append(method)
-        return self.real(method)
+def without_reuse(manifest):
+    return {key: value for key, value in manifest.items() if key != "reuse"}
 
 
 def complete_documents(result, split):
@@ -78,7 +82,7 @@ def complete_documents(result, split):
 def test_shards_hold_the_encoded_documents_and_match_the_manifest(tmp_path, corpus, documents):
     result = prepare_dataset(params(tmp_path, corpus, last_row="pad"), TOKENIZER, MODEL)
     manifest = result.manifest
-    assert not result.reused and result.output_dir.parent == tmp_path / "out"
+    assert not result.reused and result.output_dir.parent == (tmp_path / "out").resolve()
     assert manifest["counts"]["kept_documents"] == len(documents)
     processor = spm.SentencePieceProcessor(model_file=str(result.tokenizer_path))
     expected_tokens = sum(len(processor.encode(clean_text(text))) + 2 for text in documents)
@@ -89,29 +93,30 @@ def test_shards_hold_the_encoded_documents_and_match_the_manifest(tmp_path, corp
         assert all(len(shard) <= 16 for shard in rows) and sum(map(len, rows)) == entry["rows"]
         assert all(shard.tokens.shape[1] == MODEL.seq_len + 1 for shard in rows)
         for shard in entry["shards"]:
-            path = result.output_dir / shard["file"]
-            assert file_sha256(path) == shard["sha256"]
-            assert pq.read_schema(path).names == ["tokens", "doc_starts"]
-            assert "BYTE_STREAM_SPLIT" in pq.ParquetFile(path).metadata.row_group(0).column(0).encodings
+            assert file_sha256(result.output_dir / shard["file"]) == shard["sha256"]
     assert file_sha256(result.tokenizer_path) == manifest["tokenizer"]["sha256"]
     cleaned = {clean_text(text) for text in documents}
     found = complete_documents(result, "train") + complete_documents(result, "validation")
     assert len(found) > len(documents) / 3 and set(found) <= cleaned
 
 
-def test_no_document_is_in_both_splits(tmp_path, corpus):
+def test_the_split_is_decided_by_each_documents_keyed_hash(tmp_path, corpus, documents):
     result = prepare_dataset(params(tmp_path, corpus, validation_fraction=0.3), TOKENIZER, MODEL)
     train, validation = complete_documents(result, "train"), complete_documents(result, "validation")
     assert validation and train and not set(train) & set(validation)
-    counts = result.manifest["splits"]
-    assert counts["validation"]["documents"] == round(0.3 * result.manifest["counts"]["kept_documents"])
+    held_out = result.manifest["splits"]["validation"]["documents"]
+    kept = result.manifest["counts"]["kept_documents"]
+    assert abs(held_out - 0.3 * kept) < 4 * (0.3 * 0.7 * kept) ** 0.5  # a binomial share of the documents
+    data = params(tmp_path, corpus, validation_fraction=0.3)
+    expected = is_validation(text_hashes([clean_text(text) for text in documents]), data)
+    assert held_out == int(expected.sum())
+    assert set(validation) <= {clean_text(text) for text, flag in zip(documents, expected) if flag}
 
 
 def test_two_runs_write_identical_shards(tmp_path, corpus):
-    first = prepare_dataset(params(tmp_path, corpus, output_dir=str(tmp_path / "a")), TOKENIZER, MODEL).manifest
-    second = prepare_dataset(params(tmp_path, corpus, output_dir=str(tmp_path / "b")), TOKENIZER, MODEL).manifest
-    assert first["splits"] == second["splits"] and first["tokenizer"]["sha256"] == second["tokenizer"]["sha256"]
-    assert first["key"] == second["key"]
+    first = prepare_dataset(params(tmp_path, corpus, output_dir=str(tmp_path / "a")), TOKENIZER, MODEL)
+    second = prepare_dataset(params(tmp_path, corpus, output_dir=str(tmp_path / "b")), TOKENIZER, MODEL)
+    assert first.manifest_path.read_bytes() == second.manifest_path.read_bytes()
 
 
 def test_an_unchanged_request_is_reused_and_any_change_recomputes(tmp_path, corpus):
@@ -122,7 +127,8 @@ def test_an_unchanged_request_is_reused_and_any_change_recomputes(tmp_path, corp
     again = prepare_dataset(data, TOKENIZER, MODEL)
     assert shard.stat().st_mtime_ns == written
     assert again.reused and again.output_dir == first.output_dir and again.manifest == first.manifest
-    assert prepare_dataset(data.model_copy(update={"num_workers": 1}), TOKENIZER, MODEL).reused
+    for how in ({"num_workers": 1}, {"shard_bytes": 1 << 13}):
+        assert prepare_dataset(data.model_copy(update=how), TOKENIZER, MODEL).reused
 
     other_param = prepare_dataset(data.model_copy(update={"min_chars": 100}), TOKENIZER, MODEL)
     other_model = prepare_dataset(data, TOKENIZER, ModelParams(vocab_size=512, seq_len=32))
@@ -142,7 +148,8 @@ def test_a_damaged_shard_is_rebuilt_with_a_warning(tmp_path, corpus, caplog):
         rebuilt = prepare_dataset(data, TOKENIZER, MODEL)
     assert not rebuilt.reused and "damaged" in caplog.text and shard.name in caplog.text
     assert file_sha256(shard) == first.manifest["splits"]["train"]["shards"][0]["sha256"]
-    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == [first.output_dir.name]
+    datasets = [path.name for path in (tmp_path / "out").iterdir() if not path.name.startswith(".")]
+    assert datasets == [first.output_dir.name]
 
 
 def test_a_given_tokenizer_is_used_and_its_size_checked(tmp_path, corpus):
@@ -153,7 +160,17 @@ def test_a_given_tokenizer_is_used_and_its_size_checked(tmp_path, corpus):
     assert reused_tokenizer.manifest["splits"] == trained.manifest["splits"]
     with pytest.raises(DataPrepError, match="has 512 pieces but model.vocab_size=640"):
         prepare_dataset(params(tmp_path, corpus, output_dir=str(tmp_path / "c")), given, ModelParams(vocab_size=640))
-    assert list((tmp_path / "c").iterdir()) == []
+    assert [path for path in (tmp_path / "c").iterdir() if not path.name.startswith(".")] == []
+
+
+def test_the_tokenizer_trains_on_a_bounded_sample_of_training_lines(tmp_path, corpus):
+    small = TokenizerParams(training_sentences=300)
+    one = prepare_dataset(params(tmp_path, corpus, output_dir=str(tmp_path / "a")), small, MODEL)
+    split = prepare_dataset(params(tmp_path, corpus, output_dir=str(tmp_path / "b"), shard_bytes=1 << 13), small, MODEL)
+    assert one.manifest["tokenizer"]["sha256"] == split.manifest["tokenizer"]["sha256"]
+    assert one.manifest["tokenizer"]["sha256"] != prepare_dataset(params(tmp_path, corpus), TOKENIZER, MODEL).manifest[
+        "tokenizer"
+    ]["sha256"]
 
 
 def test_bad_records_below_the_threshold_are_reported_and_skipped(tmp_path, corpus, caplog):
@@ -169,6 +186,21 @@ def test_bad_records_below_the_threshold_are_reported_and_skipped(tmp_path, corp
     assert f"{corpus}:4" in caplog.text
 
 
+def test_a_bad_line_deep_in_a_large_file_is_reported_with_its_line_from_any_worker(tmp_path, documents):
+    lines = [json.dumps({"text": text}) for text in documents]
+    bad = len(lines) - 7
+    lines[bad] = '{"text": 12}'
+    corpus = tmp_path / "c.jsonl"
+    corpus.write_bytes("\n".join(lines).encode() + b'\n{"text": "bad \xff' + b" padding" * 10 + b'"}\n')
+    data = params(tmp_path, corpus, max_bad_record_fraction=0.05, shard_bytes=1 << 13, num_workers=2)
+    result = prepare_dataset(data, TOKENIZER, MODEL)
+    assert result.manifest["reuse"]["input_shards"] >= 3
+    assert result.manifest["bad_records"] == [
+        f"{corpus}:{bad + 1}: 'text' is int, not a string",
+        f"{corpus}:{len(lines) + 1}: undecodable bytes replaced",
+    ]
+
+
 def test_too_many_bad_records_stop_the_run_and_leave_nothing(tmp_path, corpus):
     lines = corpus.read_text().splitlines()
     lines[:10] = ["not json"] * 10
@@ -176,13 +208,12 @@ def test_too_many_bad_records_stop_the_run_and_leave_nothing(tmp_path, corpus):
     message = rf"10 of {len(lines)} records \(.*%\) are malformed, more than data.max_bad_record_fraction=0.01"
     with pytest.raises(DataPrepError, match=message):
         prepare_dataset(params(tmp_path, corpus), TOKENIZER, MODEL)
-    assert list((tmp_path / "out").iterdir()) == []
+    assert [path for path in (tmp_path / "out").iterdir() if not path.name.startswith(".")] == []
 
 
 def test_an_empty_corpus_after_filtering_stops_the_run(tmp_path, corpus):
     with pytest.raises(DataPrepError, match=r"no document is left .*too_short=\d+"):
         prepare_dataset(params(tmp_path, corpus, min_chars=10**6, max_chars=10**7), TOKENIZER, MODEL)
-    assert not (tmp_path / "out").exists() or list((tmp_path / "out").iterdir()) == []
 
 
 def test_a_missing_input_stops_the_run(tmp_path):
@@ -191,94 +222,164 @@ def test_a_missing_input_stops_the_run(tmp_path):
         prepare_dataset(data, TOKENIZER, MODEL)
 
 
-def test_filters_and_dedup_are_counted_per_reason(tmp_path, documents):
+def test_filters_and_dedup_are_counted_per_reason_across_shards(tmp_path, documents):
     long_doc = documents[0] * 30
     # 354 words: one word changed in place keeps the token-shingle Jaccard near 0.97.
     word = re.compile(r"\S+")
     hundredth = list(word.finditer(documents[9]))[100]
     near_copy = documents[9][: hundredth.start()] + "changed" + documents[9][hundredth.end() :]
-    texts = [documents[1], documents[1], "short", "\x00\x01", long_doc, documents[9], near_copy] + documents[10:60]
-    corpus = tmp_path / "c.jsonl"
-    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+    texts = [documents[1], "short", "\x00\x01", long_doc, documents[9]] + documents[10:60] + [near_copy, documents[1]]
+    corpus = write_jsonl(tmp_path / "c.jsonl", texts)
     data = params(tmp_path, corpus, near_dup_threshold=0.9, max_chars=len(clean_text(long_doc)) - 1)
-    counts = prepare_dataset(data, TOKENIZER, MODEL).manifest["counts"]
-    assert counts["dropped"] == {
+    whole = prepare_dataset(data, TOKENIZER, MODEL).manifest
+    assert whole["counts"]["dropped"] == {
         "empty": 1,
         "too_short": 1,
         "too_long": 1,
         "exact_duplicate": 1,
         "near_duplicate": 1,
     }
-    assert counts["kept_documents"] == len(texts) - 5
+    assert whole["counts"]["kept_documents"] == len(texts) - 5
+    assert [step["out"] for step in whole["steps"]] == [len(texts) - 1, len(texts) - 2, len(texts) - 3, len(texts) - 4, len(texts) - 5]
+    # The repeat and the near copy sit in other shards than their originals.
+    sharded = prepare_dataset(data.model_copy(update={"shard_bytes": 1 << 13, "output_dir": str(tmp_path / "b")}), TOKENIZER, MODEL)
+    assert sharded.manifest["reuse"]["input_shards"] >= 3
+    assert without_reuse(sharded.manifest) == without_reuse(whole)
 
 
 def test_progress_is_reported_per_stage(tmp_path, corpus):
     calls = []
     prepare_dataset(params(tmp_path, corpus), TOKENIZER, MODEL, progress=lambda *call: calls.append(call))
     last_call = {stage: (done, total) for stage, done, total in calls}
-    assert {"read", "filter and dedup", "tokenize", "write train", "write validation"} <= set(last_call)
+    assert {"sample", "map", "pack train", "write train", "pack validation", "write validation"} <= set(last_call)
     assert all(done == total for done, total in last_call.values())
 
 
-def test_several_large_files_are_read_in_spawned_workers_with_the_same_result(tmp_path, documents, monkeypatch):
-    halves = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
-    for path, part in zip(halves, (documents[::2], documents[1::2])):
-        path.write_text("".join(json.dumps({"text": text}) + "\n" for text in part))
+def test_progress_lines_give_rates_and_an_eta(tmp_path, corpus, caplog, monkeypatch):
+    monkeypatch.setattr(prepare, "_PROGRESS_LOG_SECONDS", 0.0)
+    with caplog.at_level(logging.INFO, logger="model_core.data.prepare"):
+        prepare_dataset(params(tmp_path, corpus, shard_bytes=1 << 13), TOKENIZER, MODEL)
+    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("map:")]
+    assert re.search(r"map: 1/\d+ jobs, [\d,]+ documents \([\d,]+/s\), [\d,]+ tokens \([\d,]+/s\), [\d.]+ MB read", lines[0])
+    assert "ETA" in lines[0] and "ETA" not in lines[-1]
+
+
+def reference_dataset(texts, data, processor):
+    """The dataset's rows computed in one pass over the whole corpus in memory: clean, filter, exact dedup
+    (first occurrence kept), split by keyed hash, tokenize, near dedup over all documents in corpus order,
+    pack each split's documents in corpus order, put stream row forward(p) at position p."""
+    cleaned = [clean_text(text) for text in texts]
+    kept = [text for text in cleaned if data.min_chars <= len(text) <= data.max_chars]
+    kept = list(dict.fromkeys(kept))
+    ids = [np.asarray(processor.encode(text), dtype=np.int32) for text in kept]
+    lengths = np.array([len(i) for i in ids])
+    token_ids = np.concatenate(ids)
+    signatures = dedup.minhash_signatures(token_ids, lengths, data.shingle_words, data.minhash_permutations)
+    near = dedup.near_duplicate_mask(signatures, data.near_dup_threshold)
+    validation = is_validation(text_hashes(kept), data)
+    splits = {}
+    for split, chosen in (("train", ~validation & ~near), ("validation", validation & ~near)):
+        rows = pack_documents(token_ids, lengths, MODEL.seq_len + 1, 1, 2, 3, data.last_row, np.flatnonzero(chosen))
+        order = KeyedPermutation(len(rows), (data.shuffle_seed, 1 if split == "train" else 2)).forward(np.arange(len(rows), dtype=np.uint64))
+        splits[split] = rows.take(order.astype(np.int64))
+    return splits, int(near.sum())
+
+
+@pytest.mark.parametrize("last_row, partitioned", [("drop", False), ("pad", True)])
+def test_sharded_prep_equals_a_one_pass_reference(tmp_path, documents, last_row, partitioned, monkeypatch):
+    if partitioned:  # several dedup partitions and write buckets, as a corpus far larger than this one has
+        monkeypatch.setattr(prepare.global_dedup, "PARTITION_BYTES", 2000)
+        monkeypatch.setattr(prepare.row_shuffle, "BUCKET_TOKENS", 16 * (MODEL.seq_len + 1))
+    texts = documents + documents[5:40:3]  # repeats across shards
+    edited = [text.replace("the", "a", 1) for text in documents[60:90]]  # near copies
+    corpus = write_jsonl(tmp_path / "c.jsonl", texts + edited)
+    data = params(tmp_path, corpus, near_dup_threshold=0.8, shard_bytes=1 << 13, last_row=last_row, num_workers=2)
+    result = prepare_dataset(data, TOKENIZER, MODEL)
+    processor = spm.SentencePieceProcessor(model_file=str(result.tokenizer_path))
+    expected, near = reference_dataset(texts + edited, data, processor)
+    assert result.manifest["reuse"]["input_shards"] >= 4 and result.manifest["counts"]["dropped"]["near_duplicate"] == near > 0
+    if partitioned:
+        timings = json.loads((result.output_dir / prepare.REPORT_NAME).read_text())["jobs"]
+        assert timings["exact dedup"] > 1 and timings["near dedup"] > 1 and timings["write train"] > 1
+    for split, rows in expected.items():
+        written = open_split(result.output_dir, split).take(np.arange(len(rows)))
+        assert len(open_split(result.output_dir, split)) == len(rows)
+        np.testing.assert_array_equal(written.tokens, rows.tokens)
+        np.testing.assert_array_equal(written.doc_start_values, rows.doc_start_values)
+        np.testing.assert_array_equal(written.doc_start_offsets, rows.doc_start_offsets)
+
+
+def test_one_worker_and_two_worker_processes_write_byte_identical_manifests(tmp_path, documents):
+    halves = [write_jsonl(tmp_path / "a.jsonl", documents[::2]), write_jsonl(tmp_path / "b.jsonl", documents[1::2])]
     data = params(tmp_path, halves[0], sources=[DataSource(kind="jsonl", paths=[str(path) for path in halves])])
-    serial = prepare_dataset(data.model_copy(update={"output_dir": str(tmp_path / "serial")}), TOKENIZER, MODEL)
-    monkeypatch.setattr(prepare, "_PARALLEL_READ_BYTES", 0)
-    contexts = SpyContexts()
-    monkeypatch.setattr(prepare.multiprocessing, "get_context", contexts)
-    parallel = prepare_dataset(data.model_copy(update={"num_workers": 2}), TOKENIZER, MODEL)
-    assert contexts.methods == ["spawn"]
-    assert parallel.manifest["splits"] == serial.manifest["splits"]
+    manifests = []
+    for workers in (1, 2):
+        update = {"num_workers": workers, "output_dir": str(tmp_path / f"w{workers}"), "shard_bytes": 1 << 13}
+        manifests.append(prepare_dataset(data.model_copy(update=update), TOKENIZER, MODEL).manifest_path.read_bytes())
+    assert manifests[0] == manifests[1]
 
 
-def test_streaming_in_tiny_chunks_gives_the_same_dataset(tmp_path, corpus, monkeypatch):
-    from model_core.data import dedup, sources
-
-    lines = corpus.read_text().splitlines()
-    lines[5] = "{broken json"
-    near_copy = json.dumps({"text": json.loads(lines[11])["text"] + " One more sentence at the end."})
-    corpus.write_text("\n".join([*lines, lines[7], lines[9], near_copy]) + "\n")  # a bad line, repeats, a near copy
-    trained = prepare_dataset(
-        params(tmp_path, corpus, max_bad_record_fraction=0.05, near_dup_threshold=0.8), TOKENIZER, MODEL
-    )
-    given = TokenizerParams(model_path=str(trained.tokenizer_path))
-    streamed = prepare_dataset(
-        params(tmp_path, corpus, max_bad_record_fraction=0.05, near_dup_threshold=0.8, output_dir=str(tmp_path / "b")),
-        given,
-        MODEL,
-    )
-    monkeypatch.setattr(sources, "_JSONL_CHUNK_BYTES", 300)
-    monkeypatch.setattr(prepare, "_CLEAN_CHUNK_DOCS", 3)
-    monkeypatch.setattr(prepare, "_ENCODE_BATCH_DOCS", 5)
-    monkeypatch.setattr(dedup, "_MAX_PAIRS_PER_DOCUMENT", 0)  # near dedup by its bucket loop, not candidate pairs
-    calls = []
-    tiny = prepare_dataset(
-        params(tmp_path, corpus, max_bad_record_fraction=0.05, near_dup_threshold=0.8, output_dir=str(tmp_path / "c")),
-        given,
-        MODEL,
-        progress=lambda stage, done, total: calls.append((stage, done, total)),
-    )
-    assert tiny.manifest["splits"] == streamed.manifest["splits"] == trained.manifest["splits"]
-    assert tiny.manifest["counts"] == trained.manifest["counts"]
-    assert trained.manifest["counts"]["dropped"]["exact_duplicate"] == 2
-    assert trained.manifest["counts"]["dropped"]["near_duplicate"] == 1 and trained.manifest["counts"]["malformed"] == 1
-    _, done, total = [call for call in calls if call[0] == "read and tokenize"][-1]
-    assert done == total
+def test_compressed_jsonl_and_parquet_row_groups_give_the_same_documents(tmp_path, documents):
+    plain = write_jsonl(tmp_path / "c.jsonl", documents)
+    compressed = tmp_path / "c.jsonl.gz"
+    compressed.write_bytes(gzip.compress(plain.read_bytes()))
+    zstd = tmp_path / "c.jsonl.zst"
+    with pa.CompressedOutputStream(str(zstd), "zstd") as sink:
+        sink.write(plain.read_bytes())
+    parquet = tmp_path / "c.parquet"
+    pq.write_table(pa.table({"text": documents}), parquet, row_group_size=40)
+    splits = []
+    for path, kind in ((plain, "jsonl"), (compressed, "jsonl"), (zstd, "jsonl"), (parquet, "parquet")):
+        data = params(tmp_path, plain, sources=[DataSource(kind=kind, paths=[str(path)])], shard_bytes=1 << 13)
+        result = prepare_dataset(data.model_copy(update={"output_dir": str(tmp_path / f"out-{path.name}")}), TOKENIZER, MODEL)
+        splits.append(result.manifest["splits"])
+        if kind == "parquet":
+            assert result.manifest["reuse"]["input_shards"] > 1
+    assert all(entry == splits[0] for entry in splits[1:])
 
 
-def test_writing_shards_does_not_import_pandas(tmp_path):
-    # pa.array(ndarray) imports pandas on its first call (175 ms, once per process); shards need no pandas.
+def test_a_run_after_a_new_file_maps_only_that_file_and_equals_a_fresh_run(tmp_path, documents):
+    first, second = write_jsonl(tmp_path / "a.jsonl", documents[:80]), tmp_path / "b.jsonl"
+    pattern = str(tmp_path / "*.jsonl")
+    data = params(tmp_path, first, sources=[DataSource(kind="jsonl", paths=[pattern])], shard_bytes=1 << 13)
+    before = prepare_dataset(data, TOKENIZER, MODEL).manifest
+    write_jsonl(second, documents[80:] + documents[:3])  # new documents and repeats of old ones
+    grown = prepare_dataset(data, TOKENIZER, MODEL).manifest
+    fresh = prepare_dataset(data.model_copy(update={"output_dir": str(tmp_path / "fresh")}), TOKENIZER, MODEL).manifest
+    assert grown["reuse"]["map_shards_reused"] == before["reuse"]["input_shards"]
+    assert grown["reuse"]["input_shards"] > grown["reuse"]["map_shards_reused"] and fresh["reuse"]["map_shards_reused"] == 0
+    assert grown["counts"]["dropped"]["exact_duplicate"] == 3
+    assert without_reuse(grown) == without_reuse(fresh)
+
+
+def test_a_killed_prep_leaves_no_final_directory_and_a_rerun_finishes_it(tmp_path, corpus):
+    data = params(tmp_path, corpus, shard_bytes=1 << 13, num_workers=1)
+    marker = tmp_path / "packing"
     script = f"""
-import sys
-import numpy as np
-from model_core.data.packing import pack_documents
-from model_core.data.shards import write_shards
-rows = pack_documents(np.arange(4, 100, dtype=np.int32), np.array([40, 56]), 17, 1, 2, 3, "pad")
-write_shards(rows, __import__("pathlib").Path({str(tmp_path)!r}), "train", 2, 3)
-assert "pandas" not in sys.modules, "writing shards imported pandas"
+import time
+from pathlib import Path
+from model_core.data import prepare, row_shuffle
+from params.schema import DataParams, ModelParams, TokenizerParams
+def stall(job):
+    Path({str(marker)!r}).touch()
+    time.sleep(600)
+prepare.row_shuffle.pack_shard = stall
+prepare.prepare_dataset(DataParams.model_validate_json({data.model_dump_json()!r}), TokenizerParams(), ModelParams(**{MODEL.model_dump()!r}))
 """
-    subprocess.run([sys.executable, "-c", script], check=True)
-    assert len(list(tmp_path.glob("train-*.parquet"))) == 3
+    process = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists() and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), "the prep never reached packing"
+    finally:
+        os.kill(process.pid, signal.SIGKILL)
+        process.wait()
+    output = tmp_path / "out"
+    assert [path for path in output.iterdir() if not path.name.startswith(".")] == []
+    result = prepare_dataset(data, TOKENIZER, MODEL)
+    assert result.manifest["reuse"]["map_shards_reused"] == result.manifest["reuse"]["input_shards"]
+    assert [path.name for path in output.iterdir() if not path.name.startswith(".")] == [result.output_dir.name]
+    assert [path.name for path in output.iterdir() if ".building-" in path.name] == []
+    fresh = prepare_dataset(data.model_copy(update={"output_dir": str(tmp_path / "fresh")}), TOKENIZER, MODEL)
+    assert without_reuse(result.manifest) == without_reuse(fresh.manifest)

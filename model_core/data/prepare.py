@@ -30,7 +30,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Callable, Iterable
@@ -101,8 +103,10 @@ def prepare_dataset(
 
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     (work / "builds").mkdir(parents=True, exist_ok=True)
-    build_dir = Path(tempfile.mkdtemp(prefix=f".{key}.building-", dir=final_dir.parent))
-    scratch = Path(tempfile.mkdtemp(prefix=f"{key}-", dir=work / "builds"))
+    _remove_abandoned_builds(final_dir.parent, work / "builds")
+    owner = f"{socket.gethostname()}-{os.getpid()}"
+    build_dir = Path(tempfile.mkdtemp(prefix=f".{key}.building-{owner}-", dir=final_dir.parent))
+    scratch = Path(tempfile.mkdtemp(prefix=f"{key}-{owner}-", dir=work / "builds"))
     try:
         build = _Build(data, tokenizer, model, mapper, progress, build_dir, scratch, work, workers)
         shards = plan_shards(inputs, data.shard_bytes, contents)
@@ -200,6 +204,7 @@ class _Build:
         self.mapper, self.progress = mapper, progress
         self.build_dir, self.scratch, self.work, self.workers = build_dir, scratch, work, workers
         self.seconds: dict[str, float] = {}
+        self.jobs: dict[str, int] = {}
         self.reuse: dict[str, int] = {}
 
     def run(self, shards: list[InputShard]) -> dict:
@@ -241,7 +246,12 @@ class _Build:
         }
 
     def report(self, workers: int) -> dict:
-        return {"timings_s": {stage: round(s, 4) for stage, s in self.seconds.items()}, "workers": workers, "reuse": self.reuse}
+        return {
+            "timings_s": {stage: round(seconds, 4) for stage, seconds in self.seconds.items()},
+            "jobs": self.jobs,
+            "workers": workers,
+            "reuse": self.reuse,
+        }
 
     def _run_step(self, stage: str, function: Callable, jobs: list, sizes: list[int] | None = None) -> list:
         """Every job's result in order, reporting progress as they arrive."""
@@ -252,6 +262,7 @@ class _Build:
             watch.update(result)
         watch.finish()
         self.seconds[stage] = self.seconds.get(stage, 0.0) + watch.elapsed
+        self.jobs[stage] = len(jobs)
         return results
 
     def _shard_job(self, shard: InputShard, threads: int, directory: Path, tokenizer_path: Path | None = None):
@@ -271,7 +282,8 @@ class _Build:
             jobs = [self._shard_job(s, threads, self._cache_dir("sample", s, sample_params)) for s in shards]
             results = self._run_step("sample", shard_map.sample_shard, jobs, [_shard_size(s) for s in shards])
             self.reuse["sample_shards_reused"] = sum(bool(r.get("reused")) for r in results)
-            check_bad_records(results, self.data.max_bad_record_fraction)
+            check_bad_records(results, self.data.max_bad_record_fraction, log=False)  # logged after the map step
+            _filter_counts(results, self.data, 0)  # fails on an empty corpus before training on nothing
             lines = _merged_sample([job.output for job in jobs], self.tokenizer.training_sentences)
             model_bytes = train_tokenizer(lines, self.tokenizer, self.model.vocab_size, self.data.shuffle_seed, self.workers)
             origin = "the trained tokenizer"
@@ -408,16 +420,17 @@ def _merged_sample(directories: Iterable[Path], limit: int) -> list[str]:
     return lines
 
 
-def check_bad_records(results: list[dict], max_fraction: float) -> dict:
-    """Log the bad records that the map steps found, fail when malformed ones exceed the allowed share,
-    return the read counts (with up to MAX_REPORTED_RECORDS examples, in corpus order)."""
+def check_bad_records(results: list[dict], max_fraction: float, log: bool = True) -> dict:
+    """Log the bad records that the map steps found (unless `log` is False), fail when malformed ones
+    exceed the allowed share, return the read counts (with up to MAX_REPORTED_RECORDS examples, in
+    corpus order)."""
     records = sum(r["records"] for r in results)
     malformed = sum(r["malformed"] for r in results)
     undecodable = sum(r["undecodable"] for r in results)
     examples = [example for r in results for example in r["examples"]][:MAX_REPORTED_RECORDS]
-    for example in examples:
+    for example in examples if log else ():
         logger.warning("bad record %s", example)
-    if malformed or undecodable:
+    if log and (malformed or undecodable):
         logger.warning(
             "%d malformed records skipped and %d lines with undecodable bytes kept, of %d records",
             malformed,
@@ -523,6 +536,27 @@ def _write_text_atomically(path: Path, text: str) -> None:
     with os.fdopen(handle, "w") as file:
         file.write(text)
     os.replace(temporary, path)
+
+
+def _remove_abandoned_builds(*parents: Path) -> None:
+    """Delete the build and scratch directories of killed runs on this host (their process is gone); the
+    map results they finished stay cached under .work for the next run."""
+    pattern = re.compile(rf"(?:\.\w+\.building-|\w+-){re.escape(socket.gethostname())}-(\d+)-")
+    for parent in parents:
+        for entry in parent.iterdir():
+            found = pattern.match(entry.name)
+            if found and entry.is_dir() and not _alive(int(found.group(1))):
+                shutil.rmtree(entry, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _move_into_place(build_dir: Path, final_dir: Path) -> None:

@@ -204,7 +204,8 @@ def sample_shard(job: ShardJob) -> dict:
     keys, lines = _smallest(keys, lines, limit)
     order = np.argsort(keys, kind="stable")
     table = pa.table({"key": pa.array(keys[order]), "line": pa.array([lines[i] for i in order.tolist()], pa.large_string())})
-    result = {**_report(job.shard, report, counts, _shard_bytes(job.shard)), "lines": len(lines)}
+    documents = sum(len(chunk) for chunk in hashes)
+    result = {**_report(job.shard, report, counts, _shard_bytes(job.shard)), "documents": documents, "lines": len(lines)}
     with _building(job.output) as directory:
         with pa.OSFile(str(directory / "sample.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
