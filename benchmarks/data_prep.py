@@ -38,6 +38,7 @@ import sentencepiece as spm
 
 from model_core.data import prepare_dataset
 from model_core.data.cleaning import clean_texts
+from model_core.data.prepare import REPORT_NAME
 from model_core.data.docstrings import stdlib_docstrings
 from params.schema import DataParams, DataSource, ModelParams, TokenizerParams
 
@@ -70,6 +71,8 @@ def main() -> None:
         assert not any(prep.reused for prep, _ in prep_runs)
         prep = sorted(prep_runs, key=lambda run: run[1])[len(prep_runs) // 2][0]  # the median run's stages
 
+        stage_seconds = json.loads((prep.output_dir / REPORT_NAME).read_text())["timings_s"]
+        tokenizer_seconds = json.loads((trained.output_dir / REPORT_NAME).read_text())["timings_s"]["tokenizer"]
         default = DataParams(output_dir=f"{workdir}/data")
         _, default_cached_s = _timed(lambda: prepare_dataset(default, tokenizer, model))
 
@@ -87,7 +90,7 @@ def main() -> None:
         "prep_tokens_per_s": _spread([raw_tokens / seconds for seconds in prep_seconds], max),
         "prep_written_tokens": written_tokens,
         "prep_written_tokens_per_s": _spread([written_tokens / seconds for seconds in prep_seconds], max),
-        "prep_stage_seconds": prep.manifest["timings_s"],
+        "prep_stage_seconds": stage_seconds,
         "prep_dropped_documents": prep.manifest["counts"]["dropped"],
         "raw_timed": "processor.encode(all cleaned documents, num_threads=cores)",
         "raw_encode_seconds": _spread(raw_seconds, min, 3),
@@ -95,7 +98,7 @@ def main() -> None:
         "raw_encode_tokens_per_s": _spread([raw_tokens / seconds for seconds in raw_seconds], max),
         "docstring_extraction_cold_s": round(extraction_cold_s, 3),
         "docstring_extraction_cached_s": round(extraction_cached_s, 3),
-        "tokenizer_training_s": trained.manifest["tokenizer"]["seconds"],
+        "tokenizer_training_s": tokenizer_seconds,
         "default_pipeline_cached_docstrings_s": round(default_cached_s, 3),
     }
     for ratio, prep_key in (("ratio", "prep_tokens_per_s"), ("ratio_written", "prep_written_tokens_per_s")):
