@@ -7,11 +7,10 @@ import json
 import logging
 
 import numpy as np
-import pyarrow.parquet as pq
 import pytest
 import sentencepiece as spm
 
-from model_core.data import DataPrepError, prepare_instructions, read_shards
+from model_core.data import DataPrepError, PackedRows, open_split, prepare_instructions, read_shards
 from model_core.data.docstrings import stdlib_files
 from model_core.data.instruction_set import MIN_OUTPUT_CHARS, bundled_records
 from model_core.data.instructions import Record, TemplateEncoder, Turn, parse_records, render_prompt
@@ -19,7 +18,7 @@ from model_core.data.packing import first_fit_rows, pack_documents, pack_example
 from model_core.data.shards import write_shards
 from model_core.data.sources import InputFile, read_input
 from model_core.data.tokenizer import train_tokenizer
-from model_core.train.loader import load_split, make_batch
+from model_core.train.loader import make_batch
 from params.schema import DataParams, LoraParams, ModelParams, TokenizerParams
 
 VOCAB = 512
@@ -244,18 +243,22 @@ def test_first_fit_places_a_prefix_as_in_the_whole():
         first_fit_rows(np.array([3, 33]), 32)
 
 
+def all_rows(directory, split: str) -> PackedRows:
+    rows = open_split(directory, split)
+    return rows.take(np.arange(len(rows)))
+
+
 def test_masked_rows_round_trip_through_shards_and_narrow_the_batch_mask(tmp_path):
     ids = np.arange(10, 36, dtype=np.int32)
     mask = np.array([0] * 6 + [1] * 4 + [0] * 3 + [1] * 3 + [0] * 6 + [1] * 4, dtype=np.int8)
     rows = pack_examples(ids, np.array([10, 6, 10]), mask, 16, PAD)
     assert [rows.doc_starts(row).tolist() for row in range(len(rows))] == [[0, 10], [0]]
-    write_shards(rows, tmp_path, "train", rows_per_shard=1, pad_id=PAD)
-    (tmp_path / "manifest.json").write_text(json.dumps({"seq_len": 15, "splits": {"train": {"shards": [
-        {"file": f"train-{index:05d}.parquet"} for index in range(len(rows))
-    ]}}}))
-    loaded = load_split(tmp_path, "train")
+    shards = write_shards(rows, tmp_path, "train", rows_per_shard=1, pad_id=PAD, vocab_size=VOCAB)
+    assert [shard["file"] for shard in shards] == [f"train-{index:05d}.tokens" for index in range(len(rows))]
+    (tmp_path / "manifest.json").write_text(json.dumps({"seq_len": 15, "splits": {"train": {"shards": shards}}}))
+    loaded = all_rows(tmp_path, "train")
     assert np.array_equal(loaded.loss_mask, rows.loss_mask) and np.array_equal(loaded.tokens, rows.tokens)
-    assert pq.read_schema(tmp_path / "train-00000.parquet").field("loss_mask").type.value_type == "int8"
+    assert all(shard["loss_mask"] for shard in shards) and loaded.loss_mask.dtype == np.int8
     batch = make_batch(loaded, PAD, reset_at_documents=True)
     assert np.array_equal(batch.loss_mask, rows.loss_mask[:, 1:].astype(np.float32))
     assert batch.counted_tokens == 4 + 3 + 4
@@ -265,8 +268,8 @@ def test_masked_rows_round_trip_through_shards_and_narrow_the_batch_mask(tmp_pat
 def test_pretraining_rows_have_no_mask_and_batch_as_before(tmp_path):
     lengths = np.array([5, 9, 4, 12])
     rows = pack_documents(np.arange(10, 40, dtype=np.int32), lengths, 8, BOS, EOS, PAD, "pad")
-    shards = write_shards(rows, tmp_path, "train", rows_per_shard=64, pad_id=PAD)
-    assert "loss_mask" not in pq.read_schema(tmp_path / "train-00000.parquet").names
+    shards = write_shards(rows, tmp_path, "train", rows_per_shard=64, pad_id=PAD, vocab_size=VOCAB)
+    assert shards[0]["loss_mask"] is False
     assert "response_tokens" not in shards[0]
     (tmp_path / "manifest.json").write_text(json.dumps({"seq_len": 7, "splits": {"train": {"shards": shards}}}))
     [read] = read_shards(tmp_path, "train")
@@ -289,7 +292,8 @@ def test_prepared_shards_hold_the_examples_and_the_manifest_counts_them(tmp_path
     splits = manifest["splits"]
     assert splits["train"]["examples"] + splits["validation"]["examples"] == manifest["counts"]["examples"]
     for split, summary in splits.items():
-        rows = load_split(result.output_dir, split)
+        assert {shard["token_dtype"] for shard in summary["shards"]} == {"uint16"}  # VOCAB ids fit in 16 bits
+        rows = all_rows(result.output_dir, split)
         assert len(rows) == summary["rows"]
         assert int(rows.loss_mask.sum()) == summary["response_tokens"]
         assert int(np.count_nonzero(rows.tokens != PAD)) == summary["tokens"]
@@ -297,7 +301,7 @@ def test_prepared_shards_hold_the_examples_and_the_manifest_counts_them(tmp_path
         assert int(np.count_nonzero(rows.tokens == BOS)) == summary["examples"]
     processor = spm.SentencePieceProcessor(model_file=str(result.tokenizer_path))
     outputs = {json.loads(line)["output"] for line in alpaca_lines}
-    rows = load_split(result.output_dir, "train")
+    rows = all_rows(result.output_dir, "train")
     for row in range(3):
         for start, end in runs(rows.loss_mask[row]):
             assert processor.decode(rows.tokens[row, start : end - 1].tolist()) in outputs
@@ -344,7 +348,7 @@ def test_validation_holds_at_least_the_rows_asked_for(tmp_path, tokenizer_path, 
     data = data_params(tmp_path, validation_fraction=0.01)
     result = prepare_instructions(lora, data, tokenizer_path, MODEL, TOKENIZER, min_validation_rows=6)
     assert result.manifest["splits"]["validation"]["rows"] >= 6
-    assert len(load_split(result.output_dir, "validation")) >= 6
+    assert len(all_rows(result.output_dir, "validation")) >= 6
     with pytest.raises(DataPrepError, match=r"cannot hold out data.validation_fraction=0.01 and at least 10000 validation rows"):
         prepare_instructions(lora, data, tokenizer_path, MODEL, TOKENIZER, min_validation_rows=10_000)
 

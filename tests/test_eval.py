@@ -17,7 +17,7 @@ from conftest import SMALL_MODEL
 from mindspore import ops
 
 from model_core.convert.tensors import write_safetensors
-from model_core.data import PackedRows, prepare_dataset
+from model_core.data import PackedRows, open_split, prepare_dataset
 from model_core.eval import (
     EvalReport,
     GenerationConfig,
@@ -33,7 +33,6 @@ from model_core.eval.perplexity import HeldOutLoss
 from model_core.model import Llama, document_positions
 from model_core.model.llama import KVCache
 from model_core.model.lora import apply_lora, base_sha256, lora_layers, save_adapters
-from model_core.train.loader import load_split
 from model_core.train.trainer import model_weights
 from params import load_params
 from params.schema import EvalParams, ModelParams
@@ -370,7 +369,7 @@ def test_load_model_holds_the_checkpoint_weights_and_the_adapters(prepared, tmp_
 def test_evaluate_model_scores_held_out_sets_and_generates_from_every_prompt(prepared):
     params, dataset, _, model = prepared
     report = evaluate_model(model, params, dataset.tokenizer_path, {"pretraining": dataset.output_dir}, "ckpt", [])
-    rows = load_split(dataset.output_dir, "validation")
+    rows = open_split(dataset.output_dir, "validation")
     direct = held_out_loss(model, rows, 2, 2, params.tokenizer.pad_id, params.train.reset_at_document_boundaries)
     assert report.held_out == {"pretraining": direct} and report.seed == params.eval.seed
     assert [output.prompt for output in report.generations] == params.eval.prompts

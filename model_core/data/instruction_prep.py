@@ -8,7 +8,7 @@ repeats; tokenize under the template (instructions.py) with the given tokenizer,
 drop examples longer than a row (seq_len + 1 tokens), counted as `too_long`: they are never cut, since a
 cut example loses its EOS or its response; shuffle with data.shuffle_seed; hold out the first
 data.validation_fraction of the examples, and at least enough to fill `min_validation_rows` rows; pack each
-split by first fit (packing.py) and write shards with a `loss_mask` column (shards.py). The dataset is built
+split by first fit (packing.py) and write shards with a `loss_mask` section (shards.py). The dataset is built
 in a temporary sibling directory and renamed into place, so a failure never leaves a final directory.
 """
 
@@ -34,7 +34,7 @@ from model_core.data.sources import FileReport
 from model_core.data.tokenizer import load_tokenizer, open_tokenizer
 from params.schema import DataParams, LoraParams, ModelParams, TokenizerParams
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: flat token shards (shards.py) instead of Parquet
 KIND = "instructions"
 BUNDLED = Path("<bundled python-docstring instructions>")  # the bundled set's name in reports
 
@@ -156,7 +156,9 @@ def _build(build_dir: Path, files: list[Path], request: _Request) -> dict:
     order = _rng(data.shuffle_seed, "examples").permutation(fitting)
     held_out = _validation_size(lengths[order], data.validation_fraction, row_len, request.min_validation_rows)
     splits = {
-        split: _pack_and_write(build_dir, split, token_ids, lengths, loss_mask, chosen, data, tokenizer.pad_id, row_len)
+        split: _pack_and_write(
+            build_dir, split, token_ids, lengths, loss_mask, chosen, data, tokenizer.pad_id, row_len, model.vocab_size
+        )
         for split, chosen in (("train", order[held_out:]), ("validation", order[:held_out]))
     }
     return {
@@ -216,11 +218,12 @@ def _pack_and_write(
     data: DataParams,
     pad_id: int,
     row_len: int,
+    vocab_size: int,
 ) -> dict:
     split_ids, split_lengths = select_documents(token_ids, lengths, chosen)
     split_mask, _ = select_documents(loss_mask, lengths, chosen)
     rows = pack_examples(split_ids, split_lengths, split_mask, row_len, pad_id)
-    shards = write_shards(rows, build_dir, split, data.rows_per_shard, pad_id)
+    shards = write_shards(rows, build_dir, split, data.rows_per_shard, pad_id, vocab_size)
     tokens = int(split_lengths.sum())
     return {
         "examples": len(chosen),

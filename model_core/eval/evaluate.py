@@ -9,6 +9,7 @@ from pathlib import Path
 import sentencepiece as spm
 
 from model_core.convert import read_weights
+from model_core.data import open_split
 from model_core.eval.generate import GenerationConfig, generate
 from model_core.eval.perplexity import held_out_loss
 from model_core.eval.report import EvalReport, PromptOutput
@@ -16,7 +17,6 @@ from model_core.model import Llama
 from model_core.model.lora import apply_lora, base_sha256, load_adapters, read_adapters
 from model_core.parallel.reshard import whole_tensors
 from model_core.train.checkpoint import Checkpoint
-from model_core.train.loader import load_split
 from model_core.train.precision import check_precision
 from model_core.train.system import device_target
 from model_core.train.trainer import load_weights
@@ -62,9 +62,9 @@ def evaluate_model(
             raise ValueError(f"eval.prompts[{index}] is {len(prompt_ids)} tokens long, more than model.seq_len={seq_len}")
     metrics = {}
     for name, dataset_dir in held_out.items():
-        rows = load_split(dataset_dir, "validation")
+        rows = open_split(dataset_dir, "validation")
         # Instruction rows (they carry a loss mask) are trained with examples kept apart; score them that way.
-        reset = params.train.reset_at_document_boundaries or rows.loss_mask is not None
+        reset = params.train.reset_at_document_boundaries or rows.has_loss_mask
         metrics[name] = held_out_loss(
             model, rows, params.train.micro_batch_size, params.eval.batches, params.tokenizer.pad_id, reset
         )

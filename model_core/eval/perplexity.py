@@ -7,9 +7,8 @@ from dataclasses import dataclass
 
 import mindspore as ms
 
-from model_core.data import PackedRows
 from model_core.model import Llama, token_cross_entropy
-from model_core.train.loader import sequential_batches
+from model_core.train.loader import Rows, sequential_batches
 
 
 @dataclass(frozen=True)
@@ -21,7 +20,7 @@ class HeldOutLoss:
 
 
 def held_out_loss(
-    model: Llama, rows: PackedRows, batch_rows: int, max_batches: int, pad_id: int, reset_at_documents: bool
+    model: Llama, rows: Rows, batch_rows: int, max_batches: int, pad_id: int, reset_at_documents: bool
 ) -> HeldOutLoss:
     """Token-weighted mean next-token loss over the first `max_batches` batches of `batch_rows` rows.
 

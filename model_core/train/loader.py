@@ -1,19 +1,24 @@
 """Training batches from prepared token shards: a deterministic per-epoch shuffle with an exact,
-resumable position.
+resumable position, reading from the shards only the rows of this rank's batches.
 
 The position counts rows of the *global* sample stream (epoch, cursor), so it means the same thing
-whatever the number of data-parallel ranks: each global batch is cut into equal per-rank slices.
+whatever the number of data-parallel ranks: each global batch is cut into equal per-rank slices. Epoch e's
+order is a keyed permutation computed per position (data/permutation.py), so no array of every row is made.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import numpy as np
 
-from model_core.data import PackedRows, read_shards
+from model_core.data import PackedRows, SplitRows
+from model_core.data.permutation import KeyedPermutation
 from model_core.model.documents import document_positions
+
+Rows = SplitRows | PackedRows  # anything with len() and take(indices) -> PackedRows
+# Names the order function in the saved state: a position saved under another order means other samples.
+_ORDER = "keyed-feistel-1"
 
 
 @dataclass(frozen=True)
@@ -37,23 +42,6 @@ class LoaderPosition:
     cursor: int = 0  # rows of this epoch's permutation already handed out
 
 
-def load_split(dataset_dir: str | Path, split: str) -> PackedRows:
-    """All rows of a split in manifest order, as one PackedRows."""
-    shards = list(read_shards(dataset_dir, split))
-    if not shards:
-        raise ValueError(f"{dataset_dir} has no rows in split {split!r}")
-    tokens = np.concatenate([shard.tokens for shard in shards])
-    values = np.concatenate([shard.doc_start_values for shard in shards])
-    row_offsets = [shards[0].doc_start_offsets]
-    for shard in shards[1:]:
-        row_offsets.append(shard.doc_start_offsets[1:] + row_offsets[-1][-1])
-    masked = sum(shard.loss_mask is not None for shard in shards)
-    if masked not in (0, len(shards)):
-        raise ValueError(f"{dataset_dir} split {split!r}: {masked} of {len(shards)} shards have a loss_mask column")
-    loss_mask = np.concatenate([shard.loss_mask for shard in shards]) if masked else None
-    return PackedRows(tokens, values, np.concatenate(row_offsets), loss_mask)
-
-
 def make_batch(rows: PackedRows, pad_id: int, reset_at_documents: bool) -> Batch:
     """Inputs and next-token labels of the rows; the loss counts every non-padding label, narrowed to the
     stored loss mask (responses only) when the rows carry one."""
@@ -74,18 +62,11 @@ def make_batch(rows: PackedRows, pad_id: int, reset_at_documents: bool) -> Batch
 class ShuffledBatches:
     """Rows of global batches in a seeded per-epoch order; this rank's slice of each, resumable exactly.
 
-    Epoch e visits the rows in `permutation(seed, e)`; a remainder smaller than a global batch is skipped,
-    so every batch is full and the stream is a pure function of (seed, position).
+    Epoch e visits the rows in `KeyedPermutation(len(rows), (seed, e))`; a remainder smaller than a global
+    batch is skipped, so every batch is full and the stream is a pure function of (seed, position).
     """
 
-    def __init__(
-        self,
-        rows: PackedRows,
-        global_batch_rows: int,
-        seed: int,
-        rank: int = 0,
-        world: int = 1,
-    ) -> None:
+    def __init__(self, rows: Rows, global_batch_rows: int, seed: int, rank: int = 0, world: int = 1) -> None:
         if len(rows) < global_batch_rows:
             raise ValueError(
                 f"the split has {len(rows)} rows, fewer than one global batch of {global_batch_rows} rows; "
@@ -99,43 +80,35 @@ class ShuffledBatches:
         self.rank = rank
         self.world = world
         self.position = LoaderPosition()
-        self._order_epoch = -1
-        self._order = np.empty(0, dtype=np.int64)
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        if epoch != self._order_epoch:
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
-            self._order_epoch = epoch
-        return self._order
 
     def next_rows(self) -> PackedRows:
         """This rank's rows of the next global batch."""
         if self.position.cursor + self.global_batch_rows > len(self.rows):
             self.position = LoaderPosition(self.position.epoch + 1, 0)
-        order = self._permutation(self.position.epoch)
-        start = self.position.cursor
-        batch = order[start : start + self.global_batch_rows]
-        self.position = LoaderPosition(self.position.epoch, start + self.global_batch_rows)
+        order = KeyedPermutation(len(self.rows), (self.seed, self.position.epoch))
         per_rank = self.global_batch_rows // self.world
-        return self.rows.take(batch[self.rank * per_rank : (self.rank + 1) * per_rank])
+        start = self.position.cursor + self.rank * per_rank
+        self.position = LoaderPosition(self.position.epoch, self.position.cursor + self.global_batch_rows)
+        return self.rows.take(order.forward(np.arange(start, start + per_rank)).astype(np.int64))
 
     def _identity(self) -> dict:
-        return {"seed": self.seed, "rows": len(self.rows), "global_batch_rows": self.global_batch_rows}
+        return {"seed": self.seed, "rows": len(self.rows), "global_batch_rows": self.global_batch_rows, "order": _ORDER}
 
     def state_dict(self) -> dict:
         return {**asdict(self.position), **self._identity()}
 
     def load_state_dict(self, state: dict) -> None:
         for key, mine in self._identity().items():
-            if state[key] != mine:
+            if state.get(key) != mine:
                 raise ValueError(
-                    f"data-loader state was saved with {key}={state[key]} but this run has {key}={mine}; "
+                    f"data-loader state was saved with {key}={state.get(key)} but this run has {key}={mine}; "
                     "the saved position would point at different samples"
                 )
         self.position = LoaderPosition(state["epoch"], state["cursor"])
 
 
-def sequential_batches(rows: PackedRows, batch_rows: int, count: int, pad_id: int, reset_at_documents: bool):
-    """The first `count` batches of a split in file order (validation: same batches every time)."""
+def sequential_batches(rows: Rows, batch_rows: int, count: int, pad_id: int, reset_at_documents: bool):
+    """The first `count` batches of a split in file order (validation: same batches every time); each batch
+    reads only its own rows."""
     for start in range(0, min(count * batch_rows, len(rows) - batch_rows + 1), batch_rows):
         yield make_batch(rows.take(np.arange(start, start + batch_rows)), pad_id, reset_at_documents)

@@ -35,6 +35,7 @@ import numpy as np
 from mindspore import ops
 
 from model_core.convert import read_weights
+from model_core.data import open_split
 from model_core.model import Llama, count_parameters
 from model_core.parallel import comm
 from model_core.parallel.data_parallel import GradientAllReduce, broadcast_parameters, sum_over
@@ -49,7 +50,7 @@ from model_core.parallel.zero3 import Zero3AdamW, shard_parameters
 from model_core.train import checkpoint as ckpt
 from model_core.train.callbacks import MetricsCallback
 from model_core.train.flops import flops_per_token, mfu, peak_flops_for_current_device
-from model_core.train.loader import Batch, ShuffledBatches, load_split, make_batch, sequential_batches
+from model_core.train.loader import Batch, ShuffledBatches, make_batch, sequential_batches
 from model_core.train.optim import AdamW
 from model_core.train.precision import LossScale, check_precision
 from model_core.train.schedule import learning_rate
@@ -159,7 +160,7 @@ class Trainer:
         train = params.train
         self.micro_batches = params.parallel.micro_batches * train.grad_accum_steps
         self.batches = ShuffledBatches(
-            load_split(dataset_dir, "train"),
+            open_split(dataset_dir, "train"),
             global_batch_rows=self.layout.global_batch_rows(
                 train.micro_batch_size, params.parallel.micro_batches, train.grad_accum_steps
             ),
@@ -167,7 +168,7 @@ class Trainer:
             rank=self.dp_group.index,
             world=self.dp_group.size,
         )
-        self.validation = load_split(dataset_dir, "validation")
+        self.validation = open_split(dataset_dir, "validation")
 
         zero_stage = params.parallel.zero_stage if self.dp_group.size > 1 else 0
         self.pipeline = None
