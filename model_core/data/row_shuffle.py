@@ -24,8 +24,7 @@ import numpy as np
 from model_core.data.global_dedup import Plan
 from model_core.data.packing import PackedRows
 from model_core.data.permutation import KeyedPermutation
-from model_core.data.shard_map import token_dtype
-from model_core.data.shards import write_shard
+from model_core.data.shards import shard_name, token_dtype, write_shard
 
 SPLITS = ("train", "validation")
 _SPLIT_KEYS = {"train": 1, "validation": 2}
@@ -221,7 +220,7 @@ def write_bucket(job: WriteJob) -> list[dict]:
     for index in range(job.first_shard, job.end_shard):
         first = index * packing.rows_per_shard - low
         part = rows.take(slice(first, first + packing.rows_per_shard))
-        path = job.build_dir / f"{packing.split}-{index:05d}.tokens"
+        path = job.build_dir / shard_name(packing.split, index)
         entries.append(write_shard(path, part, packing.pad_id, packing.vocab_size))
     return entries
 

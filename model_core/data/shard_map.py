@@ -39,6 +39,7 @@ import sentencepiece as spm
 from model_core.data import dedup
 from model_core.data.cleaning import clean_texts
 from model_core.data.input_shards import InputShard, read_shard
+from model_core.data.shards import token_dtype
 from model_core.data.sources import FileReport
 from model_core.data.tokenizer import encode_documents, encoding_threads, open_tokenizer
 from params.schema import DataParams, TokenizerParams
@@ -69,11 +70,6 @@ class ShardJob:
     output: Path
     docstring_cache: Path
     tokenizer_path: Path | None = None  # map_shard only
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """Token ids on disk: two bytes while the vocabulary fits, half the bytes of int32."""
-    return np.dtype(np.uint16 if vocab_size <= 1 << 16 else np.int32)
 
 
 def text_hashes(texts: list[str]) -> np.ndarray:
