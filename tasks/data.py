@@ -1,11 +1,13 @@
-"""The data-prep stage as a Prefect task: prepare (or reuse) the token shards and record them in MLflow."""
+"""The data-prep stage: a subflow on the task runner that params.data chooses (local worker processes or a
+Ray cluster), whose task prepares (or reuses) the token shards, one mapped task per map step, and records
+them in MLflow."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
-from prefect import task
+from prefect import flow, task
 from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
@@ -14,6 +16,7 @@ from model_core.data import PrepResult, prepare_dataset
 from params import PipelineParams, flatten
 from tasks.progress import PhaseProgress
 from tasks.retry import retry_on_transient_io
+from tasks.runners import check_ray_nodes_reach_api, map_task_runner, prefect_mapper
 from tasks.tracking import StageRun, Tracking, stage_run
 
 
@@ -27,6 +30,20 @@ class DataResult(BaseModel):
     metrics: dict[str, float]
 
 
+def prepare_data(params: PipelineParams, tracking: Tracking) -> DataResult:
+    """The data stage as a subflow of the calling flow. Mapped tasks run on their flow run's task runner, and
+    the calling flows' runners are fixed by their decorators (a deployment runs them as they are), so the
+    map steps get a flow run of their own, on the runner that params.data chooses."""
+    return data_prep_stage.with_options(task_runner=map_task_runner(params.data))(params, tracking)
+
+
+@flow(name="data-prep-stage", log_prints=True)
+def data_prep_stage(params: PipelineParams, tracking: Tracking) -> DataResult:
+    if params.data.runner == "ray":
+        check_ray_nodes_reach_api()
+    return prepare_and_record(params, tracking)
+
+
 @task(
     name="prepare-data",
     retries=2,
@@ -34,13 +51,13 @@ class DataResult(BaseModel):
     retry_condition_fn=retry_on_transient_io,
     cache_policy=NO_CACHE,  # reuse is decided by the dataset manifest, which survives any Prefect server
 )
-def prepare_data(params: PipelineParams, tracking: Tracking) -> DataResult:
+def prepare_and_record(params: PipelineParams, tracking: Tracking) -> DataResult:
     with stage_run(tracking, "data_prep") as run:
         run.log_params(_stage_params(params))
         progress = PhaseProgress("data prep")
         started = time.perf_counter()
         try:
-            result = prepare_dataset(params.data, params.tokenizer, params.model, progress=progress)
+            result = prepare_dataset(params.data, params.tokenizer, params.model, progress, prefect_mapper)
         finally:
             progress.close()
         metrics = numeric_leaves(result.manifest, skip={"shards"})

@@ -1,0 +1,109 @@
+"""Where data prep's map steps run: a Prefect task runner chosen by params, and the `Mapper` that
+model_core's `prepare_dataset` hands each map step to.
+
+Each step becomes one mapped Prefect task named after the step, a task run per job, on the task runner
+of the enclosing flow run: `ThreadPoolTaskRunner(1)` for one local worker (this process, nothing to
+start), `ProcessPoolTaskRunner` ("spawn" processes) for several, or prefect-ray's `RayTaskRunner` on a
+Ray cluster. Jobs and results are small and picklable; the work itself reads and writes files under
+data.output_dir, which every worker must see.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+from urllib.parse import urlsplit
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.context import FlowRunContext
+from prefect.futures import PrefectFuture, as_completed
+from prefect.settings import PREFECT_API_URL, temporary_settings
+from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
+
+from params.schema import DataParams
+from tasks.retry import retry_on_transient_io
+
+
+def map_task_runner(data: DataParams) -> TaskRunner:
+    """The task runner for data prep's flow run, from data.runner, data.num_workers and data.ray_address."""
+    if data.runner == "ray":
+        from prefect_ray import RayTaskRunner  # imports Ray, which only runner=ray needs
+
+        if data.ray_address == "auto":
+            # prefect-ray turns "auto" into a bare ray.init(), which starts a new local Ray when it finds no
+            # cluster; handed to ray.init itself, "auto" without a running cluster is an error.
+            return RayTaskRunner(init_kwargs={"address": "auto"})
+        # null: a new Ray instance on this machine, never one that `ray start` left running here.
+        return RayTaskRunner(address=data.ray_address or "local")
+    workers = data.num_workers or len(os.sched_getaffinity(0))
+    if workers == 1:
+        return ThreadPoolTaskRunner(max_workers=1)
+    return ProcessPoolTaskRunner(max_workers=workers)
+
+
+def prefect_mapper(step: str, function: Callable[[Any], Any], jobs: list[Any]) -> Iterator[Any]:
+    """`function(job)` for each job, each call a task run of the task `step` on the flow run's task runner;
+    the results come back in job order, each as soon as it and those before it are done.
+
+    The first failure is raised as soon as it comes back, as the exception the job raised (a
+    DataPrepError keeps its message, whichever worker read the file); jobs still queued are cancelled
+    when the flow run's task runner shuts down.
+    """
+    step_task = task(
+        function,
+        name=step,
+        cache_policy=NO_CACHE,  # model_core caches map results by content hash under data.output_dir
+        retries=2,
+        retry_delay_seconds=5,
+        retry_condition_fn=retry_on_transient_io,
+    )
+    # Task runs in worker processes find the API in the settings they are sent. Without PREFECT_API_URL
+    # each would start a temporary API server of its own (seconds each, its runs recorded nowhere).
+    with temporary_settings(updates={PREFECT_API_URL: api_url()}):
+        futures = step_task.map(jobs)
+    return _in_job_order(futures)
+
+
+def _in_job_order(futures: list[PrefectFuture[Any]]) -> Iterator[Any]:
+    position = {future: index for index, future in enumerate(futures)}
+    finished: dict[int, Any] = {}
+    next_index = 0
+    for future in as_completed(futures):
+        finished[position[future]] = future.result()
+        while next_index in finished:
+            yield finished.pop(next_index)
+            next_index += 1
+
+
+def api_url() -> str:
+    """The Prefect API of this flow run: PREFECT_API_URL, or the temporary server Prefect started for it."""
+    return PREFECT_API_URL.value() or str(FlowRunContext.get().client.api_url)
+
+
+def check_ray_nodes_reach_api() -> None:
+    """Refuse Ray nodes on other machines when the Prefect API listens on this machine's loopback only:
+    their task runs would retry the connection for minutes before failing."""
+    import ray
+
+    url = api_url()
+    if not _is_loopback(urlsplit(url).hostname or ""):
+        return
+    here = ray.util.get_node_ip_address()
+    elsewhere = sorted({node["NodeManagerAddress"] for node in ray.nodes() if node["Alive"]} - {here})
+    if elsewhere:
+        raise ValueError(
+            f"data.runner=ray: the Ray nodes on {', '.join(elsewhere)} cannot reach this run's Prefect API at "
+            f"{url}, on this machine's loopback; start a Prefect server that every node can reach "
+            f"(prefect server start --host 0.0.0.0) and set PREFECT_API_URL to it"
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
