@@ -62,7 +62,7 @@ def prefect_mapper(step: str, function: Callable[[Any], Any], jobs: list[Any]) -
         retry_condition_fn=retry_on_transient_io,
     )
     # Task runs in worker processes find the API in the settings they are sent. Without PREFECT_API_URL
-    # each would start a temporary API server of its own (seconds each, its runs recorded nowhere).
+    # (Prefect's temporary server for this run) each worker process would start a server of its own.
     with temporary_settings(updates={PREFECT_API_URL: api_url()}):
         futures = step_task.map(jobs)
     return _in_job_order(futures)
