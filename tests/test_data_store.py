@@ -192,6 +192,25 @@ def test_taking_rows_reads_those_rows_only(tmp_path, monkeypatch):
     assert sum(read_bytes) <= 8 * (17 * 2 + 2 * 8) + 4 * starts + 64 * 6
 
 
+def test_a_split_of_many_shards_keeps_few_files_open_and_closes_them(tmp_path, monkeypatch):
+    import gc
+    import os
+
+    from model_core.data import shards as shards_module
+
+    monkeypatch.setattr(shards_module, "_OPEN_FILES", 3)
+    rows = _documents(8, 500, count=300)
+    _manifest(tmp_path, write_shards(rows, tmp_path, "train", rows_per_shard=5, pad_id=PAD, vocab_size=512))
+    open_before = len(os.listdir("/proc/self/fd"))
+    split = open_split(tmp_path, "train")
+    for indices in np.random.default_rng(3).integers(0, len(rows), (20, 16)):
+        _assert_same_rows(split.take(indices), rows.take(indices))
+        assert len(os.listdir("/proc/self/fd")) <= open_before + 3
+    del split
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == open_before
+
+
 # ---------------------------------------------------------------------------------- loader on shards
 
 

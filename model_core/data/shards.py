@@ -17,7 +17,7 @@ A shard `<split>-NNNNN.tokens` is one little-endian file, every section starting
 The dataset's manifest.json lists the shards of each split in order; an entry holds what opening the shard
 needs (rows, token_dtype, doc_starts, loss_mask) besides its file name, sha256, `tokens` (non-padding) and,
 with a mask, `response_tokens`. `open_split` reads the rows a caller asks for, nothing else, straight into
-the result (seek and readinto; consecutive rows in one read): a memory map would keep every page it ever
+the result (positioned reads; consecutive rows in one read): a memory map would keep every page it ever
 touched in the process's resident memory, which over an epoch of random rows grows to the size of the split.
 """
 
@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import tempfile
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,7 @@ SHARD_SUFFIX = ".tokens"
 _MAGIC = b"LLMFROWS"
 _FORMAT_VERSION = 1
 _ALIGN = 64
+_OPEN_FILES = 64
 _HEADER = np.dtype(
     [("magic", "S8"), ("version", "<u8"), ("rows", "<u8"), ("row_len", "<u8"), ("doc_starts", "<u8"),
      ("token_bytes", "<u8"), ("loss_mask", "<u8"), ("reserved", "<u8")]
@@ -147,7 +149,11 @@ def write_shards(
 
 
 class SplitRows:
-    """The rows of one split of a prepared dataset, in manifest order; `take` reads only the rows asked for."""
+    """The rows of one split of a prepared dataset, in manifest order; `take` reads only the rows asked for.
+
+    Up to _OPEN_FILES shard files stay open (the most recently read), so a random batch costs a few reads
+    per row and no opens once the shards it touches have been seen.
+    """
 
     def __init__(self, shards: list[_Shard], row_len: int) -> None:
         self._shards = shards
@@ -157,6 +163,12 @@ class SplitRows:
         if masked not in (0, len(shards)):
             raise ValueError(f"{masked} of the {len(shards)} shards of a split have a loss mask; all or none must")
         self.has_loss_mask = bool(masked)
+        token_dtypes = {shard.layout.token_dtype for shard in shards}
+        if len(token_dtypes) > 1:
+            raise ValueError(f"the shards of a split store their tokens as {sorted(token_dtypes)}; one type must")
+        self._token_dtype = _TOKEN_DTYPES[token_dtypes.pop() if token_dtypes else "int32"]
+        self._open: dict[int, int] = {}  # shard index -> file descriptor, least recently used first
+        weakref.finalize(self, _close_all, self._open)
 
     def __len__(self) -> int:
         return int(self._first_rows[-1])
@@ -166,13 +178,40 @@ class SplitRows:
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         if indices.size and (indices.min() < 0 or indices.max() >= len(self)):
             raise IndexError(f"row indices {indices.min()}..{indices.max()} outside a split of {len(self)} rows")
-        shard_of = np.searchsorted(self._first_rows, indices, side="right") - 1
-        by_shard = np.argsort(shard_of, kind="stable")
-        parts = [
-            self._shards[shard].read(indices[shard_of == shard] - self._first_rows[shard])
-            for shard in np.unique(shard_of)
-        ]
-        return _concatenate(parts, self.row_len, self.has_loss_mask).take(np.argsort(by_shard))
+        unique, order = np.unique(indices, return_inverse=True)
+        shard_of = np.searchsorted(self._first_rows, unique, side="right") - 1
+        # Runs of consecutive rows within one shard are read together.
+        run_starts = np.flatnonzero((np.diff(unique, prepend=-2) != 1) | (np.diff(shard_of, prepend=-1) != 0))
+        run_lengths = np.diff(run_starts, append=len(unique))
+        tokens = np.empty((len(unique), self.row_len), self._token_dtype)
+        loss_mask = np.empty((len(unique), self.row_len), _MASK_DTYPE) if self.has_loss_mask else None
+        offsets, values = np.zeros(len(unique) + 1, np.int64), [np.empty(0, _VALUE_DTYPE)]
+        for at, count, shard in zip(run_starts.tolist(), run_lengths.tolist(), shard_of[run_starts].tolist()):
+            first = int(unique[at]) - int(self._first_rows[shard])
+            run_mask = None if loss_mask is None else loss_mask[at : at + count]
+            run_offsets, run_values = self._shards[shard].read_run(
+                self._file(shard), first, tokens[at : at + count], run_mask
+            )
+            offsets[at + 1 : at + count + 1] = run_offsets[1:] - run_offsets[0] + offsets[at]
+            values.append(run_values)
+        rows = PackedRows(tokens.astype(np.int32), np.concatenate(values), offsets, loss_mask)
+        if len(unique) == len(indices) and (unique == indices).all():
+            return rows
+        return rows.take(order)
+
+    def _file(self, shard: int) -> int:
+        descriptor = self._open.pop(shard, None)
+        if descriptor is None:
+            descriptor = os.open(self._shards[shard].path, os.O_RDONLY)
+            try:
+                self._shards[shard].check(descriptor)
+            except Exception:
+                os.close(descriptor)
+                raise
+            if len(self._open) >= _OPEN_FILES:
+                os.close(self._open.pop(next(iter(self._open))))
+        self._open[shard] = descriptor
+        return descriptor
 
 
 def open_split(dataset_dir: str | Path, split: str) -> SplitRows:
@@ -185,9 +224,11 @@ def open_split(dataset_dir: str | Path, split: str) -> SplitRows:
 
 def read_shards(dataset_dir: str | Path, split: str) -> Iterator[PackedRows]:
     """The packed rows of a prepared split, one PackedRows per shard in manifest order."""
-    shards, _ = _split_shards(Path(dataset_dir), split)
+    shards, row_len = _split_shards(Path(dataset_dir), split)
+    rows, first = SplitRows(shards, row_len), 0
     for shard in shards:
-        yield shard.read(np.arange(shard.layout.rows))
+        yield rows.take(np.arange(first, first + shard.layout.rows))
+        first += shard.layout.rows
 
 
 def build_or_reuse(final_dir: Path, verify: Callable[[Path], str | None], build: Callable[[Path], dict]) -> bool:
@@ -223,56 +264,47 @@ def file_sha256(path: Path) -> str:
 
 
 class _Shard:
-    """One shard file, opened for each read (a split may have more shards than a process may hold open)."""
+    """Where one shard's file is and how it is laid out; reads runs of its rows from an open descriptor."""
 
     def __init__(self, path: Path, layout: _Layout) -> None:
         self.path = path
         self.layout = layout
         self._sections = layout.sections()
-        self._checked = False
 
-    def read(self, rows: np.ndarray) -> PackedRows:
-        """The rows at the given shard-local indices, in that order; consecutive rows are read together."""
-        unique = np.unique(rows)
-        runs = np.split(unique, np.flatnonzero(np.diff(unique) != 1) + 1) if len(unique) else []
-        layout = self.layout
-        tokens = np.empty((len(unique), layout.row_len), layout.token_array_dtype)
-        loss_mask = np.empty((len(unique), layout.row_len), _MASK_DTYPE) if layout.loss_mask else None
-        offsets, values = np.zeros(len(unique) + 1, np.int64), [np.empty(0, _VALUE_DTYPE)]
-        with open(self.path, "rb", buffering=0) as file:
-            if not self._checked:
-                self._check(file)
-            at = 0
-            for run in runs:
-                first, count = int(run[0]), len(run)
-                self._read(file, "tokens", tokens[at : at + count], first * layout.row_len)
-                if loss_mask is not None:
-                    self._read(file, "loss_mask", loss_mask[at : at + count], first * layout.row_len)
-                run_offsets = np.empty(count + 1, _OFFSET_DTYPE)
-                self._read(file, "doc_start_offsets", run_offsets, first)
-                low, high = int(run_offsets[0]), int(run_offsets[-1])
-                if not 0 <= low <= high <= layout.doc_starts or (np.diff(run_offsets) < 0).any():
-                    raise ValueError(f"{self.path}: damaged doc_start_offsets; prepare the dataset again")
-                values.append(np.empty(high - low, _VALUE_DTYPE))
-                self._read(file, "doc_start_values", values[-1], low)
-                offsets[at + 1 : at + count + 1] = run_offsets[1:] - low + offsets[at]
-                at += count
-        gathered = PackedRows(tokens.astype(np.int32), np.concatenate(values), offsets, loss_mask)
-        return gathered.take(np.searchsorted(unique, rows))
-
-    def _read(self, file, section: str, into: np.ndarray, first_item: int) -> None:
-        offset, _ = self._sections[section]
-        file.seek(offset + first_item * into.itemsize)
-        if file.readinto(memoryview(into).cast("B")) != into.nbytes:
-            raise ValueError(f"{self.path} is shorter than its manifest entry says; prepare the dataset again")
-
-    def _check(self, file) -> None:
-        header = np.frombuffer(file.read(_HEADER.itemsize), dtype=_HEADER)
+    def check(self, descriptor: int) -> None:
+        """The file's header must say what the manifest entry says."""
+        header = np.frombuffer(os.pread(descriptor, _HEADER.itemsize, 0), dtype=_HEADER)
         if len(header) != 1 or header[0] != self.layout.header()[()]:
             raise ValueError(
                 f"{self.path} is not the shard its manifest entry describes ({self.layout}); prepare the dataset again"
             )
-        self._checked = True
+
+    def read_run(
+        self, descriptor: int, first: int, tokens: np.ndarray, loss_mask: np.ndarray | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows first.. (as many as `tokens` holds) into `tokens` and `loss_mask`; returns their doc_start_offsets
+        (count + 1, as stored) and doc_start_values."""
+        count, row_len = len(tokens), self.layout.row_len
+        self._read(descriptor, "tokens", tokens, first * row_len)
+        if loss_mask is not None:
+            self._read(descriptor, "loss_mask", loss_mask, first * row_len)
+        offsets = np.empty(count + 1, _OFFSET_DTYPE)
+        self._read(descriptor, "doc_start_offsets", offsets, first)
+        low, high = int(offsets[0]), int(offsets[-1])
+        if not 0 <= low <= high <= self.layout.doc_starts or (offsets[1:] < offsets[:-1]).any():
+            raise ValueError(f"{self.path}: damaged doc_start_offsets; prepare the dataset again")
+        values = np.empty(high - low, _VALUE_DTYPE)
+        self._read(descriptor, "doc_start_values", values, low)
+        return offsets, values
+
+    def _read(self, descriptor: int, section: str, into: np.ndarray, first_item: int) -> None:
+        start = self._sections[section][0] + first_item * into.itemsize
+        buffer, done = memoryview(into).cast("B"), 0
+        while done < len(buffer):  # one read returns at most ~2 GB on Linux
+            got = os.preadv(descriptor, [buffer[done:]], start + done)
+            if got == 0:
+                raise ValueError(f"{self.path} is shorter than its manifest entry says; prepare the dataset again")
+            done += got
 
 
 def _split_shards(directory: Path, split: str) -> tuple[list[_Shard], int]:
@@ -291,18 +323,7 @@ def _split_shards(directory: Path, split: str) -> tuple[list[_Shard], int]:
     return shards, row_len
 
 
-def _concatenate(parts: list[PackedRows], row_len: int, masked: bool) -> PackedRows:
-    if not parts:
-        return PackedRows(
-            np.empty((0, row_len), np.int32), np.empty(0, np.int32), np.zeros(1, np.int64),
-            np.empty((0, row_len), np.int8) if masked else None,
-        )
-    offsets = [parts[0].doc_start_offsets]
-    for part in parts[1:]:
-        offsets.append(part.doc_start_offsets[1:] + offsets[-1][-1])
-    return PackedRows(
-        np.concatenate([part.tokens for part in parts]),
-        np.concatenate([part.doc_start_values for part in parts]),
-        np.concatenate(offsets),
-        np.concatenate([part.loss_mask for part in parts]) if masked else None,
-    )
+def _close_all(descriptors: dict[int, int]) -> None:
+    for descriptor in descriptors.values():
+        os.close(descriptor)
+    descriptors.clear()
