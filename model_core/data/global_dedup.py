@@ -29,7 +29,7 @@ import numpy as np
 from model_core.data import dedup
 from model_core.data.shard_map import mix64
 
-_PAIRS_AT_A_TIME = 1 << 20  # candidate pairs compared at once, to bound the memory
+_PAIRS_AT_A_TIME = 1 << 14  # candidate pairs compared at once: two (pairs, permutations) uint32 arrays of 4 MiB
 # Bytes of partition entries a reduce worker may hold: partitions are counted from the corpus.
 PARTITION_BYTES = 256 << 20
 _EXACT_ENTRY_BYTES = 24  # two hash words and a document number

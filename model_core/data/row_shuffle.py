@@ -9,8 +9,8 @@ first documents of the next shards for its last row. The final partial row is dr
 
 The row order is `KeyedPermutation(rows, (seed, split))`: the row at stream index r goes to position
 `inverse(r)`. `pack_shard` sorts its rows by position, so `write_bucket`, which owns the positions of a
-run of output shards, finds its rows in every pack file by binary search and writes them in order:
-each step holds one input shard's rows or one bucket of output shards, never the split.
+run of output shards, finds each shard's rows in every pack file by binary search over memory maps and
+writes them in order: each step holds one input shard's rows or one output shard, never the split.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from model_core.data.shards import shard_name, token_dtype, write_shard
 
 SPLITS = ("train", "validation")
 _SPLIT_KEYS = {"train": 1, "validation": 2}
-# Tokens of one write bucket: the output shards that one write step gathers and writes together.
+# Tokens of one write bucket: the run of output shards that one write step gathers and writes, one at a time.
 BUCKET_TOKENS = 64 << 20
+_PACK_ARRAYS = ("tokens", "positions", "starts", "start_offsets")
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,8 @@ class PackJob:
 
     @property
     def output(self) -> Path:
-        return self.scratch / f"pack-{self.packing.split}-{self.shard:06d}.npz"
+        """A directory of .npy arrays, which write steps memory-map (the members of an .npz are read whole)."""
+        return self.scratch / f"pack-{self.packing.split}-{self.shard:06d}"
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,8 @@ def pack_shard(job: PackJob) -> dict:
     length = packing.row_len
     first_row, end_row = -(-start // length), min(-(-end // length), rows)
     if first_row >= end_row:
-        np.savez(job.output, tokens=np.empty((0, length), np.int32), positions=np.empty(0, np.int64),
-                 starts=np.empty(0, np.int32), start_offsets=np.zeros(1, np.int64))
+        empty = PackedRows(np.empty((0, length), np.int32), np.empty(0, np.int32), np.zeros(1, np.int64))
+        _save_pack(job.output, empty, np.empty(0, np.int64), packing)
         return {"rows": 0}
     need = end_row * length - start  # stream tokens from this shard's start to the end of its last row
     tokens, doc_starts = _stream(plan, job.scratch, job.shard, packing, need)
@@ -126,10 +128,44 @@ def pack_shard(job: PackJob) -> dict:
         np.arange(first_row, end_row, dtype=np.uint64)
     ).astype(np.int64)
     order = np.argsort(positions)
-    packed = PackedRows(rows_tokens, values, row_offsets).take(order)
-    np.savez(job.output, tokens=packed.tokens.astype(token_dtype(packing.vocab_size)), positions=positions[order],
-             starts=packed.doc_start_values, start_offsets=packed.doc_start_offsets)
+    _save_pack(job.output, PackedRows(rows_tokens, values, row_offsets).take(order), positions[order], packing)
     return {"rows": count}
+
+
+def _save_pack(directory: Path, rows: PackedRows, positions: np.ndarray, packing: Packing) -> None:
+    directory.mkdir()
+    np.save(directory / "tokens.npy", rows.tokens.astype(token_dtype(packing.vocab_size)))
+    np.save(directory / "positions.npy", positions)
+    np.save(directory / "starts.npy", rows.doc_start_values)
+    np.save(directory / "start_offsets.npy", rows.doc_start_offsets)
+
+
+class _Pack:
+    """One pack step's rows: `rows(low, high)` reads those with positions in [low, high). Positions and
+    row offsets are memory-mapped (a binary search touches a few pages); tokens and document starts are
+    read with positioned reads, so a write step's memory does not keep the pages of every pack file."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.positions = np.load(directory / "positions.npy", mmap_mode="r")
+        self.offsets = np.load(directory / "start_offsets.npy", mmap_mode="r")
+        self.tokens = np.load(directory / "tokens.npy", mmap_mode="r")
+        self.starts = np.load(directory / "starts.npy", mmap_mode="r")
+
+    def rows(self, low: int, high: int) -> tuple[np.ndarray, PackedRows]:
+        lo, hi = (int(i) for i in np.searchsorted(self.positions, (low, high)))
+        first, last = int(self.offsets[lo]), int(self.offsets[hi])
+        tokens = _read(self.directory / "tokens.npy", self.tokens, lo, hi).astype(np.int32)
+        rows = PackedRows(tokens, _read(self.directory / "starts.npy", self.starts, first, last), self.offsets[lo : hi + 1] - first)
+        return np.asarray(self.positions[lo:hi]), rows
+
+
+def _read(path: Path, mapped: np.memmap, first: int, end: int) -> np.ndarray:
+    """Rows [first, end) of a .npy array, read from the file (not through its memory map)."""
+    per_row = int(np.prod(mapped.shape[1:], dtype=np.int64))
+    offset = mapped.offset + first * per_row * mapped.itemsize
+    values = np.fromfile(path, dtype=mapped.dtype, count=(end - first) * per_row, offset=offset)
+    return values.reshape(end - first, *mapped.shape[1:])
 
 
 def _stream(plan: Plan, scratch: Path, shard: int, packing: Packing, need: int) -> tuple[np.ndarray, np.ndarray]:
@@ -190,38 +226,20 @@ def buckets(rows: int, packing: Packing) -> list[tuple[int, int]]:
 
 
 def write_bucket(job: WriteJob) -> list[dict]:
-    """Gather the rows of output shards [first_shard, end_shard) from every pack file and write them."""
+    """Write output shards [first_shard, end_shard), each gathered from every pack file's rows in its
+    positions: one output shard is held at a time."""
     plan, packing = Plan.load(job.plan_path), job.packing
-    low, high = job.first_shard * packing.rows_per_shard, job.end_shard * packing.rows_per_shard
-    pieces = []
-    for shard in range(len(plan.directories)):
-        with np.load(PackJob(job.plan_path, job.scratch, shard, packing).output, mmap_mode="r") as pack:
-            positions = pack["positions"]
-            lo, hi = np.searchsorted(positions, (low, high))
-            if hi > lo:
-                offsets = pack["start_offsets"]
-                pieces.append(
-                    (
-                        positions[lo:hi],
-                        PackedRows(
-                            pack["tokens"][lo:hi].astype(np.int32),
-                            pack["starts"][offsets[lo] : offsets[hi]],
-                            offsets[lo : hi + 1] - offsets[lo],
-                        ),
-                    )
-                )
-    positions = np.concatenate([p for p, _ in pieces])
-    rows = PackedRows(
-        np.concatenate([r.tokens for _, r in pieces]),
-        np.concatenate([r.doc_start_values for _, r in pieces]),
-        _joined_offsets([r.doc_start_offsets for _, r in pieces]),
-    ).take(np.argsort(positions))
+    packs = [_Pack(PackJob(job.plan_path, job.scratch, shard, packing).output) for shard in range(len(plan.directories))]
     entries = []
     for index in range(job.first_shard, job.end_shard):
-        first = index * packing.rows_per_shard - low
-        part = rows.take(slice(first, first + packing.rows_per_shard))
-        path = job.build_dir / shard_name(packing.split, index)
-        entries.append(write_shard(path, part, packing.pad_id, packing.vocab_size))
+        low = index * packing.rows_per_shard
+        pieces = [piece for piece in (pack.rows(low, low + packing.rows_per_shard) for pack in packs) if len(piece[0])]
+        rows = PackedRows(
+            np.concatenate([rows.tokens for _, rows in pieces]),
+            np.concatenate([rows.doc_start_values for _, rows in pieces]),
+            _joined_offsets([rows.doc_start_offsets for _, rows in pieces]),
+        ).take(np.argsort(np.concatenate([positions for positions, _ in pieces])))
+        entries.append(write_shard(job.build_dir / shard_name(packing.split, index), rows, packing.pad_id, packing.vocab_size))
     return entries
 
 
