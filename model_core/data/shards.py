@@ -102,7 +102,7 @@ class _Layout:
 
 def write_shard(path: Path, rows: PackedRows, pad_id: int, vocab_size: int | None = None) -> dict:
     """Write the rows as one shard at `path`; returns its manifest entry. Token ids must lie in
-    [0, vocab_size) (in int32 when vocab_size is None)."""
+    [0, vocab_size); they are stored as `token_dtype(vocab_size)`."""
     dtype = token_dtype(vocab_size)
     tokens = rows.tokens
     limit = vocab_size if vocab_size is not None else 1 << 31
