@@ -184,25 +184,31 @@ def _stream(plan: Plan, scratch: Path, shard: int, packing: Packing, need: int) 
 
 
 def _shard_stream(plan: Plan, scratch: Path, shard: int, packing: Packing, limit: int) -> tuple[np.ndarray, np.ndarray]:
-    """The shard's part of the stream, its first documents until `limit` tokens are covered."""
+    """The shard's part of the stream, its first documents until `limit` tokens are covered. Built with
+    masks (a byte per token) rather than index arrays (eight bytes per token), so packing a shard takes a
+    few times its token bytes."""
     directory = plan.directories[shard]
-    chosen = np.flatnonzero(_chosen(plan, scratch, shard, packing.split))
-    lengths = np.load(directory / "lengths.npy").astype(np.int64)
-    sources = np.cumsum(lengths) - lengths
+    chosen = _chosen(plan, scratch, shard, packing.split)
+    lengths = np.load(directory / "lengths.npy")
     has_bos = packing.bos_id is not None
-    doc_lengths = lengths[chosen] + 1 + has_bos
+    doc_lengths = lengths[chosen].astype(np.int64) + 1 + has_bos
     doc_starts = np.cumsum(doc_lengths) - doc_lengths
     taken = int(np.searchsorted(doc_starts, limit, side="left"))  # documents starting before the limit
-    chosen, doc_lengths, doc_starts = chosen[:taken], doc_lengths[:taken], doc_starts[:taken]
-    body_lengths = lengths[chosen]
-    body_starts = np.cumsum(body_lengths) - body_lengths  # where each document's ids start among the bodies
-    within = np.arange(int(body_lengths.sum())) - np.repeat(body_starts, body_lengths)
-    token_ids = np.load(directory / "tokens.npy", mmap_mode="r")
+    chosen[np.flatnonzero(chosen)[taken:]] = False
+    doc_lengths, doc_starts = doc_lengths[:taken], doc_starts[:taken]
     stream = np.empty(int(doc_lengths.sum()), dtype=np.int32)
-    stream[np.repeat(doc_starts + has_bos, body_lengths) + within] = token_ids[np.repeat(sources[chosen], body_lengths) + within]
+    body = np.ones(len(stream), dtype=bool)
+    body[doc_starts + doc_lengths - 1] = False
+    if has_bos:
+        body[doc_starts] = False
+    token_ids = np.load(directory / "tokens.npy", mmap_mode="r")
+    if chosen.all():
+        stream[body] = token_ids
+    else:
+        stream[body] = token_ids[np.repeat(chosen, lengths)]
+    stream[doc_starts + doc_lengths - 1] = packing.eos_id
     if has_bos:
         stream[doc_starts] = packing.bos_id
-    stream[doc_starts + doc_lengths - 1] = packing.eos_id
     return stream, doc_starts
 
 
