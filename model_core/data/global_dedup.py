@@ -29,11 +29,11 @@ import numpy as np
 from model_core.data import dedup
 from model_core.data.shard_map import mix64
 
-_PAIRS_AT_A_TIME = 1 << 14  # candidate pairs compared at once: two (pairs, permutations) uint32 arrays of 4 MiB
+_PAIRS_AT_A_TIME = 1 << 15  # candidate pairs compared at once: two (pairs, permutations) uint32 arrays of 8 MiB
 # Bytes of partition entries a reduce worker may hold: partitions are counted from the corpus.
 PARTITION_BYTES = 256 << 20
 _EXACT_ENTRY_BYTES = 24  # two hash words and a document number
-_NEAR_ENTRY_BYTES = 16  # a band key and a document number
+_NEAR_ENTRY_BYTES = 16  # a band key and a document number, per band
 
 
 @dataclass(frozen=True)
@@ -73,8 +73,10 @@ class ReduceJob:
         return self.scratch / f"{kind}-{self.partition:05d}.npy"
 
 
-def partitions_for(documents: int, entries_per_document: int, entry_bytes: int) -> int:
-    return max(1, math.ceil(documents * entries_per_document * entry_bytes / PARTITION_BYTES))
+def partitions_for(documents: int, bytes_per_document: int, workers: int) -> int:
+    """Enough partitions that each holds about PARTITION_BYTES, and at least one per worker (the result
+    is the same for any number of partitions: a key always lands in exactly one)."""
+    return max(workers, math.ceil(documents * bytes_per_document / PARTITION_BYTES))
 
 
 def exact_partition(job: ReduceJob) -> dict:
@@ -97,30 +99,38 @@ def exact_partition(job: ReduceJob) -> dict:
 
 
 def near_partition(job: ReduceJob) -> dict:
-    """Write the close pairs (earlier, later document number) among the candidates of this key partition."""
+    """Write the close pairs (earlier, later document number) among the candidates of this key partition.
+
+    The signatures of the documents with a key in the partition are held while their pairs are compared:
+    gathering two rows per pair through the shards' memory maps cost ~40x more."""
     plan = Plan.load(job.plan_path)
-    keys, numbers, permutations = [], [], None
+    keys, numbers, members, member_signatures = [], [], [], []
     for shard, directory in enumerate(plan.directories):
         signatures = np.load(directory / "signatures.npy", mmap_mode="r")
-        permutations = signatures.shape[1]
         kept = np.flatnonzero(np.load(plan.keep_path(job.scratch, shard)))
-        band_keys = _tagged_band_keys(np.asarray(signatures[kept]), job.threshold)
+        kept_signatures = np.asarray(signatures[kept])
+        band_keys = _tagged_band_keys(kept_signatures, job.threshold)
         mine = band_keys % np.uint64(job.partitions) == job.partition
         keys.append(band_keys[mine])
         numbers.append(np.broadcast_to((kept + plan.first_documents[shard])[:, None], band_keys.shape)[mine])
-    if permutations is None:
+        member = mine.any(axis=1)
+        members.append(kept[member] + plan.first_documents[shard])
+        member_signatures.append(kept_signatures[member])
+    member = np.concatenate(members) if members else np.empty(0, dtype=np.int64)  # ascending: corpus order
+    if not len(member):
         np.save(job.output, np.empty((0, 2), dtype=np.int64))
         return {"candidates": 0, "close": 0}
+    signatures = np.concatenate(member_signatures)
     key = np.concatenate(keys)
     number = np.concatenate(numbers).astype(np.int64)
     order = np.lexsort((number, key))
     key, number = key[order], number[order]
-    needed = math.ceil(job.threshold * permutations - 1e-9)
+    needed = math.ceil(job.threshold * signatures.shape[1] - 1e-9)
     close, candidates = [], 0
-    reader = _SignatureReader(plan)
     for earlier, later in _group_pairs(key, number):
         candidates += len(earlier)
-        agree = (reader.rows(earlier) == reader.rows(later)).sum(axis=1) >= needed
+        rows = signatures[np.searchsorted(member, earlier)] == signatures[np.searchsorted(member, later)]
+        agree = rows.sum(axis=1) >= needed
         close.append(np.stack([earlier[agree], later[agree]], axis=1))
     pairs = np.unique(np.concatenate(close), axis=0) if close else np.empty((0, 2), dtype=np.int64)
     np.save(job.output, pairs)
@@ -159,25 +169,6 @@ def _pairs_within(number: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> 
     first = np.repeat(position, later_count)
     second = first + 1 + np.arange(len(first)) - np.repeat(np.cumsum(later_count) - later_count, later_count)
     return number[first], number[second]
-
-
-class _SignatureReader:
-    """Signature rows by document number, read shard by shard through memory maps."""
-
-    def __init__(self, plan: Plan) -> None:
-        self.plan = plan
-        self.first = np.asarray(plan.first_documents)
-
-    def rows(self, numbers: np.ndarray) -> np.ndarray:
-        shards = np.searchsorted(self.first, numbers, side="right") - 1
-        out = None
-        for shard in np.unique(shards).tolist():
-            chosen = np.flatnonzero(shards == shard)
-            signatures = np.load(self.plan.directories[shard] / "signatures.npy", mmap_mode="r")
-            if out is None:
-                out = np.empty((len(numbers), signatures.shape[1]), dtype=signatures.dtype)
-            out[chosen] = signatures[numbers[chosen] - self.first[shard]]
-        return out
 
 
 def settle_near_duplicates(pairs: np.ndarray) -> np.ndarray:

@@ -339,7 +339,7 @@ class _Build:
         """Repeats of a text in another, earlier shard (those inside a shard went in its map step)."""
         if not self.data.dedup_exact or len(plan.directories) < 2:
             return 0
-        count = global_dedup.partitions_for(plan.documents, 1, global_dedup._EXACT_ENTRY_BYTES)
+        count = global_dedup.partitions_for(plan.documents, global_dedup._EXACT_ENTRY_BYTES, self.workers)
         jobs = [global_dedup.ReduceJob(self.scratch / "plan.json", self.scratch, p, count) for p in range(count)]
         self._run_step("exact dedup", global_dedup.exact_partition, jobs)
         return global_dedup.drop_from_keep_masks(plan, self.scratch, [job.output for job in jobs], None)
@@ -349,7 +349,10 @@ class _Build:
         if threshold is None:
             return 0
         bands = self.data.minhash_permutations // global_dedup.dedup.rows_per_band(self.data.minhash_permutations, threshold)
-        count = global_dedup.partitions_for(plan.documents, bands, global_dedup._NEAR_ENTRY_BYTES)
+        # Per document: its band keys, and its signature wherever one of them lands.
+        count = global_dedup.partitions_for(
+            plan.documents, bands * global_dedup._NEAR_ENTRY_BYTES + 4 * self.data.minhash_permutations, self.workers
+        )
         jobs = [global_dedup.ReduceJob(self.scratch / "plan.json", self.scratch, p, count, threshold) for p in range(count)]
         self._run_step("near dedup", global_dedup.near_partition, jobs)
         started = time.perf_counter()

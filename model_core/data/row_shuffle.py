@@ -28,8 +28,9 @@ from model_core.data.shards import shard_name, token_dtype, write_shard
 
 SPLITS = ("train", "validation")
 _SPLIT_KEYS = {"train": 1, "validation": 2}
-# Tokens of one write bucket: the run of output shards that one write step gathers and writes, one at a time.
-BUCKET_TOKENS = 64 << 20
+# Tokens of one write bucket: the run of output shards that one write step holds (2 bytes a token while the
+# vocabulary fits in uint16) and writes.
+BUCKET_TOKENS = 16 << 20
 _PACK_ARRAYS = ("tokens", "positions", "starts", "start_offsets")
 
 
@@ -153,9 +154,10 @@ class _Pack:
         self.starts = np.load(directory / "starts.npy", mmap_mode="r")
 
     def rows(self, low: int, high: int) -> tuple[np.ndarray, PackedRows]:
+        """Positions and rows (tokens in their stored type) of the positions in [low, high)."""
         lo, hi = (int(i) for i in np.searchsorted(self.positions, (low, high)))
         first, last = int(self.offsets[lo]), int(self.offsets[hi])
-        tokens = _read(self.directory / "tokens.npy", self.tokens, lo, hi).astype(np.int32)
+        tokens = _read(self.directory / "tokens.npy", self.tokens, lo, hi)
         rows = PackedRows(tokens, _read(self.directory / "starts.npy", self.starts, first, last), self.offsets[lo : hi + 1] - first)
         return np.asarray(self.positions[lo:hi]), rows
 
@@ -232,20 +234,27 @@ def buckets(rows: int, packing: Packing) -> list[tuple[int, int]]:
 
 
 def write_bucket(job: WriteJob) -> list[dict]:
-    """Write output shards [first_shard, end_shard), each gathered from every pack file's rows in its
-    positions: one output shard is held at a time."""
+    """Write output shards [first_shard, end_shard): their rows are read from every pack file at once (one
+    read per pack: the bucket's positions are a contiguous run of each), then written a shard at a time."""
     plan, packing = Plan.load(job.plan_path), job.packing
-    packs = [_Pack(PackJob(job.plan_path, job.scratch, shard, packing).output) for shard in range(len(plan.directories))]
+    low, high = job.first_shard * packing.rows_per_shard, job.end_shard * packing.rows_per_shard
+    pieces = [
+        _Pack(PackJob(job.plan_path, job.scratch, shard, packing).output).rows(low, high)
+        for shard in range(len(plan.directories))
+    ]
+    positions = np.concatenate([positions for positions, _ in pieces])
+    order = np.argsort(positions)
+    rows = PackedRows(
+        np.concatenate([rows.tokens for _, rows in pieces]),
+        np.concatenate([rows.doc_start_values for _, rows in pieces]),
+        _joined_offsets([rows.doc_start_offsets for _, rows in pieces]),
+    )
+    del pieces
     entries = []
     for index in range(job.first_shard, job.end_shard):
-        low = index * packing.rows_per_shard
-        pieces = [piece for piece in (pack.rows(low, low + packing.rows_per_shard) for pack in packs) if len(piece[0])]
-        rows = PackedRows(
-            np.concatenate([rows.tokens for _, rows in pieces]),
-            np.concatenate([rows.doc_start_values for _, rows in pieces]),
-            _joined_offsets([rows.doc_start_offsets for _, rows in pieces]),
-        ).take(np.argsort(np.concatenate([positions for positions, _ in pieces])))
-        entries.append(write_shard(job.build_dir / shard_name(packing.split, index), rows, packing.pad_id, packing.vocab_size))
+        first = index * packing.rows_per_shard - low
+        shard = rows.take(order[first : first + packing.rows_per_shard])
+        entries.append(write_shard(job.build_dir / shard_name(packing.split, index), shard, packing.pad_id, packing.vocab_size))
     return entries
 
 
