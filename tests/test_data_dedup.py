@@ -116,3 +116,18 @@ def test_band_pairs_lists_every_pair_sharing_a_band_key_once():
         assert list(zip(earlier.tolist(), later.tolist())) == expected
         if expected:
             assert _band_pairs(keys, limit=len(expected) - 1) is None
+
+
+@pytest.mark.parametrize("limit", [1, 7, 50, 10**6])
+def test_candidate_pairs_come_in_bounded_batches_and_each_once(limit, monkeypatch):
+    from model_core.data import global_dedup
+
+    monkeypatch.setattr(global_dedup, "_PAIRS_AT_A_TIME", limit)
+    key = np.sort(np.random.default_rng(0).integers(0, 30, 400)).astype(np.uint64)
+    number = np.arange(400)
+    found = []
+    for earlier, later in global_dedup._group_pairs(key, number):
+        assert len(earlier) <= max(limit, 399)  # a block of a large group pairs at least one member with the rest
+        found += zip(earlier.tolist(), later.tolist())
+    expected = [(i, j) for i in range(400) for j in range(i + 1, 400) if key[i] == key[j]]
+    assert sorted(found) == expected

@@ -101,31 +101,28 @@ def exact_partition(job: ReduceJob) -> dict:
 def near_partition(job: ReduceJob) -> dict:
     """Write the close pairs (earlier, later document number) among the candidates of this key partition.
 
-    The signatures of the documents with a key in the partition are held while their pairs are compared:
-    gathering two rows per pair through the shards' memory maps cost ~40x more."""
+    Two passes over the shards: the partition's band keys first, then the signatures of the documents
+    that share a key with another one, held while their pairs are compared (gathering two rows per pair
+    through the shards' memory maps cost ~40x more; holding every document's signature grew with the
+    corpus)."""
     plan = Plan.load(job.plan_path)
-    keys, numbers, members, member_signatures = [], [], [], []
-    for shard, directory in enumerate(plan.directories):
-        signatures = np.load(directory / "signatures.npy", mmap_mode="r")
-        kept = np.flatnonzero(np.load(plan.keep_path(job.scratch, shard)))
-        kept_signatures = np.asarray(signatures[kept])
-        band_keys = _tagged_band_keys(kept_signatures, job.threshold)
+    keys, numbers = [], []
+    for shard, kept, signatures in _kept_signatures(plan, job.scratch):
+        band_keys = _tagged_band_keys(np.asarray(signatures[kept]), job.threshold)
         mine = band_keys % np.uint64(job.partitions) == job.partition
         keys.append(band_keys[mine])
         numbers.append(np.broadcast_to((kept + plan.first_documents[shard])[:, None], band_keys.shape)[mine])
-        member = mine.any(axis=1)
-        members.append(kept[member] + plan.first_documents[shard])
-        member_signatures.append(kept_signatures[member])
-    member = np.concatenate(members) if members else np.empty(0, dtype=np.int64)  # ascending: corpus order
-    if not len(member):
-        np.save(job.output, np.empty((0, 2), dtype=np.int64))
-        return {"candidates": 0, "close": 0}
-    signatures = np.concatenate(member_signatures)
-    key = np.concatenate(keys)
-    number = np.concatenate(numbers).astype(np.int64)
+    key = np.concatenate(keys) if keys else np.empty(0, dtype=np.uint64)
+    number = np.concatenate(numbers).astype(np.int64) if numbers else np.empty(0, dtype=np.int64)
     order = np.lexsort((number, key))
     key, number = key[order], number[order]
-    needed = math.ceil(job.threshold * signatures.shape[1] - 1e-9)
+    shared = np.zeros(len(key), dtype=bool)
+    shared[1:] = key[1:] == key[:-1]
+    shared[:-1] |= shared[1:]
+    key, number = key[shared], number[shared]
+    member = np.unique(number)  # ascending: corpus order
+    signatures = _signatures_of(plan, member)
+    needed = math.ceil(job.threshold * signatures.shape[1] - 1e-9) if len(member) else 0
     close, candidates = [], 0
     for earlier, later in _group_pairs(key, number):
         candidates += len(earlier)
@@ -137,6 +134,24 @@ def near_partition(job: ReduceJob) -> dict:
     return {"candidates": candidates, "close": len(pairs)}
 
 
+def _kept_signatures(plan: Plan, scratch: Path):
+    """Per shard: its number, the indices of its documents kept after exact dedup, its signatures (mapped)."""
+    for shard, directory in enumerate(plan.directories):
+        kept = np.flatnonzero(np.load(plan.keep_path(scratch, shard)))
+        yield shard, kept, np.load(directory / "signatures.npy", mmap_mode="r")
+
+
+def _signatures_of(plan: Plan, numbers: np.ndarray) -> np.ndarray:
+    """The signature rows of the given ascending document numbers."""
+    parts = []
+    for shard, directory in enumerate(plan.directories):
+        first, end = plan.first_documents[shard], plan.first_documents[shard + 1]
+        lo, hi = np.searchsorted(numbers, (first, end))
+        if hi > lo:
+            parts.append(np.load(directory / "signatures.npy", mmap_mode="r")[numbers[lo:hi] - first])
+    return np.concatenate(parts) if parts else np.empty((0, 0), dtype=np.uint32)
+
+
 def _tagged_band_keys(signatures: np.ndarray, threshold: float) -> np.ndarray:
     """(documents, bands) band keys of dedup.py, each mixed with its band's number, so that one key
     space holds every band and equal keys mean the same band and the same band key."""
@@ -146,13 +161,17 @@ def _tagged_band_keys(signatures: np.ndarray, threshold: float) -> np.ndarray:
 
 def _group_pairs(key: np.ndarray, number: np.ndarray):
     """Batches of (earlier, later) pairs of documents with an equal key (sorted by key, then number),
-    each pair once per key, at most about _PAIRS_AT_A_TIME a batch."""
+    each pair once per key, at most about _PAIRS_AT_A_TIME a batch: small groups together, a group with
+    more pairs than that (boilerplate shared by thousands of files) a run of its rows at a time."""
     if not len(key):
         return
     starts = np.flatnonzero(np.concatenate([[True], key[1:] != key[:-1]]))
     sizes = np.diff(np.append(starts, len(key)))
-    shared = sizes > 1
-    starts, sizes = starts[shared], sizes[shared]
+    pair_counts = sizes * (sizes - 1) // 2
+    for start, size in zip(starts[pair_counts > _PAIRS_AT_A_TIME].tolist(), sizes[pair_counts > _PAIRS_AT_A_TIME].tolist()):
+        yield from _large_group_pairs(number[start : start + size])
+    small = (sizes > 1) & (pair_counts <= _PAIRS_AT_A_TIME)
+    starts, sizes = starts[small], sizes[small]
     pairs_so_far = np.cumsum(sizes * (sizes - 1) // 2)
     first = 0
     while first < len(starts):
@@ -160,6 +179,18 @@ def _group_pairs(key: np.ndarray, number: np.ndarray):
         last = max(first + 1, int(np.searchsorted(pairs_so_far, before + _PAIRS_AT_A_TIME, side="right")))
         yield _pairs_within(number, starts[first:last], sizes[first:last])
         first = last
+
+
+def _large_group_pairs(members: np.ndarray):
+    """The pairs of one large group, a block of earlier members at a time (each with all later ones)."""
+    size = len(members)
+    block = max(1, _PAIRS_AT_A_TIME // size)
+    for first in range(0, size - 1, block):
+        earlier = np.arange(first, min(first + block, size - 1))
+        later_count = size - 1 - earlier
+        left = np.repeat(earlier, later_count)
+        right = left + 1 + np.arange(len(left)) - np.repeat(np.cumsum(later_count) - later_count, later_count)
+        yield members[left], members[right]
 
 
 def _pairs_within(number: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
