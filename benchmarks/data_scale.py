@@ -14,7 +14,7 @@ the size. They are written once under --workdir and reused (rebuilt together whe
 rebuild after packages were installed or removed gives other corpora, so compare runs on the same ones.
 
 Measured, each command a subprocess of the checkout this file is in, with the `tiny` preset and default
-data params otherwise (near dedup on):
+data params otherwise (near dedup on), but for input shards of SHARD_BYTES:
 
 - prep: `llmflow prep` of each corpus with the tokenizer given (tokenizer.model_path), into an empty
   data.output_dir: tokens written (every split, BOS and EOS included), wall seconds of the whole command and
@@ -75,6 +75,10 @@ ORDER_KEY = b"llmflow-data-scale"
 PYTHON_LIB = re.compile(r"/lib/python[0-9.]+/")
 SAMPLE_SECONDS = 0.05
 RAW_BATCH_CHARS = 32_000_000
+# Input shards of 8 MiB: every corpus, the 25 MB one included, is several shards on the same two worker
+# processes, so the runs differ in the corpus only (at the default 64 MiB, 25 MB would be one shard, mapped
+# inside the driver process). A worker's memory follows the shard size, never the corpus.
+SHARD_BYTES = 8 << 20
 PREPARED = re.compile(r"^(prepared|reused) dataset (.+) \(manifest (.+)\)$", re.MULTILINE)
 
 
@@ -331,6 +335,7 @@ def _overrides(workdir: Path, corpus: Corpus, output_dir: Path, tokenizer: Path 
         "data.output_dir": str(output_dir),
         "tracking.uri": _tracking_uri(workdir),
         "train.output_dir": str(workdir / "train"),
+        "data.shard_bytes": str(SHARD_BYTES),
     }
     if tokenizer is not None:
         values["tokenizer.model_path"] = str(tokenizer)
