@@ -105,10 +105,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _prepared_pretraining_data(params: PipelineParams):
-    """The pretraining dataset (prepared or reused): later stages take its tokenizer and validation split."""
+    """The pretraining dataset (prepared or reused): later stages take its tokenizer and validation split.
+    Prepared in this process, or, with data.runner=ray, by data-prep-flow on the Ray cluster."""
     from model_core.data import prepare_dataset
+    from model_core.data.prepare import prepared
     from tasks.progress import PhaseProgress
 
+    if params.data.runner == "ray":
+        from flows.data_prep import data_prep_flow
+
+        result = data_prep_flow(params)
+        return prepared(result.dataset_dir, result.reused)
     preparing = PhaseProgress("data prep")
     try:
         return prepare_dataset(params.data, params.tokenizer, params.model, progress=preparing)

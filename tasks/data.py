@@ -4,6 +4,7 @@ them in MLflow."""
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -14,10 +15,12 @@ from pydantic import BaseModel
 
 from model_core.data import PrepResult, prepare_dataset
 from params import PipelineParams, flatten
-from tasks.progress import PhaseProgress
+from tasks.progress import PhaseProgress, forwarded_logs
 from tasks.retry import retry_on_transient_io
-from tasks.runners import check_ray_nodes_reach_api, map_task_runner, prefect_mapper
+from tasks.runners import check_ray_nodes_reach_api, map_parallelism, map_task_runner, prefect_mapper
 from tasks.tracking import StageRun, Tracking, stage_run
+
+_BATCHES_PER_WORKER = 4  # task runs per map step and worker: few enough to cost little, enough to balance
 
 
 class DataResult(BaseModel):
@@ -34,7 +37,14 @@ def prepare_data(params: PipelineParams, tracking: Tracking) -> DataResult:
     """The data stage as a subflow of the calling flow. Mapped tasks run on their flow run's task runner, and
     the calling flows' runners are fixed by their decorators (a deployment runs them as they are), so the
     map steps get a flow run of their own, on the runner that params.data chooses."""
-    return data_prep_stage.with_options(task_runner=map_task_runner(params.data))(params, tracking)
+    try:
+        return data_prep_stage.with_options(task_runner=map_task_runner(params.data))(params, tracking)
+    except ConnectionError as error:  # ray.init found no cluster at the address
+        if params.data.runner != "ray":
+            raise
+        raise ValueError(
+            f"data.runner=ray: no Ray cluster answers at data.ray_address={params.data.ray_address!r} ({error})"
+        ) from error
 
 
 @flow(name="data-prep-stage", log_prints=True)
@@ -57,7 +67,9 @@ def prepare_and_record(params: PipelineParams, tracking: Tracking) -> DataResult
         progress = PhaseProgress("data prep")
         started = time.perf_counter()
         try:
-            result = prepare_dataset(params.data, params.tokenizer, params.model, progress, prefect_mapper)
+            with forwarded_logs("model_core.data"):  # per-step documents/s, tokens/s, MB read and ETA
+                mapper = functools.partial(prefect_mapper, task_runs=_BATCHES_PER_WORKER * map_parallelism(params.data))
+                result = prepare_dataset(params.data, params.tokenizer, params.model, progress, mapper)
         finally:
             progress.close()
         metrics = numeric_leaves(result.manifest, skip={"shards"})

@@ -1,7 +1,13 @@
-"""Progress bars for model_core callbacks: one tqdm bar per named phase, shown only on a terminal."""
+"""Progress for model_core callbacks: one tqdm bar per named phase (shown only on a terminal), and model_core's
+log lines forwarded to the Prefect run logger."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prefect import get_run_logger
 from tqdm.auto import tqdm
 
 
@@ -42,3 +48,31 @@ class TrainingProgress:
 
     def close(self) -> None:
         self.bar.close()
+
+
+@contextmanager
+def forwarded_logs(logger_name: str, level: int = logging.INFO) -> Iterator[None]:
+    """Records of a model_core logger go to the Prefect run logger while the block runs, so they show on the
+    console and in the Prefect UI (model_core logs with the standard library and knows nothing of Prefect)."""
+    source = logging.getLogger(logger_name)
+    handler = _ToRunLogger(get_run_logger())
+    handler.setLevel(level)
+    saved_level, saved_propagate = source.level, source.propagate
+    source.addHandler(handler)
+    source.setLevel(min(level, saved_level or level))
+    source.propagate = False  # shown once, by the run logger
+    try:
+        yield
+    finally:
+        source.removeHandler(handler)
+        source.setLevel(saved_level)
+        source.propagate = saved_propagate
+
+
+class _ToRunLogger(logging.Handler):
+    def __init__(self, run_logger: logging.LoggerAdapter) -> None:
+        super().__init__()
+        self.run_logger = run_logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.run_logger.log(record.levelno, record.getMessage())

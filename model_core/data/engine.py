@@ -57,6 +57,11 @@ class LocalMapper:
         self.close()
 
 
+def run_jobs(function: Callable[[Any], Any], jobs: list[Any]) -> list[Any]:
+    """`function(job)` of each job in turn, the heap trimmed after each (a batch of jobs in one task)."""
+    return [_run_and_trim(function, job) for job in jobs]
+
+
 def _run_and_trim(function: Callable[[Any], Any], job: Any) -> Any:
     """Run one job, then hand the heap's free pages back to the system: a worker serves many jobs, and
     without this glibc keeps each job's freed strings and arrays mapped, so its RSS creeps up job by job."""

@@ -28,7 +28,7 @@ from model_core.data.errors import DataPrepError
 from model_core.data.instruction_set import bundled_fingerprint, bundled_jsonl
 from model_core.data.instructions import Record, TemplateEncoder, parse_records, separators
 from model_core.data.packing import first_fit_rows, pack_examples, select_documents
-from model_core.data.prepare import TOKENIZER_NAME, PrepResult, _check_bad_records, _hash, _result, _rng
+from model_core.data.prepare import TOKENIZER_NAME, PrepResult, _check_bad_records, _hash, _rng, prepared
 from model_core.data.shards import MANIFEST_NAME, build_or_reuse, file_sha256, write_shards
 from model_core.data.sources import FileReport
 from model_core.data.tokenizer import load_tokenizer, open_tokenizer
@@ -93,7 +93,7 @@ def prepare_instructions(
         return {**manifest, "key": key, "params": params, "params_hash": _hash(params), "input_fingerprint": input_fingerprint}
 
     final_dir = Path(data.output_dir) / key
-    return _result(final_dir, reused=build_or_reuse(final_dir, verify_instructions, build))
+    return prepared(final_dir, reused=build_or_reuse(final_dir, verify_instructions, build))
 
 
 def verify_instructions(directory: Path) -> str | None:

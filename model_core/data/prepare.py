@@ -98,7 +98,7 @@ def prepare_dataset(
     if final_dir.exists():
         problem = verify_dataset(final_dir)
         if problem is None:
-            return _result(final_dir, reused=True)
+            return prepared(final_dir, reused=True)
         logger.warning("prepared dataset %s is damaged (%s); rebuilding it", final_dir, problem)
 
     final_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -118,7 +118,7 @@ def prepare_dataset(
     finally:
         shutil.rmtree(build_dir, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
-    return _result(final_dir, reused=False)
+    return prepared(final_dir, reused=False)
 
 
 def data_params(data: DataParams, tokenizer: TokenizerParams, model: ModelParams) -> dict:
@@ -571,7 +571,8 @@ def _move_into_place(build_dir: Path, final_dir: Path) -> None:
     os.replace(build_dir, final_dir)
 
 
-def _result(directory: Path, reused: bool) -> PrepResult:
+def prepared(directory: Path, reused: bool) -> PrepResult:
+    """The result of a prepared dataset directory (its manifest read)."""
     manifest_path = directory / MANIFEST_NAME
     return PrepResult(
         output_dir=directory,
