@@ -113,6 +113,11 @@ class DataParams(StrictModel):
         description="Local worker processes for the map steps (runner=local), and native encoding threads per "
         "worker process. null means all cores.",
     )
+    verify_on_reuse: Literal["size", "sha256"] = Field(
+        "size",
+        description="How a prepared dataset is checked before it is reused: every shard's size (instant), or its "
+        "sha256 (reads every byte: minutes per TB). The tokenizer is always checked by its sha256.",
+    )
     runner: Literal["local", "ray"] = Field(
         "local",
         description="Where the map steps run: `local` worker processes on this machine (no extra service), or "

@@ -383,3 +383,17 @@ prepare.prepare_dataset(DataParams.model_validate_json({data.model_dump_json()!r
     assert [path.name for path in output.iterdir() if ".building-" in path.name] == []
     fresh = prepare_dataset(data.model_copy(update={"output_dir": str(tmp_path / "fresh")}), TOKENIZER, MODEL)
     assert without_reuse(result.manifest) == without_reuse(fresh.manifest)
+
+
+def test_reuse_checks_shard_sizes_and_on_request_their_sha256(tmp_path, corpus):
+    data = params(tmp_path, corpus)
+    first = prepare_dataset(data, TOKENIZER, MODEL)
+    shard = first.output_dir / first.manifest["splits"]["train"]["shards"][0]["file"]
+    damaged = bytearray(shard.read_bytes())
+    damaged[-1] ^= 0xFF  # same size, other bytes
+    shard.write_bytes(bytes(damaged))
+    assert prepare_dataset(data, TOKENIZER, MODEL).reused
+    assert prepare.verify_dataset(first.output_dir, full=True) == f"{shard.name} does not match its sha256 in the manifest"
+    rebuilt = prepare_dataset(data.model_copy(update={"verify_on_reuse": "sha256"}), TOKENIZER, MODEL)
+    assert not rebuilt.reused and rebuilt.output_dir == first.output_dir
+    assert file_sha256(shard) == first.manifest["splits"]["train"]["shards"][0]["sha256"]

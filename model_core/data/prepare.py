@@ -46,7 +46,7 @@ from model_core.data.docstrings import stdlib_fingerprint
 from model_core.data.engine import LocalMapper, Mapper, available_cores
 from model_core.data.errors import DataPrepError
 from model_core.data.input_shards import InputShard, file_identity, plan_shards
-from model_core.data.shards import MANIFEST_NAME, file_sha256
+from model_core.data.shards import MANIFEST_NAME, file_sha256, shard_file_bytes
 from model_core.data.sources import FileReport, InputFile, list_inputs
 from model_core.data.tokenizer import load_tokenizer, open_tokenizer, train_tokenizer
 from params.schema import DataParams, ModelParams, TokenizerParams
@@ -58,7 +58,7 @@ CACHE_DIR = ".cache"  # under data.output_dir: the extracted standard-library do
 WORK_DIR = ".work"  # under data.output_dir: map results kept for later runs, and each build's scratch
 MAX_REPORTED_RECORDS = shard_map.MAX_REPORTED_RECORDS
 # Params that change where or how fast the data is made, not what it is.
-_NON_DATA_PARAMS = {"output_dir", "num_workers", "runner", "ray_address", "shard_bytes"}
+_NON_DATA_PARAMS = {"output_dir", "num_workers", "runner", "ray_address", "shard_bytes", "verify_on_reuse"}
 _PROGRESS_LOG_SECONDS = 10.0
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def prepare_dataset(
     final_dir = Path(data.output_dir).resolve() / key
 
     if final_dir.exists():
-        problem = verify_dataset(final_dir)
+        problem = verify_dataset(final_dir, full=data.verify_on_reuse == "sha256")
         if problem is None:
             return prepared(final_dir, reused=True)
         logger.warning("prepared dataset %s is damaged (%s); rebuilding it", final_dir, problem)
@@ -135,21 +135,28 @@ def data_params(data: DataParams, tokenizer: TokenizerParams, model: ModelParams
     }
 
 
-def verify_dataset(directory: Path) -> str | None:
-    """None when the manifest and every file it lists are intact, else what is wrong."""
+def verify_dataset(directory: Path, full: bool = False) -> str | None:
+    """None when the manifest, the tokenizer (by sha256) and every shard it lists are intact, else what is
+    wrong. Shards are checked by their size, or with `full` by their sha256: hashing terabytes of shards on
+    every reuse (each `llmflow train` start) would take longer than many runs."""
     try:
         manifest = json.loads((directory / MANIFEST_NAME).read_text())
     except (OSError, ValueError) as error:
         return f"unreadable {MANIFEST_NAME}: {error}"
     if manifest.get("format_version") != FORMAT_VERSION:
         return f"format_version {manifest.get('format_version')} is not {FORMAT_VERSION}"
-    files = [(TOKENIZER_NAME, manifest["tokenizer"]["sha256"])]
-    files += [(shard["file"], shard["sha256"]) for split in manifest["splits"].values() for shard in split["shards"]]
-    for name, expected in files:
+    files = [(TOKENIZER_NAME, manifest["tokenizer"]["sha256"], None)]
+    row_len = manifest["seq_len"] + 1
+    for split in manifest["splits"].values():
+        files += [(shard["file"], shard["sha256"], shard_file_bytes(shard, row_len)) for shard in split["shards"]]
+    for name, expected, size in files:
         path = directory / name
         if not path.is_file():
             return f"{name} is missing"
-        if file_sha256(path) != expected:
+        if size is not None and not full:
+            if path.stat().st_size != size:
+                return f"{name} holds {path.stat().st_size} bytes, not the {size} its manifest entry gives"
+        elif file_sha256(path) != expected:
             return f"{name} does not match its sha256 in the manifest"
     return None
 

@@ -137,6 +137,13 @@ def write_shard(path: Path, rows: PackedRows, pad_id: int, vocab_size: int | Non
     return {**entry, "sha256": digest.hexdigest()}
 
 
+def shard_file_bytes(entry: dict, row_len: int) -> int:
+    """The size a shard's file has when it is whole, from its manifest entry."""
+    layout = _Layout(entry["rows"], row_len, entry["token_dtype"], entry["doc_starts"], entry["loss_mask"])
+    offset, size = list(layout.sections().values())[-1]
+    return offset + size
+
+
 def write_shards(
     rows: PackedRows, directory: Path, split: str, rows_per_shard: int, pad_id: int, vocab_size: int | None = None
 ) -> list[dict]:
