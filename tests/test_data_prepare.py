@@ -17,8 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import sentencepiece as spm
 
-from model_core.data import DataPrepError, open_split, prepare_dataset, read_shards
-from model_core.data import dedup, prepare
+from model_core.data import DataPrepError, dedup, open_split, prepare, prepare_dataset, read_shards
 from model_core.data.cleaning import clean_text
 from model_core.data.docstrings import stdlib_files
 from model_core.data.packing import pack_documents

@@ -10,11 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import docstring_documents
 from prefect import flow
 from prefect.task_runners import ProcessPoolTaskRunner, ThreadPoolTaskRunner
 from prefect_ray import RayTaskRunner
 
-from conftest import docstring_documents
 from flows.data_prep import data_prep_flow
 from model_core.data import DataPrepError
 from params import load_params

@@ -32,8 +32,8 @@ from model_core.data.shard_map import mix64
 _PAIRS_AT_A_TIME = 1 << 15  # candidate pairs compared at once: two (pairs, permutations) uint32 arrays of 8 MiB
 # Bytes of partition entries a reduce worker may hold: partitions are counted from the corpus.
 PARTITION_BYTES = 256 << 20
-_EXACT_ENTRY_BYTES = 24  # two hash words and a document number
-_NEAR_ENTRY_BYTES = 16  # a band key and a document number, per band
+EXACT_ENTRY_BYTES = 24  # two hash words and a document number
+NEAR_ENTRY_BYTES = 16  # a band key and a document number, per band
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from model_core.data import global_dedup, row_shuffle, shard_map
+from model_core.data import dedup, global_dedup, row_shuffle, shard_map
 from model_core.data.docstrings import stdlib_fingerprint
 from model_core.data.engine import LocalMapper, Mapper, available_cores
 from model_core.data.errors import DataPrepError
@@ -287,7 +287,7 @@ class _Build:
         else:
             sample_params = self._map_params("sample", training_sentences=self.tokenizer.training_sentences)
             jobs = [self._shard_job(s, threads, self._cache_dir("sample", s, sample_params)) for s in shards]
-            results = self._run_step("sample", shard_map.sample_shard, jobs, [_shard_size(s) for s in shards])
+            results = self._run_step("sample", shard_map.sample_shard, jobs, [shard_map.shard_size(s) for s in shards])
             self.reuse["sample_shards_reused"] = sum(bool(r.get("reused")) for r in results)
             check_bad_records(results, self.data.max_bad_record_fraction, log=False)  # logged after the map step
             _filter_counts(results, self.data, 0)  # fails on an empty corpus before training on nothing
@@ -326,7 +326,7 @@ class _Build:
             "map", tokenizer_sha256=tokenizer_sha256, vocab_size=self.model.vocab_size, near=self.data.near_dup_threshold is not None
         )
         jobs = [self._shard_job(s, threads, self._cache_dir("map", s, params), shared_tokenizer) for s in shards]
-        results = self._run_step("map", shard_map.map_shard, jobs, [_shard_size(s) for s in shards])
+        results = self._run_step("map", shard_map.map_shard, jobs, [shard_map.shard_size(s) for s in shards])
         self.reuse["input_shards"] = len(shards)
         self.reuse["map_shards_reused"] = sum(bool(r.get("reused")) for r in results)
         for job, result in zip(jobs, results):
@@ -346,7 +346,7 @@ class _Build:
         """Repeats of a text in another, earlier shard (those inside a shard went in its map step)."""
         if not self.data.dedup_exact or len(plan.directories) < 2:
             return 0
-        count = global_dedup.partitions_for(plan.documents, global_dedup._EXACT_ENTRY_BYTES, self.workers)
+        count = global_dedup.partitions_for(plan.documents, global_dedup.EXACT_ENTRY_BYTES, self.workers)
         jobs = [global_dedup.ReduceJob(self.scratch / "plan.json", self.scratch, p, count) for p in range(count)]
         self._run_step("exact dedup", global_dedup.exact_partition, jobs)
         return global_dedup.drop_from_keep_masks(plan, self.scratch, [job.output for job in jobs], None)
@@ -355,10 +355,10 @@ class _Build:
         threshold = self.data.near_dup_threshold
         if threshold is None:
             return 0
-        bands = self.data.minhash_permutations // global_dedup.dedup.rows_per_band(self.data.minhash_permutations, threshold)
+        bands = self.data.minhash_permutations // dedup.rows_per_band(self.data.minhash_permutations, threshold)
         # Per document: its band keys, and its signature wherever one of them lands.
         count = global_dedup.partitions_for(
-            plan.documents, bands * global_dedup._NEAR_ENTRY_BYTES + 4 * self.data.minhash_permutations, self.workers
+            plan.documents, bands * global_dedup.NEAR_ENTRY_BYTES + 4 * self.data.minhash_permutations, self.workers
         )
         jobs = [global_dedup.ReduceJob(self.scratch / "plan.json", self.scratch, p, count, threshold) for p in range(count)]
         self._run_step("near dedup", global_dedup.near_partition, jobs)
@@ -415,10 +415,6 @@ def _check_split(split: str, documents: int, fraction: float) -> None:
         )
 
 
-def _shard_size(shard: InputShard) -> int:
-    return shard_map._shard_bytes(shard)
-
-
 def _merged_sample(directories: Iterable[Path], limit: int) -> list[str]:
     """The `limit` lines with the smallest keys over every shard's sample, in key order; at most about
     2 * limit lines are held at once."""
@@ -426,7 +422,7 @@ def _merged_sample(directories: Iterable[Path], limit: int) -> list[str]:
     for directory in directories:
         shard_keys, shard_lines = shard_map.read_sample(directory)
         keys, lines = np.concatenate([keys, shard_keys]), lines + shard_lines
-        keys, lines = shard_map._smallest(keys, lines, limit)
+        keys, lines = shard_map.smallest_keys(keys, lines, limit)
     return lines
 
 
@@ -535,7 +531,7 @@ class _StepProgress:
 
 
 def _duration(seconds: float) -> str:
-    minutes, seconds = divmod(int(round(seconds)), 60)
+    minutes, seconds = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 

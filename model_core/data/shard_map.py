@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -168,7 +168,7 @@ def _report(shard: InputShard, report: FileReport, counts: _Counts, bytes_read: 
     }
 
 
-def _shard_bytes(shard: InputShard) -> int:
+def shard_size(shard: InputShard) -> int:
     path = shard.input.path
     if not path.is_file():
         return 0
@@ -196,12 +196,12 @@ def sample_shard(job: ShardJob) -> dict:
         keys = np.concatenate([keys, keyed(np.concatenate(line_hashes), job.data.shuffle_seed, LINE_STREAM)])
         lines += chunk_lines
         if len(keys) > 2 * limit:
-            keys, lines = _smallest(keys, lines, limit)
-    keys, lines = _smallest(keys, lines, limit)
+            keys, lines = smallest_keys(keys, lines, limit)
+    keys, lines = smallest_keys(keys, lines, limit)
     order = np.argsort(keys, kind="stable")
     table = pa.table({"key": pa.array(keys[order]), "line": pa.array([lines[i] for i in order.tolist()], pa.large_string())})
     documents = sum(len(chunk) for chunk in hashes)
-    result = {**_report(job.shard, report, counts, _shard_bytes(job.shard)), "documents": documents, "lines": len(lines)}
+    result = {**_report(job.shard, report, counts, shard_size(job.shard)), "documents": documents, "lines": len(lines)}
     with _building(job.output) as directory:
         with pa.OSFile(str(directory / "sample.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
@@ -209,7 +209,7 @@ def sample_shard(job: ShardJob) -> dict:
     return result
 
 
-def _smallest(keys: np.ndarray, lines: list[str], limit: int) -> tuple[np.ndarray, list[str]]:
+def smallest_keys(keys: np.ndarray, lines: list[str], limit: int) -> tuple[np.ndarray, list[str]]:
     """The `limit` lines with the smallest keys (a key met twice is the same line of the same text: once)."""
     keys, first = np.unique(keys, return_index=True)
     keep = first[:limit]
@@ -234,7 +234,7 @@ def map_shard(job: ShardJob) -> dict:
     token_ids, lengths, signatures = _encode(_documents(job, report, counts, hashes), processor, job.threads, job.data)
     all_hashes = np.concatenate(hashes) if hashes else np.empty((0, 2), dtype=np.uint64)
     result = {
-        **_report(job.shard, report, counts, _shard_bytes(job.shard)),
+        **_report(job.shard, report, counts, shard_size(job.shard)),
         "documents": len(lengths),
         "tokens": int(lengths.sum()),
         "seconds": round(time.perf_counter() - started, 3),

@@ -17,9 +17,9 @@ import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import BinaryIO
 from itertools import chain
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
