@@ -103,7 +103,7 @@ class DeviceKind:
 # recomputed forward adds graph, so the CPU kind keeps the full activations and charges that graph per layer.
 CPU = DeviceKind(
     name="cpu",
-    runtime_bytes=580 * 2**20,
+    runtime_bytes=530 * 2**20,
     runtime_bytes_per_layer=53 * 2**20,
     recompute_bytes_per_layer=42 * 2**20,
     activation_factor=1.96,
