@@ -25,6 +25,9 @@ from prefect.settings import PREFECT_API_URL, temporary_settings
 from prefect.task_runners import ProcessPoolTaskRunner, TaskRunner, ThreadPoolTaskRunner
 
 from model_core.data.engine import run_jobs
+from model_core.data.errors import DataPrepError
+from model_core.data.input_shards import plan_shards
+from model_core.data.sources import list_inputs
 from params.schema import DataParams
 from tasks.retry import retry_on_transient_io
 
@@ -41,9 +44,19 @@ def map_task_runner(data: DataParams) -> TaskRunner:
         # null: a new Ray instance on this machine, never one that `ray start` left running here.
         return RayTaskRunner(address=data.ray_address or "local")
     workers = data.num_workers or len(os.sched_getaffinity(0))
-    if workers == 1:
+    if workers == 1 or _input_shards(data) == 1:
+        # One shard makes every step one job: worker processes would only add their start (seconds each).
         return ThreadPoolTaskRunner(max_workers=1)
     return ProcessPoolTaskRunner(max_workers=workers)
+
+
+def _input_shards(data: DataParams) -> int:
+    """How many input shards the corpus is cut into (a listing, a few small reads; no file is hashed). An
+    input that cannot be listed counts as several: prep itself then reports the problem."""
+    try:
+        return len(plan_shards(list_inputs(data.sources), data.shard_bytes, {}))
+    except (DataPrepError, OSError):
+        return 2
 
 
 def prefect_mapper(

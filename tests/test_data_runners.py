@@ -18,7 +18,7 @@ from prefect_ray import RayTaskRunner
 from flows.data_prep import data_prep_flow
 from model_core.data import DataPrepError
 from params import load_params
-from params.schema import DataParams
+from params.schema import DataParams, DataSource
 from tasks import runners
 from tasks.runners import check_ray_nodes_reach_api, map_task_runner, prefect_mapper
 
@@ -59,10 +59,17 @@ def ray_node(job: int) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def test_the_task_runner_follows_data_params():
-    one, two = map_task_runner(DataParams(num_workers=1)), map_task_runner(DataParams(num_workers=2))
+def test_the_task_runner_follows_data_params(tmp_path):
+    files = [tmp_path / "a.jsonl", tmp_path / "b.jsonl"]
+    for path in files:
+        path.write_text('{"text": "a document"}\n')
+    two_shards = [DataSource(kind="jsonl", paths=[str(path) for path in files])]
+    one = map_task_runner(DataParams(sources=two_shards, num_workers=1))
+    two = map_task_runner(DataParams(sources=two_shards, num_workers=2))
     assert isinstance(one, ThreadPoolTaskRunner) and one._max_workers == 1  # this process: nothing to start
     assert isinstance(two, ProcessPoolTaskRunner) and two._max_workers == 2
+    single_shard = map_task_runner(DataParams(num_workers=2))  # the standard library's docstrings: one shard
+    assert isinstance(single_shard, ThreadPoolTaskRunner)
     assert map_task_runner(DataParams(runner="ray", ray_address="ray://head:10001")).address == "ray://head:10001"
     # prefect-ray hands a bare ray.init() both null and "auto", which joins a cluster found here or else
     # starts one; null must start one, "auto" must find one.
