@@ -32,6 +32,7 @@ from model_core.data.shard_map import mix64
 _PAIRS_AT_A_TIME = 1 << 15  # candidate pairs compared at once: two (pairs, permutations) uint32 arrays of 8 MiB
 # Bytes of partition entries a reduce worker may hold: partitions are counted from the corpus.
 PARTITION_BYTES = 256 << 20
+PARALLEL_DOCUMENTS = 1 << 16
 EXACT_ENTRY_BYTES = 24  # two hash words and a document number
 NEAR_ENTRY_BYTES = 16  # a band key and a document number, per band
 
@@ -74,9 +75,11 @@ class ReduceJob:
 
 
 def partitions_for(documents: int, bytes_per_document: int, workers: int) -> int:
-    """Enough partitions that each holds about PARTITION_BYTES, and at least one per worker (the result
-    is the same for any number of partitions: a key always lands in exactly one)."""
-    return max(workers, math.ceil(documents * bytes_per_document / PARTITION_BYTES))
+    """Enough partitions that each holds about PARTITION_BYTES, and one per worker once the corpus has
+    PARALLEL_DOCUMENTS (the result is the same for any number of partitions: a key always lands in exactly
+    one). Below that a partition takes well under a second, less than starting a worker process."""
+    least = workers if documents >= PARALLEL_DOCUMENTS else 1
+    return max(least, math.ceil(documents * bytes_per_document / PARTITION_BYTES))
 
 
 def exact_partition(job: ReduceJob) -> dict:
