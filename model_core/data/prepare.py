@@ -47,7 +47,7 @@ from model_core.data.engine import LocalMapper, Mapper, available_cores
 from model_core.data.errors import DataPrepError
 from model_core.data.input_shards import InputShard, file_identity, plan_shards
 from model_core.data.shards import MANIFEST_NAME, file_sha256, shard_file_bytes
-from model_core.data.sources import FileReport, InputFile, list_inputs
+from model_core.data.sources import FileReport, InputFile, fingerprint, list_inputs
 from model_core.data.tokenizer import load_tokenizer, open_tokenizer, train_tokenizer
 from params.schema import DataParams, ModelParams, TokenizerParams
 
@@ -91,7 +91,7 @@ def prepare_dataset(
     work = Path(data.output_dir).resolve() / WORK_DIR
     contents = _content_hashes(inputs, work, mapper, progress)
     params = data_params(data, tokenizer, model)
-    input_fingerprint = _fingerprint(inputs, contents)
+    input_fingerprint = fingerprint(inputs, contents)
     key = _hash({"params": params, "inputs": input_fingerprint})[:16]
     final_dir = Path(data.output_dir).resolve() / key
 
@@ -182,14 +182,6 @@ def _content_hashes(inputs: list[InputFile], work: Path, mapper: Mapper, progres
         _write_text_atomically(cache / hashlib.sha256(file_identity(path).encode()).hexdigest()[:32], digest)
         progress("hash inputs", done, len(missing))
     return known
-
-
-def _fingerprint(inputs: list[InputFile], contents: dict[Path, str]) -> str:
-    """Hash of every input's identity and content."""
-    digest = hashlib.sha256()
-    for item in inputs:
-        digest.update(f"{item.kind}\t{item.text_field}\t{item.text_unit}\t{item.path}\t{contents[item.path]}\n".encode())
-    return digest.hexdigest()
 
 
 class _Build:

@@ -72,11 +72,15 @@ def list_inputs(sources: list[DataSource]) -> list[InputFile]:
     return inputs
 
 
-def fingerprint(inputs: list[InputFile]) -> str:
-    """Hash of every input's identity and content (for the standard library, its `stdlib_fingerprint`)."""
+def fingerprint(inputs: list[InputFile], contents: dict[Path, str] | None = None) -> str:
+    """Hash of every input's identity and content (for the standard library, its `stdlib_fingerprint`);
+    `contents` gives content hashes already known by path, the others are hashed here."""
     digest = hashlib.sha256()
     for item in inputs:
-        content = stdlib_fingerprint() if item.path.is_dir() else file_sha256(item.path)
+        if contents is not None and item.path in contents:
+            content = contents[item.path]
+        else:
+            content = stdlib_fingerprint() if item.path.is_dir() else file_sha256(item.path)
         digest.update(f"{item.kind}\t{item.text_field}\t{item.text_unit}\t{item.path}\t{content}\n".encode())
     return digest.hexdigest()
 
