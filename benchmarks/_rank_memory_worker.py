@@ -1,0 +1,183 @@
+"""One rank of benchmarks/rank_memory.py: build the Trainer from initial weights on disk under an RSS sampler, run
+a few steps, and write what this rank held as JSON (OUT/rank<r>.json).
+
+    python benchmarks/_rank_memory_worker.py --threads N --steps S DATASET WEIGHTS OUT [--set section.field=value ...]
+
+Only the Trainer's public surface is used (its constructor, `model`, `optimizer`, `run`), so the figures stay
+comparable while the trainer's insides change. The build window ends where the model is built and loaded but
+the optimizer is not: at the trainer's `adapt_model` hook, whose contract is exactly that moment; where the
+layout refuses `adapt_model` (LoRA under tp or pp, before issue 14), at the assignment of `adaptation`, which the
+trainer makes at that same point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import resource
+import sys
+import threading
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+SAMPLE_INTERVAL_S = 0.002
+
+
+class BuildWindow:
+    """Peak RSS of this process between `open()` and `close()`, sampled every 2 ms by a thread.
+
+    A sampler can miss a short peak, and a sample needs the GIL, which a long C call may hold. So the kernel's
+    high-water mark backs it up: if `ru_maxrss` rose inside the window, the window's peak is that new maximum
+    exactly; if it did not, the peak lies below the earlier maximum and only the samples can say where."""
+
+    def __init__(self) -> None:
+        self._process = psutil.Process()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self.before = self.peak = 0
+        self.closed_by: str | None = None
+
+    def _rss(self) -> int:
+        return self._process.memory_info().rss
+
+    def _sample(self) -> None:
+        while not self._stop.wait(SAMPLE_INTERVAL_S):
+            self.peak = max(self.peak, self._rss())
+
+    def open(self) -> None:
+        gc.collect()  # garbage from setup is not the build's
+        self.before = self.peak = self._rss()
+        self._maxrss_before = _maxrss_bytes()
+        self._thread.start()
+
+    def close(self, by: str) -> None:
+        if self.closed_by is not None:
+            return
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+        maxrss = _maxrss_bytes()
+        if maxrss > self._maxrss_before:
+            self.peak = max(self.peak, maxrss)
+        self.closed_by = by
+
+
+def _maxrss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def build_trainer(params, dataset: str, weights: str, out: Path, steps: int, window: BuildWindow):
+    """The Trainer, its build window closed at the first moment the model is built and loaded."""
+    from model_core.train.trainer import Trainer
+
+    class WatchedTrainer(Trainer):
+        def __setattr__(self, name, value):
+            if name == "adaptation":
+                if hasattr(self, "optimizer"):  # the window would hold the moments too: not a build figure
+                    raise RuntimeError("the Trainer builds its optimizer before `adaptation`: move the build marker")
+                window.close("adaptation attribute")
+            super().__setattr__(name, value)
+
+    def model_is_built(model):
+        window.close("adapt_model")
+
+    arguments = (params, dataset, out / "checkpoints")
+    try:
+        trainer = WatchedTrainer(*arguments, steps=steps, initial_weights=weights, adapt_model=model_is_built)
+    except ValueError as refused:
+        if "adapt_model" not in str(refused):
+            raise
+        trainer = WatchedTrainer(*arguments, steps=steps, initial_weights=weights)
+    if window.closed_by is None:
+        raise RuntimeError("the Trainer neither called adapt_model nor set `adaptation`: no end to the build window")
+    return trainer
+
+
+def held_bytes(*cells) -> list[int]:
+    """Bytes of the Parameters each cell holds that no earlier cell holds (an optimizer lists the model's)."""
+    seen: set[int] = set()
+    totals = []
+    for cell in cells:
+        total = 0
+        for _, param in cell.parameters_and_names():
+            if id(param) not in seen:
+                seen.add(id(param))
+                total += param.nbytes
+        totals.append(total)
+    return totals
+
+
+def largest_full_tensor_bytes(model, weights: Path) -> tuple[int, list[str]]:
+    """The largest tensor of the checkpoint, at its full size, of which `model` holds a part (matched by
+    parameter path), and the model's parameter paths the checkpoint does not name."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights / "model.safetensors"), framework="numpy") as stored:
+        stored_names = stored.keys()  # safe_open is not iterable
+        full = {name: math.prod(stored.get_slice(name).get_shape()) * 4 for name in stored_names}  # loaded as fp32
+    names = [name for name, _ in model.parameters_and_names()]
+    held = [full[name] for name in names if name in full]
+    if not held:
+        raise RuntimeError(f"no parameter path of the model is a tensor of {weights}: {names[:5]} ...")
+    return max(held), [name for name in names if name not in full]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--threads", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--set", action="append", default=[], dest="overrides")
+    parser.add_argument("dataset")
+    parser.add_argument("weights", type=Path)
+    parser.add_argument("out", type=Path)
+    args = parser.parse_args()
+
+    import mindspore as ms
+
+    from model_core.parallel.layout import Layout
+    from params import load_params
+
+    ms.device_context.cpu.op_tuning.threads_num(args.threads)
+    params = load_params("tiny", [*args.overrides, f"train.steps={args.steps}", "train.log_interval=1",
+                                  "train.eval_interval=100000", "train.checkpoint_interval=100000"])
+    world = params.parallel.world_size
+    if world > 1:
+        from mindspore.communication import get_rank, init
+
+        init()  # joining the job (msrun's scheduler serves it from in here) is not part of the build
+        rank = get_rank()
+    else:
+        rank = 0
+    window = BuildWindow()
+    window.open()
+    trainer = build_trainer(params, args.dataset, args.weights, args.out, args.steps, window)
+    # Neither a final checkpoint nor a validation pass is part of what a rank holds to train.
+    trainer.save = lambda: None
+    trainer.evaluate = lambda: float("nan")
+    trainer.run()
+    param_bytes, optimizer_bytes = held_bytes(trainer.model, trainer.optimizer)
+    largest, unmatched = largest_full_tensor_bytes(trainer.model, args.weights)
+    report = {
+        "rank": rank,
+        "stage": Layout.from_params(params, world).coordinates(rank).pp,
+        "rss_before_bytes": window.before,
+        "build_peak_bytes": window.peak,
+        "build_bytes": window.peak - window.before,
+        "build_window_closed_by": window.closed_by,
+        "param_bytes": param_bytes,
+        "optimizer_bytes": optimizer_bytes,
+        "largest_full_tensor_bytes": largest,
+        "parameters_not_in_checkpoint": unmatched,
+        "peak_rss_bytes": _maxrss_bytes(),
+    }
+    (args.out / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
