@@ -373,6 +373,7 @@ class _Build:
             seed=self.data.shuffle_seed,
             rows_per_shard=self.data.rows_per_shard,
             vocab_size=self.model.vocab_size,
+            shards_per_bucket=row_shuffle.shards_per_bucket(self.data.rows_per_shard, self.model.seq_len + 1),
         )
         documents, tokens = row_shuffle.stream_lengths(plan, self.scratch, split, self.data.add_bos)
         _check_split(split, sum(documents), self.data.validation_fraction)
@@ -382,8 +383,8 @@ class _Build:
         self._run_step(f"pack {split}", row_shuffle.pack_shard, pack_jobs)
         rows = row_shuffle.rows_of(sum(tokens), packing)
         write_jobs = [
-            row_shuffle.WriteJob(plan_path, self.scratch, self.build_dir, packing, first, end)
-            for first, end in row_shuffle.buckets(rows, packing)
+            row_shuffle.WriteJob(plan_path, self.scratch, self.build_dir, packing, bucket, first, end)
+            for bucket, (first, end) in enumerate(row_shuffle.buckets(rows, packing))
         ]
         shards = [entry for entries in self._run_step(f"write {split}", row_shuffle.write_bucket, write_jobs) for entry in entries]
         return {

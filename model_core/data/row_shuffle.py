@@ -8,9 +8,10 @@ first documents of the next shards for its last row. The final partial row is dr
 (data.last_row).
 
 The row order is `KeyedPermutation(rows, (seed, split))`: the row at stream index r goes to position
-`inverse(r)`. `pack_shard` sorts its rows by position, so `write_bucket`, which owns the positions of a
-run of output shards, finds each shard's rows in every pack file by binary search over memory maps and
-writes them in order: each step holds one input shard's rows or one output shard, never the split.
+`inverse(r)`. `pack_shard` sorts its rows by position and records where each write bucket's positions
+begin among them, so `write_bucket`, which owns the positions of a run of output shards, reads its rows
+from every pack file with a few positioned reads and writes them in order: each step holds one input
+shard's rows or one output shard, never the split.
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ _SPLIT_KEYS = {"train": 1, "validation": 2}
 # Tokens of one write bucket: the run of output shards that one write step holds (2 bytes a token while the
 # vocabulary fits in uint16) and writes.
 BUCKET_TOKENS = 16 << 20
-_PACK_ARRAYS = ("tokens", "positions", "starts", "start_offsets")
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class Packing:
     seed: int
     rows_per_shard: int
     vocab_size: int
+    shards_per_bucket: int  # output shards of one write step (`shards_per_bucket`)
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ class PackJob:
 
     @property
     def output(self) -> Path:
-        """A directory of .npy arrays, which write steps memory-map (the members of an .npz are read whole)."""
+        """A directory of headerless arrays (`_PackFile`), which write steps read a range of at a time."""
         return self.scratch / f"pack-{self.packing.split}-{self.shard:06d}"
 
 
@@ -68,6 +69,7 @@ class WriteJob:
     scratch: Path
     build_dir: Path
     packing: Packing
+    bucket: int  # its place in `buckets`
     first_shard: int  # the output shards [first_shard, end_shard) of the split
     end_shard: int
 
@@ -114,7 +116,7 @@ def pack_shard(job: PackJob) -> dict:
     first_row, end_row = -(-start // length), min(-(-end // length), rows)
     if first_row >= end_row:
         empty = PackedRows(np.empty((0, length), np.int32), np.empty(0, np.int32), np.zeros(1, np.int64))
-        _save_pack(job.output, empty, np.empty(0, np.int64), packing)
+        _save_pack(job.output, empty, np.empty(0, np.int64), packing, rows)
         return {"rows": 0}
     need = end_row * length - start  # stream tokens from this shard's start to the end of its last row
     tokens, doc_starts = _stream(plan, job.scratch, job.shard, packing, need)
@@ -129,45 +131,55 @@ def pack_shard(job: PackJob) -> dict:
         np.arange(first_row, end_row, dtype=np.uint64)
     ).astype(np.int64)
     order = np.argsort(positions)
-    _save_pack(job.output, PackedRows(rows_tokens, values, row_offsets).take(order), positions[order], packing)
+    _save_pack(job.output, PackedRows(rows_tokens, values, row_offsets).take(order), positions[order], packing, rows)
     return {"rows": count}
 
 
-def _save_pack(directory: Path, rows: PackedRows, positions: np.ndarray, packing: Packing) -> None:
+def _save_pack(directory: Path, rows: PackedRows, positions: np.ndarray, packing: Packing, split_rows: int) -> None:
+    """The pack's arrays, and where each write bucket's rows begin: at every bucket's first position, the
+    pack's first row at or after it and that row's first document start (one more entry for the end)."""
     directory.mkdir()
-    np.save(directory / "tokens.npy", rows.tokens.astype(token_dtype(packing.vocab_size)))
-    np.save(directory / "positions.npy", positions)
-    np.save(directory / "starts.npy", rows.doc_start_values)
-    np.save(directory / "start_offsets.npy", rows.doc_start_offsets)
+    files = _PackFiles(directory, packing)
+    bounds = [first * packing.rows_per_shard for first, _ in buckets(split_rows, packing)] + [np.iinfo(np.int64).max]
+    first_rows = np.searchsorted(positions, bounds)
+    files.write("bounds", np.stack([first_rows, rows.doc_start_offsets[first_rows]], axis=1))
+    files.write("tokens", rows.tokens)
+    files.write("positions", positions)
+    files.write("starts", rows.doc_start_values)
+    files.write("start_offsets", rows.doc_start_offsets)
 
 
-class _Pack:
-    """One pack step's rows: `rows(low, high)` reads those with positions in [low, high). Positions and
-    row offsets are memory-mapped (a binary search touches a few pages); tokens and document starts are
-    read with positioned reads, so a write step's memory does not keep the pages of every pack file."""
+class _PackFiles:
+    """A pack step's arrays as headerless files whose types the packing decides. A write step reads one
+    bucket's range of each with positioned reads: with .npy files, opening every pack's arrays for every
+    bucket (parsing headers, mapping them) took longer than reading the rows, and it grows with packs x
+    buckets; and no write step keeps the pages of every pack file mapped."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, packing: Packing) -> None:
         self.directory = directory
-        self.positions = np.load(directory / "positions.npy", mmap_mode="r")
-        self.offsets = np.load(directory / "start_offsets.npy", mmap_mode="r")
-        self.tokens = np.load(directory / "tokens.npy", mmap_mode="r")
-        self.starts = np.load(directory / "starts.npy", mmap_mode="r")
+        self.types = {
+            "bounds": np.dtype(np.int64),
+            "tokens": np.dtype(token_dtype(packing.vocab_size)),
+            "positions": np.dtype(np.int64),
+            "starts": np.dtype(np.int32),
+            "start_offsets": np.dtype(np.int64),
+        }
+        self.row_len = packing.row_len
 
-    def rows(self, low: int, high: int) -> tuple[np.ndarray, PackedRows]:
-        """Positions and rows (tokens in their stored type) of the positions in [low, high)."""
-        lo, hi = (int(i) for i in np.searchsorted(self.positions, (low, high)))
-        first, last = int(self.offsets[lo]), int(self.offsets[hi])
-        tokens = _read(self.directory / "tokens.npy", self.tokens, lo, hi)
-        rows = PackedRows(tokens, _read(self.directory / "starts.npy", self.starts, first, last), self.offsets[lo : hi + 1] - first)
-        return np.asarray(self.positions[lo:hi]), rows
+    def write(self, name: str, values: np.ndarray) -> None:
+        np.ascontiguousarray(values, dtype=self.types[name]).tofile(self.directory / name)
 
+    def read(self, name: str, first: int, count: int) -> np.ndarray:
+        """Elements [first, first + count) of the flat array `name`."""
+        dtype = self.types[name]
+        return np.fromfile(self.directory / name, dtype=dtype, count=count, offset=first * dtype.itemsize)
 
-def _read(path: Path, mapped: np.memmap, first: int, end: int) -> np.ndarray:
-    """Rows [first, end) of a .npy array, read from the file (not through its memory map)."""
-    per_row = int(np.prod(mapped.shape[1:], dtype=np.int64))
-    offset = mapped.offset + first * per_row * mapped.itemsize
-    values = np.fromfile(path, dtype=mapped.dtype, count=(end - first) * per_row, offset=offset)
-    return values.reshape(end - first, *mapped.shape[1:])
+    def bucket(self, bucket: int) -> tuple[np.ndarray, PackedRows]:
+        """Positions and rows (tokens in their stored type) of the write bucket's positions."""
+        (lo, first), (hi, last) = self.read("bounds", 2 * bucket, 4).reshape(2, 2).tolist()
+        tokens = self.read("tokens", lo * self.row_len, (hi - lo) * self.row_len).reshape(hi - lo, self.row_len)
+        offsets = self.read("start_offsets", lo, hi - lo + 1) - first
+        return self.read("positions", lo, hi - lo), PackedRows(tokens, self.read("starts", first, last - first), offsets)
 
 
 def _stream(plan: Plan, scratch: Path, shard: int, packing: Packing, need: int) -> tuple[np.ndarray, np.ndarray]:
@@ -226,10 +238,14 @@ def output_shards(rows: int, rows_per_shard: int) -> int:
     return -(-rows // rows_per_shard)
 
 
+def shards_per_bucket(rows_per_shard: int, row_len: int) -> int:
+    """Output shards of about BUCKET_TOKENS tokens in all: one write step's."""
+    return max(1, BUCKET_TOKENS // (rows_per_shard * row_len))
+
+
 def buckets(rows: int, packing: Packing) -> list[tuple[int, int]]:
-    """Runs of output shards, [first, end), of about BUCKET_TOKENS tokens each."""
-    shards = output_shards(rows, packing.rows_per_shard)
-    per_bucket = max(1, BUCKET_TOKENS // (packing.rows_per_shard * packing.row_len))
+    """Runs of output shards, [first, end), of `packing.shards_per_bucket` each (the last may be shorter)."""
+    shards, per_bucket = output_shards(rows, packing.rows_per_shard), packing.shards_per_bucket
     return [(first, min(first + per_bucket, shards)) for first in range(0, shards, per_bucket)]
 
 
@@ -237,9 +253,9 @@ def write_bucket(job: WriteJob) -> list[dict]:
     """Write output shards [first_shard, end_shard): their rows are read from every pack file at once (one
     read per pack: the bucket's positions are a contiguous run of each), then written a shard at a time."""
     plan, packing = Plan.load(job.plan_path), job.packing
-    low, high = job.first_shard * packing.rows_per_shard, job.end_shard * packing.rows_per_shard
+    low = job.first_shard * packing.rows_per_shard
     pieces = [
-        _Pack(PackJob(job.plan_path, job.scratch, shard, packing).output).rows(low, high)
+        _PackFiles(PackJob(job.plan_path, job.scratch, shard, packing).output, packing).bucket(job.bucket)
         for shard in range(len(plan.directories))
     ]
     positions = np.concatenate([positions for positions, _ in pieces])
