@@ -2,7 +2,7 @@
 
 The model is the reference model of benchmarks/train_throughput.py (vocab 8000, hidden 512, 8 layers, seq 256,
 micro-batch 8 = 2,048 tokens a step, 29.4M parameters). One step is forward, backward, global-norm clip and
-AdamW over the trainable parameters, through model_core.train.step as the trainer runs it. `full` trains every
+AdamW over the trainable parameters, through model_core.optim.step as the trainer runs it. `full` trains every
 weight; the LoRA variants (model_core.model.lora, LoraParams defaults: rank 16, alpha 32, dropout 0.05, in
 training mode) train only adapters, on q/k/v/o or on all seven projections, the latter also without dropout. Every variant runs in its own
 subprocess, so its peak RSS (VmHWM of that child, see model_core.train.system.peak_rss_bytes) is its own.
@@ -40,8 +40,8 @@ def run_variant(name: str, warmup: int, steps: int) -> dict:
     import mindspore as ms
 
     from model_core.model import Llama, apply_lora, count_parameters
-    from model_core.train.optim import AdamW
-    from model_core.train.step import AccumulateGradients, ApplyGradients, GradientNorm, scalar
+    from model_core.optim.adamw import AdamW
+    from model_core.optim.step import AccumulateGradients, ApplyGradients, GradientNorm, scalar
     from params.schema import LoraParams, ModelParams
 
     ms.set_seed(0)

@@ -38,7 +38,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from model_core.data import PackedRows, open_split, read_shards, write_shard  # noqa: E402
-from model_core.data.shards import MANIFEST_NAME, file_sha256, shard_name  # noqa: E402
+from model_core.data.shards import MANIFEST_NAME, shard_name  # noqa: E402
+from model_core.storage import file_sha256  # noqa: E402
 
 _PARQUET_ENCODINGS = {"tokens.list.element": "BYTE_STREAM_SPLIT"}
 

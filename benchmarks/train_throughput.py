@@ -1,7 +1,7 @@
 """Train-step throughput and peak memory: our MindSpore step against PyTorch eager, same model, side by side.
 
 One full optimizer step is forward, backward and AdamW on one micro-batch. Ours runs the compiled pieces of
-model_core.train.step (AccumulateGradients, GradientNorm, ApplyGradients with model_core.train.optim.AdamW),
+model_core.optim.step (AccumulateGradients, GradientNorm, ApplyGradients with model_core.optim.adamw.AdamW),
 as the trainer does; PyTorch runs a compact Llama of the same architecture and init with torch.optim.AdamW.
 Every variant runs in its own subprocess, so its peak RSS (VmHWM of that child, see model_core.train.system.peak_rss_bytes) is its own.
 
@@ -109,9 +109,9 @@ def run_ours(dtype: str, recompute: bool, warmup: int, steps: int, threads: int 
     import mindspore as ms
 
     from model_core.model import Llama
-    from model_core.train.optim import AdamW
+    from model_core.optim.adamw import AdamW
+    from model_core.optim.step import AccumulateGradients, ApplyGradients, GradientNorm, scalar
     from model_core.train.precision import PrecisionError, check_precision
-    from model_core.train.step import AccumulateGradients, ApplyGradients, GradientNorm, scalar
     from params.schema import ModelParams, PrecisionParams
 
     try:
@@ -218,7 +218,7 @@ def torch_llama(torch, config: dict):
 
 def run_torch(dtype: str, recompute: bool, warmup: int, steps: int, threads: int | None) -> dict:
     import torch
-    import torch.utils.checkpoint  # noqa: F401  (registers torch.utils.checkpoint)
+    import torch.utils.checkpoint
 
     if threads is not None:
         torch.set_num_threads(threads)

@@ -181,7 +181,7 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
 
 
 def _cmd_lora_merge(args: argparse.Namespace) -> int:
-    from model_core.model.lora import merge_into_checkpoint
+    from model_core.convert import merge_into_checkpoint
 
     params = _params(args)
     merged = merge_into_checkpoint(args.base, args.adapters, args.output, params.model)
@@ -228,7 +228,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _cmd_ckpt_reshard(args: argparse.Namespace) -> int:
     from model_core.parallel.layout import Layout
-    from model_core.parallel.reshard import reshard
+    from model_core.train.reshard import reshard
 
     split = tuple(int(n) for n in args.pipeline_layers.split(",")) if args.pipeline_layers else None
     target = Layout(dp=args.data_parallel, tp=args.tensor_parallel, pp=args.pipeline_parallel, pipeline_layers=split)

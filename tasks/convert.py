@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from model_core.convert import convert_for_run
-from model_core.convert.tensors import tensor_shapes
+from model_core.storage import tensor_shapes
 from params import PipelineParams, flatten
 from tasks.retry import retry_on_transient_io
 from tasks.tracking import Tracking, stage_run

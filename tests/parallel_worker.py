@@ -73,8 +73,9 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     this rank's metrics history, held parameter, optimizer-state and gradient-buffer bytes (read back from the
     arrays), and its weights as held at the start and the end (rank<r>_initial.npz, rank<r>_final.npz; ZeRO-3
     shards under ZeRO-3)."""
+    from model_core.model.weights import model_weights, named_weights
     from model_core.parallel.zero import moment_bytes
-    from model_core.train.trainer import Trainer, model_weights, named_weights
+    from model_core.train.trainer import Trainer
     from params import load_params
 
     pairs = list(zip(options[::2], options[1::2]))

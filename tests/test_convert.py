@@ -13,9 +13,9 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 import pytest
+from conftest import SMALL_MODEL
 from safetensors.numpy import load_file, save_file
 
-from conftest import SMALL_MODEL
 from model_core.convert import (
     ConversionError,
     check_model_agrees,
@@ -23,12 +23,12 @@ from model_core.convert import (
     hf_to_ms_cached,
     ms_to_hf,
     read_converted,
-    read_weights,
 )
 from model_core.convert.llama import from_hf, to_hf
 from model_core.model import Llama
+from model_core.model.weights import load_weights, model_weights
+from model_core.storage import read_weights
 from model_core.train import checkpoint as ckpt
-from model_core.train.trainer import load_weights, model_weights
 from params import load_params
 from params.schema import ModelParams
 

@@ -23,7 +23,7 @@ from model_core.data.docstrings import stdlib_files
 from model_core.data.packing import pack_documents
 from model_core.data.permutation import KeyedPermutation
 from model_core.data.shard_map import is_validation, text_hashes
-from model_core.data.shards import file_sha256
+from model_core.storage import file_sha256
 from model_core.data.sources import InputFile, read_input
 from params.schema import DataParams, DataSource, ModelParams, TokenizerParams
 

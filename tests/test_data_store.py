@@ -12,7 +12,7 @@ import pytest
 from model_core.data import PackedRows, open_split, read_shards, write_shard, write_shards
 from model_core.data.packing import pack_documents, pack_examples
 from model_core.data.permutation import KeyedPermutation
-from model_core.data.shards import file_sha256
+from model_core.storage import file_sha256
 from model_core.train.loader import ShuffledBatches, sequential_batches
 
 PAD, BOS, EOS = 3, 1, 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,6 @@ import sentencepiece as spm
 from conftest import SMALL_MODEL
 from mindspore import ops
 
-from model_core.convert.tensors import write_safetensors
 from model_core.data import PackedRows, open_split, prepare_dataset
 from model_core.eval import (
     EvalReport,
@@ -33,7 +33,8 @@ from model_core.eval.perplexity import HeldOutLoss
 from model_core.model import Llama, document_positions
 from model_core.model.llama import KVCache
 from model_core.model.lora import apply_lora, base_sha256, lora_layers, save_adapters
-from model_core.train.trainer import model_weights
+from model_core.model.weights import model_weights
+from model_core.storage import write_safetensors
 from params import load_params
 from params.schema import EvalParams, ModelParams
 
@@ -355,15 +356,33 @@ def prepared(corpus_jsonl, tmp_path_factory):
 def test_load_model_holds_the_checkpoint_weights_and_the_adapters(prepared, tmp_path):
     params, _, checkpoint, model = prepared
     saved = model_weights(model)
-    loaded = model_weights(load_model(params, checkpoint))
+    loaded = model_weights(load_model(checkpoint, model=params.model))
     assert loaded.keys() == saved.keys() and all(np.array_equal(loaded[k], saved[k]) for k in saved)
-    tuned = load_model(params, checkpoint)
+    tuned = load_model(checkpoint, model=params.model)
     apply_lora(tuned, params.lora)
     for layer in lora_layers(tuned).values():
         ops.assign(layer.lora_b, ms.Tensor(np.full(layer.lora_b.shape, 0.05, np.float32)))
     save_adapters(tmp_path / "adapters", tuned, params.lora, base_sha256(checkpoint))
-    reloaded, expected = model_weights(load_model(params, checkpoint, tmp_path / "adapters")), model_weights(tuned)
+    reloaded, expected = model_weights(load_model(checkpoint, tmp_path / "adapters", params.model)), model_weights(tuned)
     assert reloaded.keys() == expected.keys() and all(np.array_equal(reloaded[k], expected[k]) for k in expected)
+
+
+def test_model_core_load_model_reads_the_architecture_from_the_checkpoint(prepared, tmp_path):
+    import model_core
+
+    params, _, checkpoint, model = prepared
+    recorded = tmp_path / "recorded"
+    shutil.copytree(checkpoint, recorded)
+    (recorded / "params.json").write_text(params.model.model_dump_json())
+    tokens = ms.Tensor(np.arange(12, dtype=np.int32).reshape(2, 6) % params.model.vocab_size)
+    loaded = model_core.load_model(recorded)
+    model.set_train(False)
+    assert np.array_equal(loaded(tokens).asnumpy(), model(tokens).asnumpy())
+    other = params.model.model_copy(update={"num_layers": params.model.num_layers + 1})
+    with pytest.raises(ValueError, match=f"model.num_layers={params.model.num_layers}, not {other.num_layers}"):
+        model_core.load_model(recorded, model=other)
+    with pytest.raises(FileNotFoundError, match="records no model"):
+        model_core.load_model(checkpoint)
 
 
 def test_evaluate_model_scores_held_out_sets_and_generates_from_every_prompt(prepared):

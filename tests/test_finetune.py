@@ -8,13 +8,13 @@ import json
 
 import numpy as np
 import pytest
-
 from conftest import SMALL_MODEL
+
 from flows.cli import main
-from model_core.convert import read_weights
 from model_core.data import prepare_dataset, prepare_instructions
 from model_core.eval.evaluate import evaluate_checkpoint
 from model_core.model.lora import AdapterMismatchError
+from model_core.storage import read_weights
 from model_core.train.finetune import finetune
 from model_core.train.trainer import Trainer
 from params import load_params
@@ -115,7 +115,7 @@ def test_cli_finetune_eval_merge_and_a_wrong_base(pretrained, tmp_path, capsys):
 
 
 def test_lora_under_dp2_with_zero1_trains_the_same_adapters_as_one_process(pretrained, tmp_path):
-    from model_core.convert.tensors import read_safetensors
+    from model_core.storage import read_safetensors
 
     _, _, _, checkpoint, cli = pretrained
     # The same global batch of 16 rows: two accumulated micro-batches in one process, one per rank under dp2.

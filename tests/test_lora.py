@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 from mindspore import Tensor, ops
 
-from model_core.convert import ms_to_hf, read_converted, read_weights
-from model_core.convert.tensors import read_safetensors, write_safetensors
+from model_core.convert import merge_into_checkpoint, ms_to_hf, read_converted
 from model_core.model import Llama
 from model_core.model.lora import (
     AdapterMismatchError,
@@ -21,14 +20,14 @@ from model_core.model.lora import (
     base_sha256,
     load_adapters,
     lora_layers,
-    merge_into_checkpoint,
     merge_lora,
     save_adapters,
     unmerge_lora,
 )
-from model_core.train.optim import AdamW
-from model_core.train.step import AccumulateGradients, ApplyGradients, scalar
-from model_core.train.trainer import load_weights, model_weights
+from model_core.model.weights import load_weights, model_weights
+from model_core.optim.adamw import AdamW
+from model_core.optim.step import AccumulateGradients, ApplyGradients, scalar
+from model_core.storage import read_safetensors, read_weights, write_safetensors
 from params.schema import LoraParams, ModelParams
 
 PARAMS = ModelParams(

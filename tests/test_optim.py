@@ -10,7 +10,7 @@ import pytest
 import torch
 from mindspore import Parameter, Tensor, nn
 
-from model_core.train.optim import AdamW, clip_by_global_norm
+from model_core.optim.adamw import AdamW, clip_by_global_norm
 from model_core.train.schedule import learning_rate
 from params.schema import OptimizerParams
 

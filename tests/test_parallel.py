@@ -7,10 +7,13 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 import pytest
-
 from conftest import SMALL_MODEL
+
 from model_core.data import PackedRows
 from model_core.model import Llama
+from model_core.model.weights import model_weights, named_weights
+from model_core.optim.adamw import AdamW
+from model_core.optim.step import AccumulateGradients
 from model_core.parallel import comm
 from model_core.parallel.data_parallel import bucket_indices
 from model_core.parallel.launch import launch, launch_training, log_tail
@@ -18,9 +21,6 @@ from model_core.parallel.layout import Layout, ParallelConfigError, check_tensor
 from model_core.parallel.zero import shard_pieces
 from model_core.parallel.zero3 import Zero3AdamW, join_shards, shard_parameters, take_shard
 from model_core.train.loader import ShuffledBatches
-from model_core.train.optim import AdamW
-from model_core.train.step import AccumulateGradients
-from model_core.train.trainer import model_weights, named_weights
 from params import ParamsError, load_params
 
 

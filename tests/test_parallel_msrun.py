@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-
 from conftest import SMALL_MODEL
+
 from model_core.data import prepare_dataset
+from model_core.model.weights import model_weights
 from model_core.parallel.launch import LaunchError, launch
 from model_core.train.checkpoint import Checkpoint
-from model_core.train.trainer import Trainer, model_weights
+from model_core.train.trainer import Trainer
 from params import load_params
 
 pytestmark = pytest.mark.slow

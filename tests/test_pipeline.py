@@ -7,10 +7,12 @@ from __future__ import annotations
 import mindspore as ms
 import numpy as np
 import pytest
+from conftest import SMALL_MODEL
 from mindspore import Tensor
 
-from conftest import SMALL_MODEL
 from model_core.model import Llama
+from model_core.model.weights import model_weights
+from model_core.optim.step import AccumulateGradients
 from model_core.parallel.layout import Layout, ParallelConfigError
 from model_core.parallel.pipeline import (
     SCHEDULES,
@@ -21,13 +23,10 @@ from model_core.parallel.pipeline import (
     idle_fraction,
     most_in_flight,
     schedule,
-    stage_owns,
     ticks,
 )
-from model_core.parallel.reshard import reshard, whole_tensors
 from model_core.train import checkpoint as ckpt
-from model_core.train.step import AccumulateGradients
-from model_core.train.trainer import model_weights
+from model_core.train.reshard import reshard, whole_tensors
 from params import load_params
 
 
@@ -75,19 +74,6 @@ def test_ticks_run_every_action_once_after_its_inputs_arrive(kind, stages, micro
 def test_1f1b_idles_less_than_gpipe_on_two_stages():
     modelled = {kind: idle_fraction(ticks(schedule(kind, 2, 8))) for kind in SCHEDULES}
     assert 0 < modelled["1f1b"] < modelled["gpipe"] < 1
-
-
-def test_each_weight_lives_on_one_stage_and_a_tied_table_on_both_ends():
-    params = load_params("tiny", [*SMALL_MODEL, "model.num_layers=4"]).model
-    weights = model_weights(Llama(params))
-    owners = {name: [s for s in range(2) if stage_owns(name, (2, 2), s, tie_embeddings=True)] for name in weights}
-    assert owners["embed_tokens.weight"] == [0, 1]
-    assert owners["layers.1.mlp.up_proj.weight"] == [0] and owners["layers.2.mlp.up_proj.weight"] == [1]
-    assert owners["norm.weight"] == [1]
-    assert stage_owns("adam_v.layers.3.self_attn.o_proj.weight", (2, 2), 1, tie_embeddings=False)
-    assert not stage_owns("embed_tokens.weight", (2, 2), 1, tie_embeddings=False)
-    assert stage_owns("lm_head.weight", (2, 2), 1, tie_embeddings=False)
-    assert stage_owns("layers.2.mlp.up_proj.weight", (3, 1), 0, tie_embeddings=False)  # an uneven split
 
 
 def test_stage_sizes_come_from_pipeline_layers_or_an_even_split():

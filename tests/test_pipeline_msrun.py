@@ -9,15 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from model_core.eval.evaluate import load_model
-from model_core.parallel.layout import Layout
-from model_core.parallel.reshard import reshard
-from model_core.train.checkpoint import Checkpoint
-from model_core.train.trainer import model_weights
-from params import load_params
 from test_parallel_msrun import (
-    RUN,
     SHORT,
     assert_resumed_tail,
     assert_same_blocks,
@@ -29,6 +21,12 @@ from test_parallel_msrun import (
     single_process,
     train_job,
 )
+
+from model_core.eval.evaluate import load_model
+from model_core.model.weights import model_weights
+from model_core.parallel.layout import Layout
+from model_core.train.checkpoint import Checkpoint
+from model_core.train.reshard import reshard
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +77,7 @@ def test_pp2_checkpoint_joins_into_the_single_process_weights_and_reshards_back_
     assert moments.keys() == {f"adam_{m}.{name}" for m in "mv" for name in weights}
     for name, value in single_process["final"].items():
         assert np.linalg.norm(weights[name] - value) <= 1e-5 * np.linalg.norm(value), name
-    model = load_model(load_params("tiny", RUN), saved)  # evaluation reads the stages joined
+    model = load_model(saved)  # evaluation reads the stages joined
     assert all(np.array_equal(model_weights(model)[name], value) for name, value in weights.items())
     assert_same_blocks(reshard(single.path, Layout(pp=2), tmp_path / "pp2"), Checkpoint(saved, 20), blocks=2)
 

@@ -250,11 +250,11 @@ def run_measured_steps(overrides: list[str]) -> dict:
     import numpy as np
 
     from model_core.model import Llama
+    from model_core.optim.adamw import AdamW
+    from model_core.optim.step import AccumulateGradients, ApplyGradients, GradientNorm, scalar
     from model_core.parallel import comm
     from model_core.parallel.data_parallel import GradientAllReduce
     from model_core.parallel.zero import ShardedAdamW
-    from model_core.train.optim import AdamW
-    from model_core.train.step import AccumulateGradients, ApplyGradients, GradientNorm, scalar
     from model_core.train.system import peak_rss_bytes
     from model_core.train.trainer import apply_recompute
 

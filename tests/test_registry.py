@@ -24,7 +24,7 @@ from model_core.convert import (
 )
 from model_core.convert.llama import tensor_names, to_hf
 from model_core.convert.registry import LLAMA
-from model_core.convert.tensors import write_safetensors
+from model_core.storage import write_safetensors
 from params.schema import ModelParams
 
 PARAMS = ModelParams(

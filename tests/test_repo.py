@@ -49,3 +49,28 @@ def test_model_core_never_imports_orchestration_or_tracking(path):
 @pytest.mark.parametrize("path", sorted((REPO_ROOT / "tasks").rglob("*.py")), ids=lambda p: str(p.relative_to(REPO_ROOT)))
 def test_tasks_never_import_flows(path):
     assert "flows" not in _imported_roots(path)
+
+
+# model_core's packages, lowest first: each imports only those below it (STYLE.md, "one direction").
+MODEL_CORE_LAYERS = ("storage", "data", "model", "optim", "parallel", "train", "convert", "eval")
+
+
+def _model_core_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found = set()
+    for node in ast.walk(tree):
+        names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+        found |= {name.split(".")[1] for name in names if name.startswith("model_core.")}
+    return found & set(MODEL_CORE_LAYERS)
+
+
+@pytest.mark.parametrize("path", sorted((REPO_ROOT / "model_core").rglob("*.py")), ids=lambda p: str(p.relative_to(REPO_ROOT)))
+def test_model_core_packages_import_one_way(path):
+    relative = path.relative_to(REPO_ROOT / "model_core")
+    package = relative.parts[0].removesuffix(".py") if len(relative.parts) > 1 or relative.stem == "storage" else None
+    if package is None:  # model_core/__init__.py exposes load_model from the top
+        return
+    below = set(MODEL_CORE_LAYERS[: MODEL_CORE_LAYERS.index(package)])
+    assert _model_core_imports(path) <= below | {package}, f"{relative} imports a package above {package}"

@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import SMALL_MODEL
+
 from model_core.model import Llama
+from model_core.model.weights import model_weights
 from model_core.parallel.layout import Layout, ParallelConfigError
-from model_core.parallel.parallelize import split_axis
-from model_core.parallel.reshard import blocks_for, join_blocks, reshard
+from model_core.parallel.placement import placement_table
 from model_core.train import checkpoint as ckpt
-from model_core.train.trainer import model_weights
+from model_core.train.reshard import blocks_for, join_blocks, reshard
 from params import load_params
 
 
@@ -33,7 +33,8 @@ def tp1_checkpoint(model_params, tmp_path):
 
 
 def test_column_row_and_vocab_splits_and_replicated_norms(model_params):
-    axes = {name: split_axis(name) for name in model_weights(Llama(model_params))}
+    axes = {row.name: row.tp_axis for row in placement_table(model_params, Layout(tp=2))}
+    assert list(axes) == list(model_weights(Llama(model_params)))
     assert {name.split(".")[-2] for name, axis in axes.items() if axis == 0} == {
         "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head",
     }
@@ -67,10 +68,10 @@ def test_reshard_refuses_a_tensor_parallel_size_that_does_not_divide_the_model(t
     assert not (tmp_path / "tp3").exists()
 
 
-def test_replicated_tensors_must_agree_between_blocks():
+def test_replicated_tensors_must_agree_between_blocks(model_params):
     blocks = [{"norm.weight": np.ones(4, np.float32)}, {"norm.weight": np.full(4, 2, np.float32)}]
     with pytest.raises(ValueError, match="replicated tensor norm.weight differs between tp blocks 0 and 1"):
-        join_blocks(blocks)
+        join_blocks(blocks, placement_table(model_params, Layout(tp=2)))
 
 
 def test_a_split_checkpoint_read_as_one_block_says_how_to_join_it(tp1_checkpoint, tmp_path):

@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from model_core.parallel.layout import Layout
-from model_core.parallel.reshard import join_blocks, reshard
-from model_core.train.checkpoint import Checkpoint
 from test_parallel_msrun import (
+    RUN,
     SHORT,
     assert_resumed_tail,
     assert_same_blocks,
@@ -23,6 +20,12 @@ from test_parallel_msrun import (
     single_process,
     train_job,
 )
+
+from model_core.parallel.layout import Layout
+from model_core.parallel.placement import placement_table
+from model_core.train.checkpoint import Checkpoint
+from model_core.train.reshard import join_blocks, reshard
+from params import load_params
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +43,7 @@ def tp2_run(dataset_dir, tmp_path_factory):
 def test_tp2_starts_from_the_single_process_weights_and_matches_its_training(tp2_run, single_process):
     out, ranks = tp2_run
     blocks = [dict(np.load(out / "out" / f"rank{rank}_initial.npz")) for rank in (0, 1)]
-    initial = join_blocks(blocks)
+    initial = join_blocks(blocks, placement_table(load_params("tiny", RUN).model, Layout(tp=2)))
     assert initial.keys() == single_process["initial"].keys()
     for name, value in single_process["initial"].items():
         np.testing.assert_array_equal(initial[name], value, err_msg=name)

@@ -12,15 +12,16 @@ import time
 
 import numpy as np
 import pytest
+from conftest import SMALL_MODEL
 from mindspore import ops
 from safetensors.numpy import load_file
 
-from conftest import SMALL_MODEL
-from model_core.convert import read_weights
 from model_core.data import prepare_dataset
+from model_core.model.weights import model_weights
+from model_core.storage import read_weights
 from model_core.train import checkpoint as ckpt
 from model_core.train.precision import PrecisionError
-from model_core.train.trainer import NonFiniteError, ResumeError, Trainer, model_weights
+from model_core.train.trainer import NonFiniteError, ResumeError, Trainer
 from params import load_params
 
 
@@ -206,7 +207,7 @@ def test_initial_weights_replace_the_random_initialisation(dataset_dir, tmp_path
 
 
 def test_initial_weights_may_be_stored_in_bf16(dataset_dir, tmp_path):
-    from model_core.convert.tensors import write_safetensors
+    from model_core.storage import write_safetensors
 
     first = Trainer(small(tmp_path, "train.steps=1"), dataset_dir, tmp_path / "a")
     first.run()

@@ -7,6 +7,8 @@ the single-process weights; a ZeRO-2 pipeline checkpoint resumes bit-exactly, an
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from test_parallel_msrun import (
@@ -19,11 +21,11 @@ from test_parallel_msrun import (
     train_job,
 )
 
+from model_core.model.weights import model_weights
 from model_core.parallel.layout import Layout
-from model_core.parallel.parallelize import split_axis
-from model_core.parallel.pipeline import stage_owns
-from model_core.parallel.reshard import reshard
-from model_core.train.trainer import Trainer, model_weights
+from model_core.parallel.placement import placement_table
+from model_core.train.reshard import reshard
+from model_core.train.trainer import Trainer
 from params import load_params
 
 pytestmark = pytest.mark.slow
@@ -47,15 +49,10 @@ def one_process(dataset_dir, tmp_path_factory):
     return {"history": history, "final": model_weights(trainer.model)}
 
 
-def _held_bytes(full: dict[str, np.ndarray], layout: Layout, rank: int) -> int:
+def _held_bytes(layout: Layout, rank: int) -> int:
     """Bytes of the weights rank `rank` of `layout` holds without ZeRO: its stage's layers, its tp blocks."""
-    at = layout.coordinates(rank)
-    sizes = layout.stage_sizes(2)
-    return sum(
-        value.nbytes // (layout.tp if split_axis(name) is not None else 1)
-        for name, value in full.items()
-        if stage_owns(name, sizes, at.pp, tie_embeddings=True)
-    )
+    table = placement_table(load_params("tiny", [*RUN, NARROW]).model, layout)
+    return sum(4 * math.prod(row.block_shape(layout.tp)) for row in table.on_stage(layout.coordinates(rank).pp))
 
 
 LAYOUTS = {
@@ -88,11 +85,11 @@ def test_zero_composes_with_pipeline_and_tensor_parallelism(name, jobs, one_proc
         assert_same_metrics(rank["history"], one_process["history"])
 
     for rank, report in enumerate(ranks):  # half of the stage's or block's bytes, give or take padding
-        unsharded = _held_bytes(one_process["final"], layout, rank)
+        unsharded = _held_bytes(layout, rank)
         assert 0.45 * unsharded <= report[held] <= 0.55 * unsharded, (rank, report[held], unsharded)
     for group in layout.all_groups("dp"):  # the dp shards of one stage or block add up to it
         sizes = [ranks[rank][held] for rank in group]
-        assert 0 <= sum(sizes) - _held_bytes(one_process["final"], layout, group[0]) < 4 * 64, sizes  # padding
+        assert 0 <= sum(sizes) - _held_bytes(layout, group[0]) < 4 * 64, sizes  # padding
 
     saved = out / "out" / "checkpoints" / "step-00000008"
     weights, _, _ = reshard(saved, Layout(), tmp_path / "joined").load()

@@ -11,9 +11,9 @@ from model_core.convert.checkpoint import (
     locate_hf,
     ms_to_hf,
     read_converted,
-    read_weights,
 )
 from model_core.convert.errors import ConversionError
+from model_core.convert.merge import merge_into_checkpoint
 from model_core.convert.registry import (
     ModelFamily,
     RegistryError,
@@ -41,9 +41,9 @@ __all__ = [
     "hf_to_ms_cached",
     "isolated_registry",
     "locate_hf",
+    "merge_into_checkpoint",
     "ms_to_hf",
     "read_converted",
-    "read_weights",
     "register",
     "registered",
     "unregister",

@@ -17,9 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,14 +25,22 @@ import sentencepiece as spm
 
 from model_core.convert.errors import ConversionError
 from model_core.convert.registry import family_for
-from model_core.convert.tensors import DTYPES, read_safetensors, write_safetensors
 from model_core.convert.tokenizer_check import check_vocab
 from model_core.convert.torch_pickle import load_torch_state_dict
-from model_core.data.shards import file_sha256
+from model_core.storage import (
+    DTYPES,
+    WEIGHTS,
+    StorageError,
+    build_directory,
+    file_sha256,
+    read_safetensors,
+    read_weights,
+    write_safetensors,
+)
 from model_core.train import checkpoint as training_checkpoint
 from params.schema import ConvertParams, ModelParams
 
-WEIGHTS, PARAMS, RECORD = "model.safetensors", "params.json", "conversion.json"
+PARAMS, RECORD = "params.json", "conversion.json"
 HF_WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -147,7 +152,12 @@ def read_hf_state(source: HFSource) -> dict[str, np.ndarray]:
 
 
 def _read_weight_file(path: Path) -> dict[str, np.ndarray]:
-    return read_safetensors(path) if path.suffix == ".safetensors" else load_torch_state_dict(path)
+    if path.suffix != ".safetensors":
+        return load_torch_state_dict(path)
+    try:
+        return read_safetensors(path)
+    except StorageError as error:
+        raise ConversionError(str(error)) from error
 
 
 def _weight_map(index_path: Path) -> dict[str, str]:
@@ -228,11 +238,6 @@ def read_converted(path: str | Path) -> tuple[dict[str, np.ndarray], ModelParams
     return read_weights(path), ModelParams(**json.loads((path / PARAMS).read_text())), record["vocab_size"]
 
 
-def read_weights(path: str | Path) -> dict[str, np.ndarray]:
-    """fp32 weights of a checkpoint directory's model.safetensors, whatever dtype it stores (bf16 included)."""
-    return read_safetensors(Path(path) / WEIGHTS)
-
-
 def _plan(src: str | Path, dtype: str, tensor_parallel: int, seq_len: int | None) -> _Plan:
     if dtype not in DTYPES:
         raise ConversionError(f"dtype {dtype!r} is not one of {DTYPES}")
@@ -281,7 +286,7 @@ def _convert_into(final: Path, plan: _Plan) -> ConvertedCheckpoint:
         (building / RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
     try:
-        build_atomically(final, write, replace_invalid=True)
+        build_directory(final, write, replace=True)
     except OSError:
         if _is_valid(final, plan.key):  # a concurrent run of the same conversion renamed its copy first
             return _result(final, reused=True)
@@ -343,7 +348,7 @@ def ms_to_hf(
         for name, content in tokenizer_files.items():
             (building / name).write_bytes(content)
 
-    build_atomically(dst, write, replace_invalid=False)
+    build_directory(dst, write, replace=False)
     return ExportedModel(dst, config, vocab_size)
 
 
@@ -386,19 +391,3 @@ def _tokenizer_files(path: Path, vocab_size: int, params: ModelParams, config: d
         "model_max_length": params.seq_len,
     }
     return {"tokenizer.model": model, "tokenizer_config.json": (json.dumps(tokenizer_config, indent=2) + "\n").encode()}
-
-
-def build_atomically(final: Path, write, replace_invalid: bool) -> None:
-    """Run `write(directory)` on a temporary sibling of `final`, fsync it and rename it into place."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    building = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        write(building)
-        for child in building.iterdir():
-            with open(child, "rb") as handle:
-                os.fsync(handle.fileno())
-        if replace_invalid and final.is_dir() and any(final.iterdir()):
-            shutil.rmtree(final)  # a stale or corrupted cache entry
-        os.replace(building, final)
-    finally:
-        shutil.rmtree(building, ignore_errors=True)

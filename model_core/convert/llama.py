@@ -28,7 +28,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from model_core.convert.errors import ConversionError
-from model_core.convert.tensors import round_to
+from model_core.storage import StorageError, round_to
 from params.schema import ModelParams
 
 Shape = Callable[[ModelParams], tuple[int, ...]]
@@ -162,7 +162,10 @@ def from_hf(
         _check_tied_head(state.pop("lm_head.weight"), state.get("model.embed_tokens.weight"))
     expected = tensor_names(params)
     _check_names(state, {theirs: shape for theirs, shape in expected.values()}, "the checkpoint", "config.json", params)
-    weights = {ours: round_to(state[theirs], dtype, theirs) for ours, (theirs, _) in expected.items()}
+    try:
+        weights = {ours: round_to(state[theirs], dtype, theirs) for ours, (theirs, _) in expected.items()}
+    except StorageError as error:  # a value the chosen dtype cannot hold
+        raise ConversionError(str(error)) from error
     padded = math.ceil(params.vocab_size / tensor_parallel) * tensor_parallel
     for name in VOCAB_ROWS:
         if name in weights:

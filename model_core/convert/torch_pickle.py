@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from model_core.convert.errors import ConversionError
-from model_core.convert.tensors import bf16_bits_to_float32
+from model_core.storage import bf16_bits_to_float32
 
 # torch storage class name -> (numpy dtype of its bytes, whether those bytes are bf16 bit patterns)
 _STORAGES = {

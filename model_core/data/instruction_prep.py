@@ -29,7 +29,8 @@ from model_core.data.instruction_set import bundled_fingerprint, bundled_jsonl
 from model_core.data.instructions import Record, TemplateEncoder, parse_records, separators
 from model_core.data.packing import first_fit_rows, pack_examples, select_documents
 from model_core.data.prepare import TOKENIZER_NAME, PrepResult, _check_bad_records, _hash, _rng, prepared
-from model_core.data.shards import MANIFEST_NAME, build_or_reuse, file_sha256, write_shards
+from model_core.data.shards import MANIFEST_NAME, build_or_reuse, write_shards
+from model_core.storage import file_sha256
 from model_core.data.sources import FileReport
 from model_core.data.tokenizer import load_tokenizer, open_tokenizer
 from params.schema import DataParams, LoraParams, ModelParams, TokenizerParams

@@ -46,9 +46,10 @@ from model_core.data.docstrings import stdlib_fingerprint
 from model_core.data.engine import LocalMapper, Mapper, available_cores
 from model_core.data.errors import DataPrepError
 from model_core.data.input_shards import InputShard, file_identity, plan_shards
-from model_core.data.shards import MANIFEST_NAME, file_sha256, shard_file_bytes
+from model_core.data.shards import MANIFEST_NAME, shard_file_bytes
 from model_core.data.sources import FileReport, InputFile, fingerprint, list_inputs
 from model_core.data.tokenizer import load_tokenizer, open_tokenizer, train_tokenizer
+from model_core.storage import file_sha256
 from params.schema import DataParams, ModelParams, TokenizerParams
 
 FORMAT_VERSION = 3  # 3: map/reduce prep, split by keyed hash, flat memory-mappable token shards

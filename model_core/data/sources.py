@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 
 from model_core.data.docstrings import file_docstrings, stdlib_dir, stdlib_docstrings, stdlib_fingerprint
 from model_core.data.errors import DataPrepError
-from model_core.data.shards import file_sha256
+from model_core.storage import file_sha256
 from params.schema import DataSource
 
 _PARAGRAPH_BREAK = re.compile(r"\n(?:[^\S\n]*\n)+")

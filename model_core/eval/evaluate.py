@@ -3,24 +3,26 @@ perplexity on each given prepared dataset, and a generation from every prompt, a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 
 import sentencepiece as spm
 
-from model_core.convert import read_weights
+from model_core.convert.checkpoint import PARAMS
 from model_core.data import open_split
 from model_core.eval.generate import GenerationConfig, generate
 from model_core.eval.perplexity import held_out_loss
 from model_core.eval.report import EvalReport, PromptOutput
 from model_core.model import Llama
 from model_core.model.lora import apply_lora, base_sha256, load_adapters, read_adapters
-from model_core.parallel.reshard import whole_tensors
-from model_core.train.checkpoint import Checkpoint
+from model_core.model.weights import load_weights
+from model_core.storage import read_weights
+from model_core.train.checkpoint import STATE, Checkpoint
 from model_core.train.precision import check_precision
+from model_core.train.reshard import whole_tensors
 from model_core.train.system import device_target
-from model_core.train.trainer import load_weights
-from params.schema import PipelineParams
+from params.schema import LoraParams, ModelParams, PipelineParams
 
 
 def evaluate_checkpoint(
@@ -32,7 +34,8 @@ def evaluate_checkpoint(
 ) -> EvalReport:
     """`checkpoint`: a directory with model.safetensors; `held_out`: name -> prepared dataset directory
     (its validation split is scored); `adapters`: a directory written by the fine-tune stage, or None."""
-    model = load_model(params, checkpoint, adapters)
+    check_precision(params.precision, device_target())
+    model = load_model(checkpoint, adapters, params.model, params.precision.compute_dtype)
     adapter_list = [] if adapters is None else [str(adapters)]
     return evaluate_model(model, params, tokenizer_path, held_out, str(checkpoint), adapter_list)
 
@@ -79,20 +82,42 @@ def evaluate_model(
     return EvalReport(checkpoint, adapters, config, params.eval.seed, metrics, outputs)
 
 
-def load_model(params: PipelineParams, checkpoint: str | Path, adapters: str | Path | None = None) -> Llama:
-    """The model of `params.model` with the checkpoint's weights and, if given, its LoRA adapters (rank, alpha and
-    targets as the adapters were trained, whatever params.lora says), in inference mode."""
-    check_precision(params.precision, device_target())
-    model = Llama(params.model, params.precision.compute_dtype)
-    load_weights(model, _whole_weights(checkpoint))
+def load_model(
+    checkpoint: str | Path,
+    adapters: str | Path | None = None,
+    model: ModelParams | None = None,
+    compute_dtype: str = "float32",
+) -> Llama:
+    """The model stored in `checkpoint` (a converted checkpoint, a merged one, or a training checkpoint of any
+    layout), in inference mode, with its LoRA `adapters` if given (rank, alpha and targets as the adapters were
+    trained). The architecture comes from the checkpoint's own record (params.json or state.json); `model` is
+    needed only for a bare directory holding just model.safetensors, and must agree with a recorded one."""
+    model = _model_params(Path(checkpoint), model)
+    built = Llama(model, compute_dtype)
+    load_weights(built, _whole_weights(checkpoint))
     if adapters is not None:
         base_hash = base_sha256(checkpoint)
         _, config = read_adapters(adapters, base_hash)  # the adapters' own shape, whatever params.lora says
-        shape = {key: config[key] for key in ("rank", "alpha", "target_modules")}
-        apply_lora(model, params.lora.model_copy(update={**shape, "dropout": 0.0}))
-        load_adapters(model, adapters, base_hash)
-    model.set_train(False)
-    return model
+        apply_lora(built, LoraParams(**{key: config[key] for key in ("rank", "alpha", "target_modules")}, dropout=0.0))
+        load_adapters(built, adapters, base_hash)
+    built.set_train(False)
+    return built
+
+
+def _model_params(checkpoint: Path, given: ModelParams | None) -> ModelParams:
+    """The checkpoint's recorded architecture, checked against `given`; `given` for a bare weights directory."""
+    if (checkpoint / PARAMS).is_file():
+        recorded = ModelParams(**json.loads((checkpoint / PARAMS).read_text()))
+    elif (checkpoint / STATE).is_file():
+        recorded = ModelParams(**Checkpoint(checkpoint, -1).state()["model"])
+    elif given is not None:
+        return given
+    else:
+        raise FileNotFoundError(f"{checkpoint} records no model ({PARAMS} or {STATE}); pass the model params")
+    for key, value in (given.model_dump() if given is not None else {}).items():
+        if getattr(recorded, key) != value:
+            raise ValueError(f"checkpoint {checkpoint} holds a model with model.{key}={getattr(recorded, key)}, not {value}")
+    return recorded
 
 
 def _encode_prompt(tokenizer: spm.SentencePieceProcessor, prompt: str, params: PipelineParams) -> list[int]:

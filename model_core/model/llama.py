@@ -21,10 +21,10 @@ from typing import Literal
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, Tensor, mint, nn, ops
-from mindspore.common.initializer import Normal, initializer
+from mindspore import Tensor, mint, nn, ops
 
 from model_core.model.attention import Attention, fused_attention_available
+from model_core.model.init import new_weight
 from model_core.model.fused import (
     HeadsFirst,
     HeadsLast,
@@ -44,7 +44,7 @@ class Linear(nn.Cell):
 
     def __init__(self, in_features: int, out_features: int, init_std: float):
         super().__init__()
-        self.weight = Parameter(initializer(Normal(init_std), (out_features, in_features), ms.float32))
+        self.weight = new_weight((out_features, in_features), init_std)
         self.linear = LinearFunction()
 
     def construct(self, x: Tensor) -> Tensor:
@@ -56,7 +56,7 @@ class Embedding(nn.Cell):
 
     def __init__(self, vocab_size: int, hidden_size: int, init_std: float):
         super().__init__()
-        self.weight = Parameter(initializer(Normal(init_std), (vocab_size, hidden_size), ms.float32))
+        self.weight = new_weight((vocab_size, hidden_size), init_std)
 
     def construct(self, tokens: Tensor) -> Tensor:
         return ops.gather(self.weight, tokens, 0)
@@ -67,7 +67,7 @@ class RMSNorm(nn.Cell):
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
-        self.weight = Parameter(initializer("ones", (hidden_size,), ms.float32))
+        self.weight = new_weight((hidden_size,), None)
         self.rms_norm = RMSNormFunction(eps)
 
     def construct(self, x: Tensor) -> Tensor:

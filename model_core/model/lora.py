@@ -10,14 +10,12 @@ so `AccumulateGradients(model)` trains only the adapters. Dropout acts in traini
 
 Adapters are saved apart from the base (`adapters.safetensors` + `adapter_config.json`, which names the
 sha256 of the base's model.safetensors, so they are never applied to another base). `merge_lora` folds
-them into the base weights in place for inference and `unmerge_lora` restores the exact base;
-`merge_into_checkpoint` writes a merged copy of a checkpoint on disk that export and training read like any
-converted checkpoint.
+them into the base weights in place for inference and `unmerge_lora` restores the exact base
+(`model_core.convert.merge` writes a merged copy of a checkpoint on disk).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -28,12 +26,10 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import HeUniform, initializer
 
-from model_core.convert import checkpoint as converted
-from model_core.convert.tensors import read_safetensors, write_safetensors
-from model_core.data.shards import file_sha256
 from model_core.model.fused import LinearFunction
 from model_core.model.llama import Linear
-from params.schema import LoraParams, ModelParams
+from model_core.storage import WEIGHTS, build_directory, file_sha256, read_safetensors, write_safetensors
+from params.schema import LoraParams
 
 TARGETS = {
     "q": "self_attn.q_proj",
@@ -219,9 +215,9 @@ def _model_config(model: nn.Cell) -> dict:
 
 def base_sha256(checkpoint_dir: str | Path) -> str:
     """sha256 of a checkpoint directory's model.safetensors: the identity adapters are tied to."""
-    path = Path(checkpoint_dir) / converted.WEIGHTS
+    path = Path(checkpoint_dir) / WEIGHTS
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; a base checkpoint directory holds {converted.WEIGHTS}")
+        raise FileNotFoundError(f"{path} does not exist; a base checkpoint directory holds {WEIGHTS}")
     return file_sha256(path)
 
 
@@ -248,7 +244,7 @@ def save_adapters(directory: str | Path, model: nn.Cell, lora: LoraParams, base_
         (building / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
     directory = Path(directory)
-    converted.build_atomically(directory, write, replace_invalid=True)
+    build_directory(directory, write, replace=True)
     return directory
 
 
@@ -281,7 +277,7 @@ def load_adapters(model: nn.Cell, directory: str | Path, base_sha256: str) -> di
     if merged:
         raise ValueError(f"{merged[0]} is merged; unmerge_lora before loading other adapters")
     params = {f"{path}.{name}": getattr(layer, name) for path, layer in layers.items() for name in ("lora_a", "lora_b")}
-    _check_names(weights, params, directory / ADAPTERS)
+    check_adapter_names(weights, params, directory / ADAPTERS)
     for name, param in params.items():
         if weights[name].shape != tuple(param.shape):
             raise AdapterMismatchError(f"{name}: {ADAPTERS} shape {weights[name].shape} != model shape {tuple(param.shape)}")
@@ -289,76 +285,9 @@ def load_adapters(model: nn.Cell, directory: str | Path, base_sha256: str) -> di
     return config
 
 
-def _check_names(found, expected, origin: Path) -> None:
+def check_adapter_names(found, expected, origin: Path) -> None:
     """`found` and `expected` (anything iterable over names) must hold the same names."""
     missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
     if missing or unexpected:
         raise AdapterMismatchError(f"{origin} does not fit: missing {missing[:4]}, unexpected {unexpected[:4]}")
 
-
-# -------------------------------------------------------------------------------------------- merging
-
-
-def merge_into_checkpoint(
-    base_dir: str | Path, adapters_dir: str | Path, output_dir: str | Path, model_params: ModelParams
-) -> Path:
-    """Write base + adapters, merged in fp32, to the new directory `output_dir` and return it.
-
-    The output is a converted checkpoint (model.safetensors, params.json, conversion.json, see
-    model_core.convert.checkpoint), so `ms_to_hf`, `read_converted` and a trainer's `initial_weights` take it.
-    Its record names the base and the adapters (with their sha256). Refuses adapters made for another base.
-    """
-    base_dir, adapters_dir, output = Path(base_dir), Path(adapters_dir), Path(output_dir)
-    if output.exists() and (not output.is_dir() or any(output.iterdir())):
-        raise FileExistsError(f"{output} exists and is not empty; choose a new directory for the merged model")
-    base_hash = base_sha256(base_dir)
-    adapters, config = read_adapters(adapters_dir, base_hash)
-    weights = converted.read_weights(base_dir)
-    _check_base_fits(weights, model_params, base_dir)
-    scale = config["alpha"] / config["rank"]
-    paths = [f"layers.{i}.{TARGETS[t]}" for i in range(model_params.num_layers) for t in config["target_modules"]]
-    _check_names(adapters, {f"{path}.{name}" for path in paths for name in ("lora_a", "lora_b")}, adapters_dir / ADAPTERS)
-    merged = dict(weights)
-    for path in paths:
-        lora_a, lora_b, weight = adapters[f"{path}.lora_a"], adapters[f"{path}.lora_b"], weights.get(f"{path}.weight")
-        if weight is None or lora_b.shape[0] != weight.shape[0] or lora_a.shape[1] != weight.shape[1]:
-            found = None if weight is None else weight.shape
-            raise AdapterMismatchError(f"{path}: adapters B {lora_b.shape} A {lora_a.shape} do not fit the base weight {found}")
-        merged[f"{path}.weight"] = merged_weight(weight, lora_a, lora_b, scale)
-    record = _merged_record(base_dir, base_hash, adapters_dir, config, model_params)
-
-    def write(building: Path) -> None:
-        write_safetensors(building / converted.WEIGHTS, merged, "float32", {"producer": "llmflow lora merge"})
-        (building / converted.PARAMS).write_text(json.dumps(model_params.model_dump(mode="json"), indent=2) + "\n")
-        record["sha256"] = {name: file_sha256(building / name) for name in (converted.WEIGHTS, converted.PARAMS)}
-        (building / converted.RECORD).write_text(json.dumps(record, indent=2) + "\n")
-
-    converted.build_atomically(output, write, replace_invalid=False)
-    return output
-
-
-def _check_base_fits(weights: dict[str, np.ndarray], params: ModelParams, base_dir: Path) -> None:
-    embedding = weights.get("embed_tokens.weight")
-    expected = (params.vocab_size, params.hidden_size)
-    if embedding is None or embedding.shape != expected:
-        found = None if embedding is None else embedding.shape
-        raise AdapterMismatchError(f"{base_dir}: embed_tokens.weight is {found}, model params say {expected}")
-
-
-def _merged_record(base_dir: Path, base_hash: str, adapters_dir: Path, config: dict, params: ModelParams) -> dict:
-    """conversion.json of a merged checkpoint: the base's real vocabulary and family, plus where it came from."""
-    base_record_path = base_dir / converted.RECORD
-    base_record = json.loads(base_record_path.read_text()) if base_record_path.is_file() else {}
-    key = hashlib.sha256(f"{base_hash}:{config['sha256']}".encode()).hexdigest()
-    return {
-        "format_version": converted.FORMAT_VERSION,
-        "key": key,
-        "model_type": base_record.get("model_type", "llama"),
-        "source": str(base_dir.resolve()),
-        "source_hash": base_hash,
-        "adapters": {"path": str(adapters_dir.resolve()), **{k: config[k] for k in ("sha256", "rank", "alpha", "target_modules")}},
-        "dtype": "float32",
-        "tensor_parallel": base_record.get("tensor_parallel", 1),
-        "vocab_size": base_record.get("vocab_size", params.vocab_size),
-        "padded_vocab_size": params.vocab_size,
-    }

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import mindspore as ms
 from mindspore import ParameterTuple, mint, nn, ops
 
+from model_core.optim.step import sum_of_squares
 from model_core.parallel.comm import Group
-from model_core.train.step import sum_of_squares
 
 
 class ParallelGradientNorm(nn.Cell):

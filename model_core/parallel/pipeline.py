@@ -60,18 +60,6 @@ def stage_layers(sizes: Sequence[int], stage: int) -> range:
     return range(start, start + sizes[stage])
 
 
-def stage_owns(name: str, sizes: Sequence[int], stage: int, tie_embeddings: bool) -> bool:
-    """Whether the weight (or its optimizer moment, `adam_m.<name>`) at path `name` lives on `stage` of a
-    pipeline whose stages have `sizes` layers."""
-    path = name.split(".", 1)[1] if name.startswith(("adam_m.", "adam_v.")) else name
-    first, last = stage == 0, stage == len(sizes) - 1
-    if path.startswith("layers."):
-        return int(path.split(".")[1]) in stage_layers(sizes, stage)
-    if path.startswith("embed_tokens."):
-        return first or (last and tie_embeddings)
-    return last  # norm.weight, lm_head.weight
-
-
 def schedule(kind: str, stages: int, micro_batches: int) -> list[list[Action]]:
     """Each stage's actions, in order. The last stage has forwards only (each includes its backward)."""
     if kind not in SCHEDULES:

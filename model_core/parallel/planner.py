@@ -96,7 +96,7 @@ class DeviceKind:
     source: str  # where the numbers come from
 
 
-# Fitted (least squares on relative error) to the peak RSS of single-process training steps (model_core.train.step
+# Fitted (least squares on relative error) to the peak RSS of single-process training steps (model_core.optim.step
 # with AdamW under jit, fp32) on MindSpore 2.10, 2-core x86: 0.25M-29.4M parameters, micro-batches 1-32, 1-8
 # layers, vocabularies 512-16384, with and without recompute; docs/planner.md lists them with their errors.
 # recompute=all under jit was measured to *raise* peak memory: the blocks keep their activations and the

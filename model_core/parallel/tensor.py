@@ -94,11 +94,11 @@ class VocabParallelEmbedding(nn.Cell):
     Ids outside the block look up row 0 and are zeroed; the all-reduce adds the one rank that holds each id.
     The gradient reaches only the rows of ids inside the block, which is this rank's part of the full one."""
 
-    def __init__(self, weight: Parameter, start: int, group: Group) -> None:
+    def __init__(self, weight: Parameter, start: int, block: int, group: Group) -> None:
         super().__init__()
         self.weight = weight
         self.start = start
-        self.block = weight.shape[0]
+        self.block = block
         self.lookup = RowLookup()
         self.reduce = ReduceFromTensorParallel(group)
 

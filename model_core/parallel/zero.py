@@ -24,9 +24,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
+from model_core.optim.adamw import AdamW, applies_weight_decay
+from model_core.optim.step import AccumulateGradients
 from model_core.parallel.comm import Group
-from model_core.train.optim import AdamW, applies_weight_decay
-from model_core.train.step import AccumulateGradients
 from params.schema import OptimizerParams
 
 

@@ -37,6 +37,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from model_core.model.llama import Embedding, Linear, Llama, RMSNorm
+from model_core.optim.adamw import AdamW, applies_weight_decay
 from model_core.parallel.comm import Group
 from model_core.parallel.tensor import (
     RowParallelLinear,
@@ -44,7 +45,6 @@ from model_core.parallel.tensor import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from model_core.train.optim import AdamW, applies_weight_decay
 from params.schema import OptimizerParams
 
 

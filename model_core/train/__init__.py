@@ -1,2 +1,2 @@
-"""Training: the train step, AdamW and its learning-rate schedule, precision and loss scaling,
-checkpoints, and the throughput and MFU metrics."""
+"""Training: the loop, the learning-rate schedule, precision and loss scaling, the data loader, checkpoints
+(and their conversion between layouts), and the throughput and MFU metrics."""

@@ -9,7 +9,7 @@ Under tensor parallelism each tp rank's block is a file of its own (`model-tp1-o
 stage's (`model-pp1-of-2.safetensors`, or `model-pp1-of-2-tp0-of-2.safetensors` with both), holding the
 weights of its layers; with one rank of each the files are `model.safetensors` and `optimizer.safetensors`.
 Optimizer moments are always whole over dp (ZeRO shards are gathered), so only tp and pp change the files;
-`model_core.parallel.reshard` converts between layouts.
+`model_core.train.reshard` converts between layouts.
 
 A checkpoint is built in a temporary sibling and renamed into place, so a crash never leaves a
 half-written `step-*` directory; the newest `keep` checkpoints are kept. Under msrun the ranks that hold a
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from model_core.data.shards import file_sha256
+from model_core.storage import commit_directory, file_sha256
 from model_core.parallel.layout import Layout
 
 logger = logging.getLogger(__name__)
@@ -94,7 +93,7 @@ class Checkpoint:
         if layout.tp != 1 or layout.pp != 1:
             raise CheckpointLayoutError(
                 f"{self.path} is split over tensor_parallel={layout.tp} x pipeline_parallel={layout.pp}; join its "
-                "blocks with model_core.parallel.reshard (reshard to tp 1 pp 1, or whole_tensors)"
+                "blocks with model_core.train.reshard (reshard to tp 1 pp 1, or whole_tensors)"
             )
         return (*self.load_shard(0), self.state())
 
@@ -162,10 +161,7 @@ def _commit(building: Path, final: Path, step: int, state: dict, layout: Layout)
     (building / LAYOUT).write_text(json.dumps({"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, **split}))
     files = {name: file_sha256(building / name) for name in (*sorted(expected), STATE, LAYOUT)}
     (building / MANIFEST).write_text(json.dumps({"step": step, "sha256": files}, indent=2))
-    _fsync_dir(building)
-    if final.exists():  # a rerun of the same step replaces it whole
-        shutil.rmtree(final)
-    os.replace(building, final)
+    commit_directory(building, final, replace=True)  # a rerun of the same step replaces it whole
 
 
 def list_checkpoints(directory: str | Path) -> list[Checkpoint]:
@@ -211,12 +207,6 @@ def latest_valid(directory: str | Path) -> Checkpoint | None:
 def _prune(directory: Path, keep: int) -> None:
     for old in list_checkpoints(directory)[:-keep]:
         shutil.rmtree(old.path, ignore_errors=True)
-
-
-def _fsync_dir(path: Path) -> None:
-    for child in path.iterdir():
-        with open(child, "rb") as handle:
-            os.fsync(handle.fileno())
 
 
 def run_directory(output_dir: str | Path, name: str, params_hash: str, dataset_dir: str | Path, stage: str) -> Path:

@@ -1,15 +1,17 @@
 """The training loop: batches in, optimizer steps out, metrics to a callback, checkpoints to disk.
 
-`train(...)` builds the model, the compiled step pieces (model_core.train.step) and AdamW from params,
+`train(...)` builds the model, the compiled step pieces (model_core.optim.step) and AdamW from params,
 optionally resumes from the newest valid checkpoint, and runs `steps` optimizer steps. It knows nothing of
 MLflow or Prefect: every `log_interval` steps it hands a metrics record (a flat dict) to `on_metrics`.
 A step whose loss or gradient norm is not finite is skipped and counted; `max_consecutive_nonfinite` of
 them in a row stop the run with `NonFiniteError`, leaving the last good checkpoint as it was.
 
-Under msrun (params.parallel world size > 1) every rank builds the same full model from the same seed;
-with tensor parallelism each then keeps its tp block (`model_core.parallel.parallelize`), with pipeline
-parallelism its stage's layers (`model_core.parallel.pipeline`: a step's micro-batches then run through the
-1F1B or GPipe schedule, the loss is shared by all stages and the gradient norm summed over them). Each data-parallel
+Under msrun (params.parallel world size > 1) each rank builds only its share of the model, as the placement
+table places it (`model_core.parallel.placement`, `parallelize.build_shard`): with tensor parallelism its tp
+block of every weight, with pipeline parallelism its stage's layers (`model_core.parallel.pipeline`: a step's
+micro-batches then run through the 1F1B or GPipe schedule, the loss is shared by all stages and the gradient
+norm summed over them). Every weight starts as the same block of the single-process initialisation, drawn
+from a generator keyed by (seed, path), or read block by block from the initial weights. Each data-parallel
 replica trains on its slice of each global batch and sums gradients over its dp group once per optimizer
 step; token counts and summed losses are summed too, so the update is the one a single process makes on the
 whole global batch. ZeRO-1 shards the Adam moments over the dp group; ZeRO-2 the gradient buffers too,
@@ -32,29 +34,12 @@ from pathlib import Path
 
 import mindspore as ms
 import numpy as np
-from mindspore import ops
 
-from model_core.convert import read_weights
 from model_core.data import open_split
-from model_core.model import Llama, count_parameters
-from model_core.parallel import comm
-from model_core.parallel.data_parallel import GradientAllReduce, broadcast_parameters, sum_over
-from model_core.parallel.gradient_norm import ParallelGradientNorm
-from model_core.parallel.layout import Layout
-from model_core.parallel.parallelize import VocabParallelTokenLoss, parallelize, split_axis
-from model_core.parallel.pipeline import MicroBatch, PipelineStage, SummedVocabParallelLoss, prune_to_stage
-from model_core.parallel.pipeline import SummedTokenLoss as StageTokenLoss
-from model_core.parallel.reshard import blocks_for, stage_tensors
-from model_core.parallel.zero import ShardedAccumulateGradients, ShardedAdamW
-from model_core.parallel.zero3 import Zero3AdamW, shard_parameters
-from model_core.train import checkpoint as ckpt
-from model_core.train.callbacks import MetricsCallback
-from model_core.train.flops import flops_per_token, mfu, peak_flops_for_current_device
-from model_core.train.loader import Batch, ShuffledBatches, make_batch, sequential_batches
-from model_core.train.optim import AdamW
-from model_core.train.precision import LossScale, check_precision
-from model_core.train.schedule import learning_rate
-from model_core.train.step import (
+from model_core.model import Llama
+from model_core.model.weights import WeightMismatchError, load_weights, model_weights, named_weights
+from model_core.optim.adamw import AdamW
+from model_core.optim.step import (
     AccumulateGradients,
     ApplyGradients,
     GradientNorm,
@@ -62,6 +47,23 @@ from model_core.train.step import (
     ZeroGradients,
     scalar,
 )
+from model_core.parallel import comm
+from model_core.parallel.data_parallel import GradientAllReduce, broadcast_parameters, sum_over
+from model_core.parallel.gradient_norm import ParallelGradientNorm
+from model_core.parallel.layout import Layout
+from model_core.parallel.parallelize import VocabParallelTokenLoss, build_shard
+from model_core.parallel.pipeline import MicroBatch, PipelineStage, SummedVocabParallelLoss
+from model_core.parallel.placement import placement_table
+from model_core.parallel.pipeline import SummedTokenLoss as StageTokenLoss
+from model_core.parallel.zero import ShardedAccumulateGradients, ShardedAdamW
+from model_core.parallel.zero3 import Zero3AdamW, shard_parameters
+from model_core.train import checkpoint as ckpt
+from model_core.train.callbacks import MetricsCallback
+from model_core.train.flops import flops_per_token, mfu, peak_flops_for_current_device
+from model_core.train.loader import Batch, ShuffledBatches, make_batch, sequential_batches
+from model_core.train.precision import LossScale, check_precision
+from model_core.train.reshard import blocks_for, stage_tensors
+from model_core.train.schedule import learning_rate
 from model_core.train.system import device_target, peak_memory_bytes
 from params.schema import PipelineParams
 
@@ -140,17 +142,11 @@ class Trainer:
                 "LoRA wraps with flat weight shards"
             )
         ms.set_seed(params.train.seed)
-        self.model = Llama(params.model, params.precision.compute_dtype)
-        self.num_parameters = count_parameters(self.model)
-        apply_recompute(self.model, params)
-        if self.initial_weights is not None:
-            load_weights(self.model, read_weights(self.initial_weights))  # any stored dtype, as fp32
-        self.tensor_parallelism = (
-            parallelize(self.model, self.layout, self.rank, params.model) if self.tp_group.size > 1 else None
+        self.table = placement_table(params.model, self.layout, params.parallel.zero_stage)
+        self.model, self.tensor_parallelism = build_shard(  # this rank's stage and tp block, nothing more
+            params.model, self.table, self.rank, params.train.seed, params.precision.compute_dtype, self.initial_weights
         )
-        if self.layout.pp > 1:  # this rank keeps only its stage's layers (before ZeRO-3 shards what it keeps)
-            stage = self.layout.coordinates(self.rank).pp
-            prune_to_stage(self.model, self.layout.stage_sizes(params.model.num_layers), stage, params.model.tie_embeddings)
+        apply_recompute(self.model, params)
         self.zero3 = (  # each rank keeps its shard of every weight and gathers weights where they are used
             shard_parameters(self.model, self.dp_group) if params.parallel.zero_stage == 3 and self.dp_group.size > 1 else None
         )
@@ -211,7 +207,7 @@ class Trainer:
             counted = self.pipeline.counted_in_norm(self.accumulate.weights) if self.pipeline is not None else None
             self.norm = ParallelGradientNorm(
                 self.accumulate.buffers,
-                split=[self.tp_group.size > 1 and split_axis(weight_names[i]) is not None for i in owner],
+                split=[self.tp_group.size > 1 and self.table[weight_names[i]].tp_axis is not None for i in owner],
                 counted=[counted[i] for i in owner] if counted is not None else None,
                 tp_group=self.tp_group,
                 shard_group=self.dp_group if zero_stage >= 2 else None,  # ZeRO-3's buffers are shards too
@@ -238,12 +234,15 @@ class Trainer:
         self._check_compatible(state, found.path)
         weights, moments = blocks_for(found, self.tp_group.size, self.tp_group.index)  # resharded if tp differs
         if self.pipeline is not None:  # this stage's layers, whatever stages the checkpoint was saved with
-            owned = (stage_tensors(t, self.params.model, self.layout, self.pipeline.stage) for t in (weights, moments))
+            owned = (stage_tensors(t, self.table, self.pipeline.stage) for t in (weights, moments))
             weights, moments = owned
         if self.zero3 is not None:
             self.zero3.load_full_weights(weights)
         else:
-            load_weights(self.model, weights)
+            try:
+                load_weights(self.model, weights)
+            except WeightMismatchError as error:
+                raise ResumeError(f"checkpoint {found.path}: {error}") from error
         self.optimizer.load_state_dict(moments)
         self.batches.load_state_dict(state["data"])
         self.loss_scale.load_state_dict(state["loss_scale"])
@@ -447,6 +446,7 @@ class Trainer:
             "data": self.batches.state_dict(),
             "loss_scale": self.loss_scale.state_dict(),
             "model": self.params.model.model_dump(mode="json"),
+            "lora": self.params.lora.model_dump(mode="json") if self.adaptation is not None else None,  # its adapters
             "rng": {"seed": self.params.train.seed},
         }
         return ckpt.save_shards(
@@ -488,29 +488,6 @@ def _inputs(batch: Batch) -> tuple:
 
 def _micro_batch(batch: Batch) -> MicroBatch:
     return MicroBatch(*_inputs(batch))
-
-
-def named_weights(model: ms.nn.Cell) -> dict[str, ms.Parameter]:
-    """The model's weights by their path (`layers.0.self_attn.q_proj.weight`), stable however cells nest.
-    The flags of the communication groups that tensor-parallel layers hold are not weights."""
-    flags = {id(param) for _, cell in model.cells_and_names() if isinstance(cell, comm.Group) for param in cell.get_parameters()}
-    return {name: param for name, param in model.parameters_and_names() if id(param) not in flags}
-
-
-def model_weights(model: ms.nn.Cell) -> dict[str, np.ndarray]:
-    """Copies of the weights: on CPU `asnumpy()` shares the Parameter's buffer, which training updates in place."""
-    return {name: param.asnumpy().copy() for name, param in named_weights(model).items()}
-
-
-def load_weights(model: ms.nn.Cell, weights: dict[str, np.ndarray]) -> None:
-    params = named_weights(model)
-    missing, unexpected = set(params) - set(weights), set(weights) - set(params)
-    if missing or unexpected:
-        raise ResumeError(f"checkpoint weights do not fit the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}")
-    for name, param in params.items():
-        if weights[name].shape != param.shape:
-            raise ResumeError(f"{name}: checkpoint shape {weights[name].shape} != model shape {param.shape}")
-        ops.assign(param, ms.Tensor(weights[name]))  # in place: set_data would detach compiled graphs
 
 
 def apply_recompute(model: Llama, params: PipelineParams) -> list[int]:

@@ -1,9 +1,9 @@
 """Checkpoints across layouts: tensor-parallel blocks and pipeline stages joined into whole tensors and
 split again, exactly.
 
-Nothing is computed: a split tensor is the concatenation of its blocks along `split_axis(name)` (an
-optimizer moment `adam_m.<name>` along its parameter's axis), and a replicated one is stored whole in every
-block, where the copies must agree bit for bit. Pipeline stages hold disjoint sets of tensors, so joining
+Nothing is computed: a split tensor is the concatenation of its blocks along the axis the placement table
+gives it (an optimizer moment `adam_m.<name>` along its parameter's), and a replicated one is stored whole in
+every block, where the copies must agree bit for bit. Pipeline stages hold disjoint sets of tensors, so joining
 them is a union; a tied embedding table is held by the first and the last stage, whose copies must agree
 too. `reshard(checkpoint_dir, to_layout, output_dir)` writes a checkpoint for another tp x pp layout;
 `blocks_for(checkpoint, tp, index)` gives one rank of a resumed run its tp block of every stage in memory,
@@ -22,31 +22,31 @@ from pathlib import Path
 import numpy as np
 
 from model_core.parallel.layout import Layout, check_tensor_parallel
-from model_core.parallel.parallelize import split_axis, take_block
-from model_core.parallel.pipeline import stage_owns
+from model_core.parallel.parallelize import take_block
+from model_core.parallel.placement import PlacementTable, placement_table
 from model_core.train.checkpoint import Checkpoint, Tensors, block_index, save_shards, verify
-from params.schema import ModelParams
-
-_MOMENT_PREFIXES = ("adam_m.", "adam_v.")
+from params.schema import LoraParams, ModelParams
 
 
-def tensor_axis(name: str) -> int | None:
-    """The split axis of a weight or of an optimizer moment (the axis of the parameter it belongs to)."""
-    for prefix in _MOMENT_PREFIXES:
-        if name.startswith(prefix):
-            return split_axis(name.removeprefix(prefix))
-    return split_axis(name)
+def checkpoint_table(checkpoint: Checkpoint, layout: Layout | None = None) -> PlacementTable:
+    """The placement table of the model a checkpoint holds (its adapters included), under `layout` (default:
+    the layout it was saved under)."""
+    state = checkpoint.state()
+    lora = LoraParams(**state["lora"]) if state.get("lora") else None
+    return placement_table(ModelParams(**state["model"]), layout or checkpoint.layout(), lora=lora)
 
 
-def join_blocks(blocks: list[Tensors]) -> Tensors:
+def join_blocks(blocks: list[Tensors], table: PlacementTable) -> Tensors:
     """Whole tensors from the blocks of every tp rank, in rank order."""
+    if len(blocks) == 1:
+        return dict(blocks[0])
     names = set(blocks[0])
     for index, block in enumerate(blocks[1:], start=1):
         if set(block) != names:
             raise ValueError(f"tp block {index} holds other tensors than block 0: {sorted(set(block) ^ names)[:5]}")
     whole = {}
     for name in blocks[0]:
-        axis = tensor_axis(name)
+        axis = table[name].tp_axis
         if axis is not None:
             whole[name] = np.concatenate([block[name] for block in blocks], axis=axis)
             continue
@@ -57,9 +57,11 @@ def join_blocks(blocks: list[Tensors]) -> Tensors:
     return whole
 
 
-def split_into_blocks(whole: Tensors, tp: int, index: int) -> Tensors:
+def split_into_blocks(whole: Tensors, table: PlacementTable, tp: int, index: int) -> Tensors:
     """Block `index` of `tp` of every tensor (replicated ones whole)."""
-    return {name: np.ascontiguousarray(take_block(value, tensor_axis(name), tp, index)) for name, value in whole.items()}
+    if tp == 1:
+        return dict(whole)
+    return {name: np.ascontiguousarray(take_block(value, table[name].tp_axis, tp, index)) for name, value in whole.items()}
 
 
 def join_stages(stages: list[Tensors]) -> Tensors:
@@ -75,11 +77,11 @@ def join_stages(stages: list[Tensors]) -> Tensors:
 
 def whole_tensors(checkpoint: Checkpoint) -> tuple[Tensors, Tensors]:
     """(weights, moments) of a checkpoint as whole tensors, whatever layout it was saved under."""
-    layout = checkpoint.layout()
+    layout, table = checkpoint.layout(), checkpoint_table(checkpoint)
     stages = []
     for stage in range(layout.pp):
         blocks = [checkpoint.load_shard(block_index(layout, stage, t)) for t in range(layout.tp)]
-        stages.append((join_blocks([w for w, _ in blocks]), join_blocks([m for _, m in blocks])))
+        stages.append((join_blocks([w for w, _ in blocks], table), join_blocks([m for _, m in blocks], table)))
     return join_stages([w for w, _ in stages]), join_stages([m for _, m in stages])
 
 
@@ -91,13 +93,13 @@ def blocks_for(checkpoint: Checkpoint, tp: int, index: int) -> tuple[Tensors, Te
         blocks = [checkpoint.load_shard(block_index(layout, stage, index)) for stage in range(layout.pp)]
         return join_stages([w for w, _ in blocks]), join_stages([m for _, m in blocks])
     weights, moments = whole_tensors(checkpoint)
-    return split_into_blocks(weights, tp, index), split_into_blocks(moments, tp, index)
+    table = checkpoint_table(checkpoint)
+    return split_into_blocks(weights, table, tp, index), split_into_blocks(moments, table, tp, index)
 
 
-def stage_tensors(tensors: Tensors, model: ModelParams, layout: Layout, stage: int) -> Tensors:
-    """The tensors (weights or moments) that pipeline stage `stage` of `layout` holds."""
-    sizes = layout.stage_sizes(model.num_layers)
-    return {name: value for name, value in tensors.items() if stage_owns(name, sizes, stage, model.tie_embeddings)}
+def stage_tensors(tensors: Tensors, table: PlacementTable, stage: int) -> Tensors:
+    """The tensors (weights or moments) that pipeline stage `stage` of the table's layout holds."""
+    return {name: value for name, value in tensors.items() if stage in table[name].stages}
 
 
 def reshard(checkpoint_dir: str | Path, to_layout: Layout, output_dir: str | Path) -> Checkpoint:
@@ -112,10 +114,11 @@ def reshard(checkpoint_dir: str | Path, to_layout: Layout, output_dir: str | Pat
     model = ModelParams(**state["model"])
     check_tensor_parallel(to_layout.tp, model)
     to_layout.stage_sizes(model.num_layers)  # an error naming both numbers if the stages do not fit the model
+    table = checkpoint_table(source, to_layout)
     weights, moments = whole_tensors(source)
     shards = {}
     for stage in range(to_layout.pp):
-        staged = stage_tensors(weights, model, to_layout, stage), stage_tensors(moments, model, to_layout, stage)
+        staged = stage_tensors(weights, table, stage), stage_tensors(moments, table, stage)
         for t in range(to_layout.tp):
-            shards[block_index(to_layout, stage, t)] = tuple(split_into_blocks(part, to_layout.tp, t) for part in staged)
+            shards[block_index(to_layout, stage, t)] = tuple(split_into_blocks(part, table, to_layout.tp, t) for part in staged)
     return save_shards(output_dir, state["step"], shards, state, to_layout, keep=None)

@@ -1,0 +1,184 @@
+"""The placement table: for every parameter of a run, where it lives under the parallel layout.
+
+One row per parameter (LoRA adapters included), in the model's order: its path, its whole shape, the axis
+tensor parallelism splits it along when tp > 1 (None: every tp rank holds all of it), the pipeline stages that hold it,
+whether ZeRO shards it over the data-parallel group, and its dtype. The table is computed from the model
+params, the layout and the ZeRO stage alone, so the same answer reaches everyone who needs it: building a
+rank's shard, the gradient norm (a split gradient is summed over tp, a replicated one counted once), the
+checkpoint writer and `llmflow ckpt reshard` (which blocks join along which axis), ZeRO, and the planner's
+per-rank bytes. Nothing else decides where a parameter lives, and nobody parses a parameter's name to find
+out.
+
+Tensor parallelism follows Megatron's plan for a Llama block, written below as `TENSOR_PARALLEL_PLAN`:
+  column   q/k/v, gate/up: the weight [out, in] keeps a block of output rows (LoRA: B [out, r] split
+           alike, A [r, in] whole);
+  row      o_proj, down_proj: a block of input columns (LoRA: A [r, in] split alike, B [out, r] whole);
+A whole LoRA matrix next to a split one is used by this rank's block alone, so its gradient on a tp rank is
+a share of the whole one (`tp_partial`), summed over tp once per step; the forward needs no extra
+communication. With LoRA only the adapters are trainable: the rest has no gradients and no moments.
+  vocab    the token embedding and the untied head: a block of vocabulary rows.
+Norm weights are replicated. Pipeline stage s holds its run of layers (`Layout.stage_sizes`); the first
+stage also the embedding, the last the final norm and the head, and with tied embeddings the last stage
+holds a copy of the embedding table too.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from model_core.model.lora import TARGETS as LORA_TARGETS
+from model_core.parallel.layout import Layout
+from params.schema import LoraParams, ModelParams
+
+COLUMN, ROW, VOCAB = "column", "row", "vocab"
+
+# A block's projections (path inside `layers.<i>`) -> how tensor parallelism splits them.
+TENSOR_PARALLEL_PLAN = {
+    "self_attn.q_proj": COLUMN,
+    "self_attn.k_proj": COLUMN,
+    "self_attn.v_proj": COLUMN,
+    "self_attn.o_proj": ROW,
+    "mlp.gate_proj": COLUMN,
+    "mlp.up_proj": COLUMN,
+    "mlp.down_proj": ROW,
+}
+# A block's parameters (a norm's weight or a projection), in the order the model holds them.
+BLOCK_PARAMETERS = (
+    "input_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "post_attention_layernorm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+# (weight, LoRA A, LoRA B): the axis each is split along under a style.
+_AXES = {COLUMN: (0, None, 0), ROW: (1, 1, None)}
+_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one parameter lives. `shape` is the whole (single-device) shape."""
+
+    name: str
+    shape: tuple[int, ...]
+    tp_axis: int | None
+    stages: tuple[int, ...]
+    zero_sharded: bool
+    trainable: bool = True
+    tp_partial: bool = False  # held whole, but a tp rank's gradient is its share of the whole (summed over tp)
+    dtype: str = "float32"
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def block_shape(self, tp: int) -> tuple[int, ...]:
+        """The shape one of `tp` tensor-parallel ranks holds."""
+        if self.tp_axis is None or tp == 1:
+            return self.shape
+        return tuple(n // tp if axis == self.tp_axis else n for axis, n in enumerate(self.shape))
+
+
+@dataclass(frozen=True)
+class PlacementTable:
+    """Every parameter's `Placement` under one layout; see the module docstring."""
+
+    layout: Layout
+    zero_stage: int
+    rows: tuple[Placement, ...]
+    lora: LoraParams | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {row.name: row for row in self.rows})
+
+    def __getitem__(self, name: str) -> Placement:
+        """The placement of a parameter, or of its optimizer moment (`adam_m.<name>`, `adam_v.<name>`)."""
+        found = self._by_name.get(name.removeprefix("adam_m.").removeprefix("adam_v."))  # type: ignore[attr-defined]
+        if found is None:
+            raise KeyError(f"{name} is not a parameter of this model")
+        return found
+
+    def __contains__(self, name: str) -> bool:
+        return name.removeprefix("adam_m.").removeprefix("adam_v.") in self._by_name  # type: ignore[attr-defined]
+
+    def __iter__(self) -> Iterator[Placement]:
+        return iter(self.rows)
+
+    def on_stage(self, stage: int) -> list[Placement]:
+        """What pipeline stage `stage` holds, in model order."""
+        return [row for row in self.rows if stage in row.stages]
+
+    def rank_bytes(self, rank: int) -> dict[str, int]:
+        """Bytes rank `rank` holds of parameters, fp32 gradient buffers of the trainable ones and their two fp32
+        Adam moments, from the table alone."""
+        at = self.layout.coordinates(rank)
+        dp = self.layout.dp
+        held = {"parameters": 0, "gradients": 0, "optimizer": 0}
+        for row in self.on_stage(at.pp):
+            elements = math.prod(row.block_shape(self.layout.tp))
+            shard = math.ceil(elements / dp)
+            held["parameters"] += (shard if self.zero_stage == 3 and row.zero_sharded else elements) * _BYTES[row.dtype]
+            if row.trainable:
+                held["gradients"] += 4 * (shard if self.zero_stage >= 2 else elements)
+                held["optimizer"] += 2 * 4 * (shard if self.zero_stage >= 1 else elements)
+        return held
+
+
+def placement_table(
+    model: ModelParams, layout: Layout, zero_stage: int = 0, lora: LoraParams | None = None
+) -> PlacementTable:
+    """The table of a model with these params under `layout`; `lora` adds its adapters when enabled."""
+    sizes = layout.stage_sizes(model.num_layers)
+    last = len(sizes) - 1
+    zero = zero_stage > 0 and layout.dp > 1
+    lora = lora if lora is not None and lora.enabled else None
+    adapted = {LORA_TARGETS[t] for t in lora.target_modules} if lora is not None else set()
+    head_dim, hidden = model.head_dim, model.hidden_size
+    projection_shapes = {
+        "self_attn.q_proj": (model.num_heads * head_dim, hidden),
+        "self_attn.k_proj": (model.num_kv_heads * head_dim, hidden),
+        "self_attn.v_proj": (model.num_kv_heads * head_dim, hidden),
+        "self_attn.o_proj": (hidden, model.num_heads * head_dim),
+        "mlp.gate_proj": (model.ffn_hidden_size, hidden),
+        "mlp.up_proj": (model.ffn_hidden_size, hidden),
+        "mlp.down_proj": (hidden, model.ffn_hidden_size),
+    }
+
+    def row(name: str, shape: Sequence[int], axis: int | None, stages: Sequence[int], adapter: bool = False,
+            partial: bool = False) -> Placement:
+        trainable = adapter if lora is not None else True
+        return Placement(name, tuple(shape), axis, tuple(stages), zero, trainable, partial and layout.tp > 1)
+
+    embedding_stages = (0, last) if model.tie_embeddings and last > 0 else (0,)
+    rows = [row("embed_tokens.weight", (model.vocab_size, hidden), 0, embedding_stages)]
+    start = 0
+    for stage, count in enumerate(sizes):
+        for index in range(start, start + count):
+            rows += _layer_rows(row, f"layers.{index}", stage, hidden, projection_shapes, adapted, lora)
+        start += count
+    rows.append(row("norm.weight", (hidden,), None, (last,)))
+    if not model.tie_embeddings:
+        rows.append(row("lm_head.weight", (model.vocab_size, hidden), 0, (last,)))
+    return PlacementTable(layout, zero_stage if layout.dp > 1 else 0, tuple(rows), lora)
+
+
+def _layer_rows(row, prefix: str, stage: int, hidden: int, shapes: dict, adapted: set[str], lora) -> list[Placement]:
+    """The rows of one transformer block, in the model's order (`BLOCK_PARAMETERS`)."""
+    rows = []
+    for path in BLOCK_PARAMETERS:
+        if path not in TENSOR_PARALLEL_PLAN:  # a norm
+            rows.append(row(f"{prefix}.{path}.weight", (hidden,), None, (stage,)))
+            continue
+        weight_axis, a_axis, b_axis = _AXES[TENSOR_PARALLEL_PLAN[path]]
+        out_features, in_features = shapes[path]
+        rows.append(row(f"{prefix}.{path}.weight", (out_features, in_features), weight_axis, (stage,)))
+        if path in adapted:  # the adapter that is not split is used by the rank's block alone: a partial gradient
+            rows.append(row(f"{prefix}.{path}.lora_a", (lora.rank, in_features), a_axis, (stage,), True, a_axis is None))
+            rows.append(row(f"{prefix}.{path}.lora_b", (out_features, lora.rank), b_axis, (stage,), True, b_axis is None))
+    return rows

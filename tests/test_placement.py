@@ -1,0 +1,126 @@
+"""The placement table: its rows are the model's parameters (LoRA adapters included) with their shapes, in the
+model's order; each tp rank's blocks tile a split weight; the stages and the per-rank bytes follow the layout.
+A rank's shard built from it: each block of the seeded initialisation, or of a weights file read block by block,
+is the same block of the whole."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import SMALL_MODEL
+
+from model_core.model import Llama, apply_lora
+from model_core.model.init import deferred_weights
+from model_core.model.weights import WeightMismatchError, model_weights
+from model_core.parallel.layout import Layout
+from model_core.parallel.parallelize import check_weights_file, materialize, take_block
+from model_core.parallel.placement import ROW, TENSOR_PARALLEL_PLAN, placement_table
+from model_core.storage import read_safetensors, write_safetensors
+from params import load_params
+
+PARAMS = load_params("tiny", [*SMALL_MODEL, "model.num_layers=4"])
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("with_lora", [False, True])
+def test_rows_are_the_models_parameters_in_order(tied, with_lora):
+    model_params = PARAMS.model.model_copy(update={"tie_embeddings": tied})
+    lora = PARAMS.lora.model_copy(update={"enabled": True, "target_modules": ["q", "o", "down"]})
+    model = Llama(model_params)
+    if with_lora:
+        apply_lora(model, lora)
+    expected = {name: value.shape for name, value in model_weights(model).items()}
+    table = placement_table(model_params, Layout(), lora=lora if with_lora else None)
+    assert [row.name for row in table] == list(expected)
+    assert all(row.shape == expected[row.name] for row in table)
+
+
+def test_tensor_parallel_axes_follow_the_plan():
+    every = ["q", "k", "v", "o", "gate", "up", "down"]
+    table = placement_table(PARAMS.model, Layout(tp=2), lora=PARAMS.lora.model_copy(update={"enabled": True, "target_modules": every}))
+    assert table["embed_tokens.weight"].tp_axis == 0 and table["norm.weight"].tp_axis is None
+    for projection, style in TENSOR_PARALLEL_PLAN.items():
+        weight, lora_a, lora_b = (table[f"layers.1.{projection}.{part}"] for part in ("weight", "lora_a", "lora_b"))
+        if style == ROW:  # input columns: A is cut alike, B stays whole
+            assert (weight.tp_axis, lora_a.tp_axis, lora_b.tp_axis) == (1, 1, None)
+        else:  # output rows: B is cut alike, A stays whole
+            assert (weight.tp_axis, lora_a.tp_axis, lora_b.tp_axis) == (0, None, 0)
+        block = weight.block_shape(2)
+        assert block[weight.tp_axis] * 2 == weight.shape[weight.tp_axis]
+    assert table["adam_m.layers.0.mlp.down_proj.weight"] is table["layers.0.mlp.down_proj.weight"]
+    assert all(row.block_shape(1) == row.shape for row in table)
+
+
+def test_stages_hold_their_layers_and_a_tied_table_lives_on_both_ends():
+    table = placement_table(PARAMS.model, Layout(pp=2))
+    assert table["embed_tokens.weight"].stages == (0, 1)
+    assert table["layers.1.mlp.up_proj.weight"].stages == (0,) and table["layers.2.mlp.up_proj.weight"].stages == (1,)
+    assert table["norm.weight"].stages == (1,)
+    untied = placement_table(PARAMS.model.model_copy(update={"tie_embeddings": False}), Layout(pp=2))
+    assert untied["embed_tokens.weight"].stages == (0,) and untied["lm_head.weight"].stages == (1,)
+    assert untied["adam_v.layers.3.self_attn.o_proj.weight"].stages == (1,)
+    uneven = placement_table(PARAMS.model, Layout(pp=2, pipeline_layers=(3, 1)))
+    assert uneven["layers.2.mlp.up_proj.weight"].stages == (0,) and uneven["layers.3.mlp.up_proj.weight"].stages == (1,)
+
+
+def test_rank_bytes_split_the_model_over_tp_pp_and_zero():
+    whole = placement_table(PARAMS.model, Layout()).rank_bytes(0)
+    elements = whole["parameters"] // 4
+    assert whole == {"parameters": 4 * elements, "gradients": 4 * elements, "optimizer": 8 * elements}
+    tp = placement_table(PARAMS.model, Layout(tp=2))
+    norms = sum(row.size for row in tp if row.tp_axis is None)
+    assert [tp.rank_bytes(r)["parameters"] for r in range(2)] == [4 * ((elements - norms) // 2 + norms)] * 2
+    zero3 = placement_table(PARAMS.model, Layout(dp=2), zero_stage=3)
+    shards = sum(math.ceil(row.size / 2) for row in zero3)
+    assert zero3.rank_bytes(1) == {"parameters": 4 * shards, "gradients": 4 * shards, "optimizer": 8 * shards}
+    zero1 = placement_table(PARAMS.model, Layout(dp=2), zero_stage=1).rank_bytes(0)
+    assert zero1["parameters"] == 4 * elements and zero1["optimizer"] == 8 * shards
+
+
+# ------------------------------------------------------------------------- building a rank's shard
+
+
+def _deferred_model(params) -> Llama:
+    with deferred_weights():
+        return Llama(params)
+
+
+def test_each_tp_block_of_the_seeded_initialisation_is_the_block_of_the_whole():
+    whole = _deferred_model(PARAMS.model)
+    materialize(whole, placement_table(PARAMS.model, Layout()), 0, seed=7, source=None)
+    full = model_weights(whole)
+    table = placement_table(PARAMS.model, Layout(tp=2))
+    for index in range(2):
+        block = _deferred_model(PARAMS.model)
+        materialize(block, table, index, seed=7, source=None)
+        for name, value in model_weights(block).items():
+            np.testing.assert_array_equal(value, take_block(full[name], table[name].tp_axis, 2, index), err_msg=name)
+    other = _deferred_model(PARAMS.model)
+    materialize(other, placement_table(PARAMS.model, Layout()), 0, seed=8, source=None)
+    assert not np.array_equal(model_weights(other)["layers.0.mlp.up_proj.weight"], full["layers.0.mlp.up_proj.weight"])
+    assert np.array_equal(full["norm.weight"], np.ones_like(full["norm.weight"]))
+
+
+def test_blocks_are_read_from_a_weights_file_one_block_at_a_time(tmp_path):
+    stored = model_weights(Llama(PARAMS.model))
+    write_safetensors(tmp_path / "model.safetensors", stored, "bfloat16")
+    table = placement_table(PARAMS.model, Layout(tp=2))
+    block = _deferred_model(PARAMS.model)
+    materialize(block, table, 1, seed=0, source=tmp_path / "model.safetensors")
+    rounded = read_safetensors(tmp_path / "model.safetensors")
+    for name, value in model_weights(block).items():
+        np.testing.assert_array_equal(value, take_block(rounded[name], table[name].tp_axis, 2, 1), err_msg=name)
+
+
+def test_a_weights_file_of_another_model_is_refused_by_name_and_shape(tmp_path):
+    stored = model_weights(Llama(PARAMS.model))
+    table = placement_table(PARAMS.model, Layout())
+    write_safetensors(tmp_path / "model.safetensors", {**stored, "layers.9.extra": np.zeros(2, np.float32)}, "float32")
+    with pytest.raises(WeightMismatchError, match=r"missing \[\], unexpected \['layers.9.extra'\]"):
+        check_weights_file(tmp_path / "model.safetensors", table)
+    stored["norm.weight"] = np.ones(3, np.float32)
+    write_safetensors(tmp_path / "model.safetensors", stored, "float32")
+    with pytest.raises(WeightMismatchError, match=r"norm.weight has shape \(3,\), the model's is \(64,\)"):
+        check_weights_file(tmp_path / "model.safetensors", table)
