@@ -64,7 +64,9 @@ def prefect_mapper(
 ) -> Iterator[Any]:
     """`function(job)` for each job, as task runs of the task `step` on the flow run's task runner: a run
     per job, or the jobs cut into `task_runs` consecutive batches. The results come back in job order, each
-    batch's as soon as it and those before it are done.
+    batch's as soon as it and those before it are done. A step of one job runs in this thread: a task run
+    would only add its start, and the first one a worker process's (on 1 GB, hashing the one input file
+    in a task run held the map step's second worker back by 7 s, which it never made up).
 
     Batches, because a task run costs Prefect about 0.2 s of state changes through its API: with a run per
     8 MiB shard, that was a quarter of a 1 GB prep's time on 2 cores. A few batches per worker still
@@ -72,6 +74,8 @@ def prefect_mapper(
     raised (a DataPrepError keeps its message, whichever worker read the file); jobs still queued are
     cancelled when the flow run's task runner shuts down.
     """
+    if len(jobs) == 1:
+        return iter(run_jobs(function, jobs))
     step_task = task(
         run_jobs,
         name=step,

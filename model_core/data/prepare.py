@@ -13,7 +13,8 @@ or a partition, never by the corpus:
    LSH-band-key partition, settled in corpus order. The output is a keep mask per shard.
 3. map (row_shuffle.py): each shard packs its kept documents into rows of its split's token stream (the
    kept documents in corpus order); rows go to positions of a keyed permutation of the split; each
-   write step gathers one run of output shards from every pack file.
+   write bucket gathers one run of output shards from every pack file. Both splits pack in one step and
+   write in the next, a job per worker and split, each holding one shard or one bucket at a time.
 
 Steps run through a `Mapper` (engine.py): local worker processes by default, a Ray cluster through
 Prefect in tasks/. The result does not depend on the mapper, the number of workers or data.shard_bytes:
@@ -221,7 +222,7 @@ class _Build:
             dropped["near_duplicate"] = near
             steps.append({"step": "near_duplicate", "in": kept_before, "out": kept_before - near})
         kept = steps[-1]["out"] if steps else plan.documents
-        splits = {split: self._pack_and_write(plan, split) for split in row_shuffle.SPLITS}
+        splits = self._pack_and_write(plan)
         if splits["train"]["rows"] == 0:
             raise DataPrepError(
                 f"the {splits['train']['documents']} training documents make {splits['train']['tokens']} tokens, "
@@ -362,9 +363,44 @@ class _Build:
         self.seconds["near dedup"] += time.perf_counter() - started
         return len(dropped)
 
-    def _pack_and_write(self, plan: global_dedup.Plan, split: str) -> dict:
-        """Pack, shuffle and write one split; its manifest entry."""
-        packing = row_shuffle.Packing(
+    def _pack_and_write(self, plan: global_dedup.Plan) -> dict[str, dict]:
+        """Pack, shuffle and write both splits, in one pack step and one write step; their manifest entries."""
+        plan_path = self.scratch / "plan.json"
+        packings, lengths, rows = {}, {}, {}
+        for split in row_shuffle.SPLITS:
+            packings[split] = self._packing(split)
+            lengths[split] = row_shuffle.stream_lengths(plan, self.scratch, split, self.data.add_bos)
+            _check_split(split, sum(lengths[split][0]), self.data.validation_fraction)
+            row_shuffle.save_offsets(self.scratch, split, lengths[split][1])
+            rows[split] = row_shuffle.rows_of(sum(lengths[split][1]), packings[split])
+        # A job per worker and split: packing a shard or writing a bucket takes less than a task run costs.
+        pack_jobs = [
+            row_shuffle.PackJob(plan_path, self.scratch, packings[split], first, end)
+            for split in row_shuffle.SPLITS
+            for first, end in row_shuffle.job_runs(len(plan.directories), self.workers)
+        ]
+        self._run_step("pack", row_shuffle.pack_shards, pack_jobs)
+        write_jobs = [
+            row_shuffle.WriteJob(plan_path, self.scratch, self.build_dir, packings[split], rows[split], first, end)
+            for split in row_shuffle.SPLITS
+            for first, end in row_shuffle.job_runs(len(row_shuffle.buckets(rows[split], packings[split])), self.workers)
+        ]
+        shards: dict[str, list[dict]] = {split: [] for split in row_shuffle.SPLITS}
+        for job, entries in zip(write_jobs, self._run_step("write", row_shuffle.write_buckets, write_jobs)):
+            shards[job.packing.split] += entries
+        return {
+            split: {
+                "documents": sum(lengths[split][0]),
+                "tokens": sum(lengths[split][1]),
+                "rows": rows[split],
+                "packed_tokens": sum(shard["tokens"] for shard in shards[split]),
+                "shards": shards[split],
+            }
+            for split in row_shuffle.SPLITS
+        }
+
+    def _packing(self, split: str) -> row_shuffle.Packing:
+        return row_shuffle.Packing(
             split=split,
             row_len=self.model.seq_len + 1,
             bos_id=self.tokenizer.bos_id if self.data.add_bos else None,
@@ -376,25 +412,6 @@ class _Build:
             vocab_size=self.model.vocab_size,
             shards_per_bucket=row_shuffle.shards_per_bucket(self.data.rows_per_shard, self.model.seq_len + 1),
         )
-        documents, tokens = row_shuffle.stream_lengths(plan, self.scratch, split, self.data.add_bos)
-        _check_split(split, sum(documents), self.data.validation_fraction)
-        row_shuffle.save_offsets(self.scratch, split, tokens)
-        plan_path = self.scratch / "plan.json"
-        pack_jobs = [row_shuffle.PackJob(plan_path, self.scratch, s, packing) for s in range(len(plan.directories))]
-        self._run_step(f"pack {split}", row_shuffle.pack_shard, pack_jobs)
-        rows = row_shuffle.rows_of(sum(tokens), packing)
-        write_jobs = [
-            row_shuffle.WriteJob(plan_path, self.scratch, self.build_dir, packing, bucket, first, end)
-            for bucket, (first, end) in enumerate(row_shuffle.buckets(rows, packing))
-        ]
-        shards = [entry for entries in self._run_step(f"write {split}", row_shuffle.write_bucket, write_jobs) for entry in entries]
-        return {
-            "documents": sum(documents),
-            "tokens": sum(tokens),
-            "rows": rows,
-            "packed_tokens": sum(shard["tokens"] for shard in shards),
-            "shards": shards,
-        }
 
 
 def _check_split(split: str, documents: int, fraction: float) -> None:

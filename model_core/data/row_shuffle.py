@@ -12,6 +12,9 @@ The row order is `KeyedPermutation(rows, (seed, split))`: the row at stream inde
 begin among them, so `write_bucket`, which owns the positions of a run of output shards, reads its rows
 from every pack file with a few positioned reads and writes them in order: each step holds one input
 shard's rows or one output shard, never the split.
+
+A job packs a run of input shards, or writes a run of buckets, one after another (`job_runs`): packing a
+shard or writing a bucket takes tens of milliseconds, less than a task run of an orchestrator costs.
 """
 
 from __future__ import annotations
@@ -47,20 +50,16 @@ class Packing:
     seed: int
     rows_per_shard: int
     vocab_size: int
-    shards_per_bucket: int  # output shards of one write step (`shards_per_bucket`)
+    shards_per_bucket: int  # output shards of one write bucket (`shards_per_bucket`)
 
 
 @dataclass(frozen=True)
 class PackJob:
     plan_path: Path
     scratch: Path
-    shard: int
     packing: Packing
-
-    @property
-    def output(self) -> Path:
-        """A directory of headerless arrays (`_PackFile`), which write steps read a range of at a time."""
-        return self.scratch / f"pack-{self.packing.split}-{self.shard:06d}"
+    first_shard: int  # the input shards [first_shard, end_shard)
+    end_shard: int
 
 
 @dataclass(frozen=True)
@@ -69,9 +68,21 @@ class WriteJob:
     scratch: Path
     build_dir: Path
     packing: Packing
-    bucket: int  # its place in `buckets`
-    first_shard: int  # the output shards [first_shard, end_shard) of the split
-    end_shard: int
+    rows: int  # the split's
+    first_bucket: int  # the write buckets [first_bucket, end_bucket) of `buckets(rows, packing)`
+    end_bucket: int
+
+
+def job_runs(count: int, jobs: int) -> list[tuple[int, int]]:
+    """[first, end) of `jobs` consecutive runs of about equal length over `count` items (fewer when short)."""
+    jobs = max(1, min(jobs, count))
+    bounds = [count * index // jobs for index in range(jobs + 1)]
+    return [(first, end) for first, end in zip(bounds, bounds[1:]) if end > first]
+
+
+def pack_directory(scratch: Path, split: str, shard: int) -> Path:
+    """A pack's directory of headerless arrays (`_PackFiles`), which write steps read a range of at a time."""
+    return scratch / f"pack-{split}-{shard:06d}"
 
 
 def stream_lengths(plan: Plan, scratch: Path, split: str, bos: bool) -> tuple[list[int], list[int]]:
@@ -105,21 +116,28 @@ def save_offsets(scratch: Path, split: str, tokens: list[int]) -> None:
     _offsets_path(scratch, split).write_text(json.dumps(offsets))
 
 
-def pack_shard(job: PackJob) -> dict:
-    """Write the rows that start in this shard's part of the split's stream, sorted by shuffled position."""
-    plan, packing = Plan.load(job.plan_path), job.packing
-    offsets = json.loads(_offsets_path(job.scratch, packing.split).read_text())
-    total = offsets[-1]
-    rows = rows_of(total, packing)
-    start, end = offsets[job.shard], offsets[job.shard + 1]
+def pack_shards(job: PackJob) -> dict:
+    """`pack_shard` of each input shard of the job."""
+    plan = Plan.load(job.plan_path)
+    offsets = json.loads(_offsets_path(job.scratch, job.packing.split).read_text())
+    rows = sum(pack_shard(plan, job.scratch, shard, job.packing, offsets) for shard in range(job.first_shard, job.end_shard))
+    return {"rows": rows}
+
+
+def pack_shard(plan: Plan, scratch: Path, shard: int, packing: Packing, offsets: list[int]) -> int:
+    """Write the rows that start in this shard's part of the split's stream (whose shards start at
+    `offsets`), sorted by shuffled position; their number."""
+    rows = rows_of(offsets[-1], packing)
+    start, end = offsets[shard], offsets[shard + 1]
     length = packing.row_len
+    output = pack_directory(scratch, packing.split, shard)
     first_row, end_row = -(-start // length), min(-(-end // length), rows)
     if first_row >= end_row:
         empty = PackedRows(np.empty((0, length), np.int32), np.empty(0, np.int32), np.zeros(1, np.int64))
-        _save_pack(job.output, empty, np.empty(0, np.int64), packing, rows)
-        return {"rows": 0}
+        _save_pack(output, empty, np.empty(0, np.int64), packing, rows)
+        return 0
     need = end_row * length - start  # stream tokens from this shard's start to the end of its last row
-    tokens, doc_starts = _stream(plan, job.scratch, job.shard, packing, need)
+    tokens, doc_starts = _stream(plan, scratch, shard, packing, need)
     skip = first_row * length - start
     tokens, doc_starts = tokens[skip:], doc_starts[doc_starts >= skip] - skip
     count = end_row - first_row
@@ -131,8 +149,8 @@ def pack_shard(job: PackJob) -> dict:
         np.arange(first_row, end_row, dtype=np.uint64)
     ).astype(np.int64)
     order = np.argsort(positions)
-    _save_pack(job.output, PackedRows(rows_tokens, values, row_offsets).take(order), positions[order], packing, rows)
-    return {"rows": count}
+    _save_pack(output, PackedRows(rows_tokens, values, row_offsets).take(order), positions[order], packing, rows)
+    return count
 
 
 def _save_pack(directory: Path, rows: PackedRows, positions: np.ndarray, packing: Packing, split_rows: int) -> None:
@@ -249,13 +267,24 @@ def buckets(rows: int, packing: Packing) -> list[tuple[int, int]]:
     return [(first, min(first + per_bucket, shards)) for first in range(0, shards, per_bucket)]
 
 
-def write_bucket(job: WriteJob) -> list[dict]:
+def write_buckets(job: WriteJob) -> list[dict]:
+    """`write_bucket` of each write bucket of the job; the manifest entries of their output shards."""
+    plan = Plan.load(job.plan_path)
+    runs = buckets(job.rows, job.packing)
+    return [
+        entry
+        for bucket in range(job.first_bucket, job.end_bucket)
+        for entry in write_bucket(plan, job, bucket, *runs[bucket])
+    ]
+
+
+def write_bucket(plan: Plan, job: WriteJob, bucket: int, first_shard: int, end_shard: int) -> list[dict]:
     """Write output shards [first_shard, end_shard): their rows are read from every pack file at once (one
     read per pack: the bucket's positions are a contiguous run of each), then written a shard at a time."""
-    plan, packing = Plan.load(job.plan_path), job.packing
-    low = job.first_shard * packing.rows_per_shard
+    packing = job.packing
+    low = first_shard * packing.rows_per_shard
     pieces = [
-        _PackFiles(PackJob(job.plan_path, job.scratch, shard, packing).output, packing).bucket(job.bucket)
+        _PackFiles(pack_directory(job.scratch, packing.split, shard), packing).bucket(bucket)
         for shard in range(len(plan.directories))
     ]
     positions = np.concatenate([positions for positions, _ in pieces])
@@ -267,7 +296,7 @@ def write_bucket(job: WriteJob) -> list[dict]:
     )
     del pieces
     entries = []
-    for index in range(job.first_shard, job.end_shard):
+    for index in range(first_shard, end_shard):
         first = index * packing.rows_per_shard - low
         shard = rows.take(order[first : first + packing.rows_per_shard])
         entries.append(write_shard(job.build_dir / shard_name(packing.split, index), shard, packing.pad_id, packing.vocab_size))
