@@ -19,10 +19,10 @@ data params otherwise (near dedup on), but for input shards of SHARD_BYTES:
 - prep: `llmflow prep` of each corpus with the tokenizer given (tokenizer.model_path), into an empty
   data.output_dir: tokens written (every split, BOS and EOS included), wall seconds of the whole command and
   tokens/s over them, and the peak resident memory of the whole process tree (the sum of RSS over the
-  process and all its descendants, sampled every SAMPLE_SECONDS; the peak of the sum). The command's wall
-  time includes ~15-35 s that do not grow with the corpus (imports, Prefect's temporary server, MLflow), so
-  the data-prep stage's own seconds are given too (`stage_s`: the `seconds` metric the stage records in
-  MLflow, the time of `prepare_dataset` alone).
+  process and all its descendants, sampled every SAMPLE_SECONDS, the descendants listed every TREE_SECONDS;
+  the peak of the sum). The command's wall time includes ~15-35 s that do not grow with the corpus
+  (imports, Prefect's temporary server, MLflow), so the data-prep stage's own seconds are given too
+  (`stage_s`: the `seconds` metric the stage records in MLflow, the time of `prepare_dataset` alone).
 - tokenizer: the same `llmflow prep` of the smallest corpus, training the tokenizer there (printed on its
   own line). Its cost is that stage's seconds minus those of the prep with the trained tokenizer given.
 - raw: `processor.encode(documents, num_threads=cores, return_type="numpy")` of every document of the
@@ -74,6 +74,10 @@ MAX_DOCUMENT_CHARS = 100_000  # half of data.max_chars, so NFKC growth never pus
 ORDER_KEY = b"llmflow-data-scale"
 PYTHON_LIB = re.compile(r"/lib/python[0-9.]+/")
 SAMPLE_SECONDS = 0.05
+# The tree's members are listed this often, their RSS read every SAMPLE_SECONDS: listing them reads every
+# process on the machine, which at every sample took 5.3% of a core (0.8% this way) beside the measured
+# prep, a cost raw encoding, timed in this process with nothing sampled, never pays.
+TREE_SECONDS = 1.0
 RAW_BATCH_CHARS = 32_000_000
 # Input shards of 8 MiB: every corpus, the 25 MB one included, is several shards on the same two worker
 # processes, so the runs differ in the corpus only (at the default 64 MiB, 25 MB would be one shard, mapped
@@ -459,13 +463,15 @@ def _llmflow(workdir: Path, command: str, arguments: list[str], log_name: str) -
 def _peak_tree_rss(process: subprocess.Popen) -> int:
     """Wait for the process; the peak over its life of the RSS summed over it and all its descendants."""
     root = psutil.Process(process.pid)
-    peak = 0
+    peak, members, listed = 0, [], -TREE_SECONDS
     while process.poll() is None:
         total = 0
-        try:
-            members = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            break
+        if time.monotonic() - listed >= TREE_SECONDS:
+            try:
+                members = [root, *root.children(recursive=True)]
+            except psutil.NoSuchProcess:
+                break
+            listed = time.monotonic()
         for member in members:
             try:
                 total += member.memory_info().rss
