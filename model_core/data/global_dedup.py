@@ -32,7 +32,10 @@ from model_core.data.shard_map import mix64
 _PAIRS_AT_A_TIME = 1 << 15  # candidate pairs compared at once: two (pairs, permutations) uint32 arrays of 8 MiB
 # Bytes of partition entries a reduce worker may hold: partitions are counted from the corpus.
 PARTITION_BYTES = 256 << 20
-PARALLEL_DOCUMENTS = 1 << 16
+# Documents from which a reduce runs a partition per worker. Below them a partition takes well under a
+# second, less than a worker's task run costs: near dedup ~35 us a document (95K took 3.5 s), exact ~1 us.
+NEAR_PARALLEL_DOCUMENTS = 1 << 16
+EXACT_PARALLEL_DOCUMENTS = 1 << 21
 EXACT_ENTRY_BYTES = 24  # two hash words and a document number
 NEAR_ENTRY_BYTES = 16  # a band key and a document number, per band
 
@@ -74,11 +77,11 @@ class ReduceJob:
         return self.scratch / f"{kind}-{self.partition:05d}.npy"
 
 
-def partitions_for(documents: int, bytes_per_document: int, workers: int) -> int:
+def partitions_for(documents: int, bytes_per_document: int, workers: int, parallel_from: int) -> int:
     """Enough partitions that each holds about PARTITION_BYTES, and one per worker once the corpus has
-    PARALLEL_DOCUMENTS (the result is the same for any number of partitions: a key always lands in exactly
-    one). Below that a partition takes well under a second, less than starting a worker process."""
-    least = workers if documents >= PARALLEL_DOCUMENTS else 1
+    `parallel_from` documents (the result is the same for any number of partitions: a key always lands in
+    exactly one)."""
+    least = workers if documents >= parallel_from else 1
     return max(least, math.ceil(documents * bytes_per_document / PARTITION_BYTES))
 
 

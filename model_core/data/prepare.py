@@ -340,7 +340,9 @@ class _Build:
         """Repeats of a text in another, earlier shard (those inside a shard went in its map step)."""
         if not self.data.dedup_exact or len(plan.directories) < 2:
             return 0
-        count = global_dedup.partitions_for(plan.documents, global_dedup.EXACT_ENTRY_BYTES, self.workers)
+        count = global_dedup.partitions_for(
+            plan.documents, global_dedup.EXACT_ENTRY_BYTES, self.workers, global_dedup.EXACT_PARALLEL_DOCUMENTS
+        )
         jobs = [global_dedup.ReduceJob(self.scratch / "plan.json", self.scratch, p, count) for p in range(count)]
         self._run_step("exact dedup", global_dedup.exact_partition, jobs)
         return global_dedup.drop_from_keep_masks(plan, self.scratch, [job.output for job in jobs], None)
@@ -352,7 +354,10 @@ class _Build:
         bands = self.data.minhash_permutations // dedup.rows_per_band(self.data.minhash_permutations, threshold)
         # Per document: its band keys, and its signature wherever one of them lands.
         count = global_dedup.partitions_for(
-            plan.documents, bands * global_dedup.NEAR_ENTRY_BYTES + 4 * self.data.minhash_permutations, self.workers
+            plan.documents,
+            bands * global_dedup.NEAR_ENTRY_BYTES + 4 * self.data.minhash_permutations,
+            self.workers,
+            global_dedup.NEAR_PARALLEL_DOCUMENTS,
         )
         jobs = [global_dedup.ReduceJob(self.scratch / "plan.json", self.scratch, p, count, threshold) for p in range(count)]
         self._run_step("near dedup", global_dedup.near_partition, jobs)
