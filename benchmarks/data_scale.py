@@ -30,7 +30,10 @@ data params otherwise (near dedup on), but for input shards of SHARD_BYTES:
   tokenizer on the same cores; only the encode calls are timed. `prep_over_raw` counts the same tokens for
   both (raw's, those of the input text), so it is raw's seconds over the prep stage's, as
   benchmarks/data_prep.py defines it (`prep_over_raw_wall`: over the whole command's);
-  `prep_written_over_raw` divides the tokens prep writes by the stage's seconds instead.
+  `prep_written_over_raw` divides the tokens prep writes by the stage's seconds instead. On cores that other
+  work shares, wall seconds measured minutes apart meet different loads, so CPU seconds are given too:
+  `prep_over_raw_cpu` is raw's encoding CPU seconds over those of the whole prep command's process tree
+  (`cpu_s`, its fixed costs included: imports, Prefect's server, MLflow, so it understates the stage's).
 - train: `llmflow train` for --train-steps steps of the tiny model on the smallest and the largest prepared
   datasets (reused, never prepared again: the dataset directory must be untouched afterwards), peak RSS of
   the process tree, and mean seconds per step from --metrics-jsonl (every step logged; the first step,
@@ -51,6 +54,7 @@ import itertools
 import json
 import os
 import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -100,9 +104,11 @@ class Corpus:
 
 @dataclass(frozen=True)
 class Measured:
-    """One subprocess: its wall seconds, the peak RSS of its process tree, and its stdout."""
+    """One subprocess: its wall seconds, the CPU seconds of its process tree, the peak RSS of its process
+    tree, and its stdout."""
 
     wall_s: float
+    cpu_s: float
     peak_rss_bytes: int
     stdout: str
 
@@ -131,10 +137,10 @@ def main() -> None:
     for corpus in corpora[1:]:
         preps[corpus.label] = prepare(workdir, corpus, tokenizer)[1]
 
-    raw_tokens, raw_s = raw_encode(largest, tokenizer, cores)
+    raw_tokens, raw_s, raw_cpu_s = raw_encode(largest, tokenizer, cores)
     raw_tokens_per_s = raw_tokens / raw_s
     print(f"raw: {raw_tokens:,} tokens of the {largest.label} corpus in {raw_s:.1f} s on {cores} threads "
-          f"({raw_tokens_per_s:,.0f} tokens/s)", flush=True)
+          f"({raw_tokens_per_s:,.0f} tokens/s, {raw_cpu_s:.1f} CPU s)", flush=True)
 
     trains = {corpus.label: train(workdir, corpus, tokenizer, args.train_steps) for corpus in (smallest, largest)}
 
@@ -150,7 +156,9 @@ def main() -> None:
         "raw_tokens": raw_tokens,
         "raw_encode_s": round(raw_s, 2),
         "raw_tokens_per_s": round(raw_tokens_per_s),
+        "raw_encode_cpu_s": round(raw_cpu_s, 2),
         "prep_over_raw": round(prep_over_raw, 3),
+        "prep_over_raw_cpu": round(raw_cpu_s / top["cpu_s"], 3),
         "prep_over_raw_wall": round(raw_s / top["wall_s"], 3),
         "prep_written_over_raw": round(top["stage_tokens_per_s"] / raw_tokens_per_s, 3),
         "rss_ratio_largest_over_smallest": round(top["peak_rss_mb"] / bottom["peak_rss_mb"], 3),
@@ -365,6 +373,7 @@ def prepare(workdir: Path, corpus: Corpus, tokenizer: Path | None) -> tuple[Path
         "tokens": tokens,
         "wall_s": round(measured.wall_s, 2),
         "tokens_per_s": round(tokens / measured.wall_s),
+        "cpu_s": round(measured.cpu_s, 2),
         "peak_rss_mb": round(measured.peak_rss_bytes / 1e6, 1),
         "stage_s": round(stage_s, 2),
         "stage_tokens_per_s": round(tokens / stage_s),
@@ -449,15 +458,21 @@ def _llmflow(workdir: Path, command: str, arguments: list[str], log_name: str) -
     stdout_path, stderr_path = logs / f"{log_name}.out", logs / f"{log_name}.err"
     argv = [sys.executable, "-m", "flows.cli", command, "--params", "tiny", *arguments]
     with stdout_path.open("w") as stdout, stderr_path.open("w") as stderr:
-        started = time.perf_counter()
+        started, cpu_before = time.perf_counter(), _children_cpu_s()
         process = subprocess.Popen(argv, cwd=workdir, env=env, stdout=stdout, stderr=stderr)
         peak = _peak_tree_rss(process)
-        wall_s = time.perf_counter() - started
+        wall_s, cpu_s = time.perf_counter() - started, _children_cpu_s() - cpu_before
     if process.returncode != 0:
         tail = stderr_path.read_text()[-4000:]
         command_line = " ".join(argv[2:])
         raise RuntimeError(f"`{command_line}` exited with {process.returncode}; the end of {stderr_path}:\n{tail}")
-    return Measured(wall_s, peak, stdout_path.read_text())
+    return Measured(wall_s, cpu_s, peak, stdout_path.read_text())
+
+
+def _children_cpu_s() -> float:
+    """User and system seconds of every finished child and their finished descendants, so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _peak_tree_rss(process: subprocess.Popen) -> int:
@@ -486,10 +501,11 @@ def _peak_tree_rss(process: subprocess.Popen) -> int:
 # ----------------------------------------------------------------------------------------------- raw
 
 
-def raw_encode(corpus: Corpus, tokenizer: Path, cores: int) -> tuple[int, float]:
-    """Tokens and encoding seconds of every document of the corpus, batch by batch (reading untimed)."""
+def raw_encode(corpus: Corpus, tokenizer: Path, cores: int) -> tuple[int, float, float]:
+    """Tokens, encoding seconds and encoding CPU seconds (every thread of this process) of every document
+    of the corpus, batch by batch (reading untimed)."""
     processor = spm.SentencePieceProcessor(model_file=str(tokenizer))
-    tokens, seconds = 0, 0.0
+    totals = [0, 0.0, 0.0]
     batch, chars = [], 0
     with corpus.path.open(encoding="utf-8") as lines:
         for line in lines:
@@ -497,20 +513,19 @@ def raw_encode(corpus: Corpus, tokenizer: Path, cores: int) -> tuple[int, float]
             batch.append(text)
             chars += len(text)
             if chars >= RAW_BATCH_CHARS:
-                batch_tokens, batch_seconds = _encode(processor, batch, cores)
-                tokens, seconds = tokens + batch_tokens, seconds + batch_seconds
+                totals = [total + part for total, part in zip(totals, _encode(processor, batch, cores))]
                 batch, chars = [], 0
     if batch:
-        batch_tokens, batch_seconds = _encode(processor, batch, cores)
-        tokens, seconds = tokens + batch_tokens, seconds + batch_seconds
-    return tokens, seconds
+        totals = [total + part for total, part in zip(totals, _encode(processor, batch, cores))]
+    tokens, seconds, cpu_seconds = totals
+    return tokens, seconds, cpu_seconds
 
 
-def _encode(processor: spm.SentencePieceProcessor, texts: list[str], cores: int) -> tuple[int, float]:
-    started = time.perf_counter()
+def _encode(processor: spm.SentencePieceProcessor, texts: list[str], cores: int) -> tuple[int, float, float]:
+    started, cpu_started = time.perf_counter(), time.process_time()
     ids = processor.encode(texts, num_threads=cores, return_type="numpy")
-    seconds = time.perf_counter() - started
-    return sum(len(one) for one in ids), seconds
+    seconds, cpu_seconds = time.perf_counter() - started, time.process_time() - cpu_started
+    return sum(len(one) for one in ids), seconds, cpu_seconds
 
 
 def _git_head() -> str:
