@@ -3,11 +3,9 @@ a few steps, and write what this rank held as JSON (OUT/rank<r>.json).
 
     python benchmarks/_rank_memory_worker.py --threads N --steps S DATASET WEIGHTS OUT [--set section.field=value ...]
 
-Only the Trainer's public surface is used (its constructor, `model`, `optimizer`, `run`), so the figures stay
-comparable while the trainer's insides change. The build window ends where the model is built and loaded but
-the optimizer is not: at the trainer's `adapt_model` hook, whose contract is exactly that moment; where the
-layout refuses `adapt_model` (LoRA under tp or pp, before issue 14), at the assignment of `adaptation`, which the
-trainer makes at that same point.
+The Trainer's public surface is used (its constructor, `model`, `optimizer`, `run`), and the build window is the
+call of `model_core.parallel.parallelize.build_shard`, which makes this rank's model and loads its initial
+weights; the optimizer, gradient buffers and compiled step come after it and are not part of the build.
 """
 
 from __future__ import annotations
@@ -73,29 +71,27 @@ def _maxrss_bytes() -> int:
 
 
 def build_trainer(params, dataset: str, weights: str, out: Path, steps: int, window: BuildWindow):
-    """The Trainer, its build window closed at the first moment the model is built and loaded."""
+    """The Trainer, with the build window around `parallelize.build_shard`: the one call that makes this rank's
+    model and loads its initial weights (the optimizer, gradient buffers and compiled step come after it)."""
+    from model_core.parallel import parallelize as wiring
     from model_core.train.trainer import Trainer
 
-    class WatchedTrainer(Trainer):
-        def __setattr__(self, name, value):
-            if name == "adaptation":
-                if hasattr(self, "optimizer"):  # the window would hold the moments too: not a build figure
-                    raise RuntimeError("the Trainer builds its optimizer before `adaptation`: move the build marker")
-                window.close("adaptation attribute")
-            super().__setattr__(name, value)
+    build = wiring.build_shard
 
-    def model_is_built(model):
-        window.close("adapt_model")
+    def watched(*arguments, **options):
+        window.open()
+        try:
+            return build(*arguments, **options)
+        finally:
+            window.close("build_shard")
 
-    arguments = (params, dataset, out / "checkpoints")
+    wiring.build_shard = watched
     try:
-        trainer = WatchedTrainer(*arguments, steps=steps, initial_weights=weights, adapt_model=model_is_built)
-    except ValueError as refused:
-        if "adapt_model" not in str(refused):
-            raise
-        trainer = WatchedTrainer(*arguments, steps=steps, initial_weights=weights)
+        trainer = Trainer(params, dataset, out / "checkpoints", steps=steps, initial_weights=weights)
+    finally:
+        wiring.build_shard = build
     if window.closed_by is None:
-        raise RuntimeError("the Trainer neither called adapt_model nor set `adaptation`: no end to the build window")
+        raise RuntimeError("the Trainer never called parallelize.build_shard: no build window")
     return trainer
 
 
@@ -155,7 +151,6 @@ def main() -> None:
     else:
         rank = 0
     window = BuildWindow()
-    window.open()
     trainer = build_trainer(params, args.dataset, args.weights, args.out, args.steps, window)
     # Neither a final checkpoint nor a validation pass is part of what a rank holds to train.
     trainer.save = lambda: None

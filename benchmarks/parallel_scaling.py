@@ -19,7 +19,9 @@ median over the timed steps, next to the lock-step model's figure for the same s
     python benchmarks/parallel_scaling.py [--steps 8] [--warmup 3] [--layouts dp1,pp2,...]
 
 The last line printed is one JSON object: tokens/s keyed by layout (`dp1`, `dp2`, `tp2`, `pp2`, `pp2_gpipe`),
-`communication_share` per multi-worker layout and `pipeline_bubble` per pipeline layout.
+`communication_share` per multi-worker layout, and per pipeline layout `pipeline_bubble` and
+`pipeline_sent_bytes` (what rank 0's stage sent its neighbour in a step's pass: each message goes only to the
+rank that needs it).
 """
 
 from __future__ import annotations
@@ -67,17 +69,18 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="parallel-scaling-") as workdir:
         figures = measure(Path(workdir), args.steps, args.warmup, args.layouts.split(","))
-    print(f"{'layout':<10}{'tokens/s':>10}{'step s':>9}{'communication':>15}{'bubble':>9}{'modelled':>10}")
+    print(f"{'layout':<10}{'tokens/s':>10}{'step s':>9}{'communication':>15}{'bubble':>9}{'modelled':>10}{'sent MB':>9}")
     for name, result in figures.items():
         share, bubble = result.get("communication_share"), result.get("pipeline_bubble")
         cells = [f"{name:<10}{result['tokens_per_second']:>10.0f}{result['step_seconds']:>9.2f}"]
         cells.append(f"{'' if share is None else f'{share:.0%}':>15}")
         if bubble is not None:
-            cells.append(f"{bubble:>9.0%}{result['modelled_bubble']:>10.0%}")
+            cells.append(f"{bubble:>9.0%}{result['modelled_bubble']:>10.0%}{result['pipeline_sent_bytes'] / 1e6:>9.2f}")
         print("".join(cells))
     summary = {name: round(result["tokens_per_second"], 1) for name, result in figures.items()}
     summary["communication_share"] = {n: round(r["communication_share"], 3) for n, r in figures.items() if "communication_share" in r}
     summary["pipeline_bubble"] = {n: round(r["pipeline_bubble"], 3) for n, r in figures.items() if "pipeline_bubble" in r}
+    summary["pipeline_sent_bytes"] = {n: r["pipeline_sent_bytes"] for n, r in figures.items() if "pipeline_sent_bytes" in r}
     print(json.dumps(summary))
 
 
@@ -96,6 +99,7 @@ def measure(workdir: Path, steps: int, warmup: int, names: list[str]) -> dict[st
         if "pipeline_bubble" in history[-1]:
             figures[name]["pipeline_bubble"] = statistics.median(r["pipeline_bubble"] for r in history[warmup:])
             figures[name]["modelled_bubble"] = modelled_bubble(name)
+            figures[name]["pipeline_sent_bytes"] = history[-1]["pipeline_sent_bytes"]  # rank 0, a step's pass
         if workers > 1:
             alone = median_step_seconds(run_layout(name, workers, dataset, workdir / f"{name}-alone", steps, True), warmup)
             figures[name]["communication_share"] = max(0.0, 1 - alone / step_seconds)

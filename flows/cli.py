@@ -142,12 +142,11 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     from model_core.parallel.layout import Layout
     from model_core.train.callbacks import fan_out, jsonl_writer
     from model_core.train.checkpoint import run_directory
-    from model_core.train.finetune import check_lora_layout, finetune
+    from model_core.train.finetune import finetune
     from params import params_hash
     from tasks.progress import TrainingProgress
 
     params = _params(args)
-    check_lora_layout(params)
     Layout.from_params(params, params.parallel.world_size)  # a bad layout fails before anything is prepared
     dataset = _prepared_pretraining_data(params)
     base = args.base or _latest_pretrained(params, dataset.output_dir)

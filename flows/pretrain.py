@@ -13,7 +13,7 @@ from params import PipelineParams
 from tasks.convert import ConvertResult, convert_hf
 from tasks.data import DataResult, prepare_data
 from tasks.evaluate import EvaluateStageResult, evaluate_stage
-from tasks.finetune import FinetuneStageResult, check_lora_layout, finetune_stage
+from tasks.finetune import FinetuneStageResult, finetune_stage
 from tasks.tracking import pipeline_run
 from tasks.train import TrainStageResult, pretrain, smoke_run
 
@@ -30,8 +30,6 @@ class PipelineResult(BaseModel):
 
 @flow(name="pretrain-flow", log_prints=True)
 def pretrain_flow(params: PipelineParams = PipelineParams()) -> PipelineResult:  # noqa: B008 (Prefect reads the default)
-    if params.lora.enabled:
-        check_lora_layout(params)  # refused now, not after hours of pretraining
     with pipeline_run(params) as tracking:
         data = prepare_data(params, tracking)
         converted = convert_hf(params, tracking) if params.convert.hf_source else None

@@ -10,15 +10,19 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from model_core.data import prepare_instructions
-from model_core.train.checkpoint import run_directory
-from model_core.train.finetune import check_lora_layout, finetune
-from params import PipelineParams, params_hash
+from model_core.model.lora import base_sha256
+from model_core.parallel.launch import launch
+from model_core.train.callbacks import MetricsCallback, follow_jsonl
+from model_core.train.checkpoint import latest_valid, run_directory
+from model_core.train.finetune import ADAPTERS_DIR, FinetuneResult, finetune, read_summary
+from params import PipelineParams, params_hash, to_yaml
 from tasks.data import DataResult, numeric_leaves
 from tasks.plots import loss_curve_png
 from tasks.retry import retry_on_transient_io
 from tasks.tracking import MetricsBatcher, Tracking, stage_run
+from tasks.train import result_of_ranks
 
-__all__ = ["FinetuneStageResult", "check_lora_layout", "finetune_stage"]
+__all__ = ["FinetuneStageResult", "finetune_stage"]
 
 
 class FinetuneStageResult(BaseModel):
@@ -55,7 +59,10 @@ def finetune_stage(
         run.log_metrics(numeric_leaves(instructions.manifest, "data.", skip={"shards"}))
         run.log_artifact(instructions.manifest_path, "data")
         with MetricsBatcher(run) as metrics:
-            result = finetune(params, instructions.output_dir, base_checkpoint, directory, on_metrics=metrics)
+            if params.parallel.world_size > 1:  # the ranks under msrun, as pretraining runs them
+                result = _finetune_on_ranks(params, base_checkpoint, directory, metrics)
+            else:
+                result = finetune(params, instructions.output_dir, base_checkpoint, directory, on_metrics=metrics)
         trained, summary = result.train, result.summary
         run.log_metrics(
             {
@@ -82,3 +89,24 @@ def finetune_stage(
         trainable_parameters=summary.trainable_parameters,
         trainable_share=summary.trainable_share,
     )
+
+
+def _finetune_on_ranks(
+    params: PipelineParams, base_checkpoint: Path, directory: Path, on_metrics: MetricsCallback
+) -> FinetuneResult:
+    """`llmflow finetune` on params.parallel.world_size ranks under msrun, rank 0's metrics streamed to
+    `on_metrics` while it runs; the result is read back from its last checkpoint and its adapters."""
+    directory.mkdir(parents=True, exist_ok=True)
+    run_params = directory / "params.yaml"
+    run_params.write_text(to_yaml(params))
+    metrics_file = directory / "metrics.jsonl"
+    metrics_file.unlink(missing_ok=True)
+    arguments = ["--params", str(run_params), "--base", str(base_checkpoint), "--checkpoint-dir", str(directory)]
+    arguments += ["--resume", "auto", "--metrics-jsonl", str(metrics_file)]
+    with follow_jsonl(metrics_file, on_metrics) as history:
+        launch(["-m", "flows.cli", "finetune", *arguments], params.parallel.world_size, directory / "logs")
+    found = latest_valid(directory)
+    if found is None:
+        raise RuntimeError(f"the fine-tuning ranks finished but left no valid checkpoint in {directory}")
+    adapters = directory / ADAPTERS_DIR
+    return FinetuneResult(result_of_ranks(found, history), adapters, read_summary(adapters), base_sha256(base_checkpoint))

@@ -16,7 +16,7 @@ from pydantic import BaseModel
 
 from model_core.parallel.launch import launch_training
 from model_core.train.callbacks import MetricsCallback, follow_jsonl
-from model_core.train.checkpoint import list_checkpoints, run_directory, verify
+from model_core.train.checkpoint import Checkpoint, list_checkpoints, run_directory, verify
 from model_core.train.trainer import Trainer, TrainResult
 from params import PipelineParams, params_hash, to_yaml
 from tasks.data import DataResult
@@ -105,6 +105,11 @@ def _train_on_ranks(
     found = next((c for c in list_checkpoints(directory) if c.step == steps and verify(c) is None), None)
     if found is None:
         raise RuntimeError(f"the ranks finished but left no valid checkpoint of step {steps} in {directory}")
+    return result_of_ranks(found, history)
+
+
+def result_of_ranks(found: Checkpoint, history: list[dict[str, float]]) -> TrainResult:
+    """What a run on ranks trained, read back from its last checkpoint's counters and rank 0's metrics."""
     counters = found.state()["counters"]
     return TrainResult(
         steps=counters["step"],

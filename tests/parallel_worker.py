@@ -86,7 +86,7 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     result = trainer.run(resume=resume)
     optimizer = trainer.optimizer
     held = optimizer.moment_bytes() if hasattr(optimizer, "moment_bytes") else moment_bytes(optimizer)
-    gradient_bytes = sum(buffer.asnumpy().nbytes for buffer in trainer.accumulate.buffers)
+    gradient_bytes = sum(buffer.asnumpy().nbytes for buffer in trainer.parallel.accumulate.buffers)
     parameter_bytes = sum(param.asnumpy().nbytes for param in named_weights(trainer.model).values())
     np.savez(out_dir / f"rank{trainer.rank}_final.npz", **model_weights(trainer.model))
     report = {

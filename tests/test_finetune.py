@@ -114,37 +114,56 @@ def test_cli_finetune_eval_merge_and_a_wrong_base(pretrained, tmp_path, capsys):
     assert "not this base" in capsys.readouterr().err
 
 
-def test_lora_under_dp2_with_zero1_trains_the_same_adapters_as_one_process(pretrained, tmp_path):
+# The same global batch of 16 rows everywhere: two accumulated micro-batches in one process, one per dp rank,
+# two per pass through a pipeline.
+LORA_LAYOUTS = {
+    "dp2-zero1": (2, "parallel.data_parallel=2", "parallel.zero_stage=1"),
+    "dp2-zero3": (2, "parallel.data_parallel=2", "parallel.zero_stage=3"),
+    "tp2": (2, "parallel.tensor_parallel=2", "train.grad_accum_steps=2"),
+    "pp2": (2, "parallel.pipeline_parallel=2", "parallel.micro_batches=2"),
+    "dp2-tp2-zero2": (4, "parallel.data_parallel=2", "parallel.tensor_parallel=2", "parallel.zero_stage=2"),
+}
+
+
+def _lora_run(cli: list[str], checkpoint, out, *sets: str) -> dict:
+    """`llmflow finetune` for 10 steps without dropout; its adapters and its last checkpoint's metrics."""
     from model_core.storage import read_safetensors
 
+    settings = [a for s in ("lora.dropout=0", "lora.steps=10", "train.log_interval=1", "lora.target_modules=[q, k, v, o, gate, up, down]", *sets)
+                for a in ("--set", s)]
+    jsonl = out / "metrics.jsonl"
+    arguments = [*cli, *settings, "--base", str(checkpoint), "--checkpoint-dir", str(out), "--metrics-jsonl", str(jsonl)]
+    assert main(["finetune", *arguments]) == 0
+    history = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    return {"adapters": read_safetensors(out / "adapters" / "adapters.safetensors"), "history": history}
+
+
+@pytest.fixture(scope="module")
+def lora_one_process(pretrained, tmp_path_factory):
     _, _, _, checkpoint, cli = pretrained
-    # The same global batch of 16 rows: two accumulated micro-batches in one process, one per rank under dp2.
-    common = [*cli, "--set", "lora.dropout=0", "--set", "lora.steps=4", "--base", str(checkpoint)]
-    single = ["--set", "train.grad_accum_steps=2", "--checkpoint-dir", str(tmp_path / "one")]
-    sharded = ["--set", "parallel.data_parallel=2", "--set", "parallel.zero_stage=1", "--checkpoint-dir", str(tmp_path / "dp2")]
-    assert main(["finetune", *common, *single]) == 0
-    assert main(["finetune", *common, *sharded]) == 0
-    one = read_safetensors(tmp_path / "one" / "adapters" / "adapters.safetensors")
-    dp2 = read_safetensors(tmp_path / "dp2" / "adapters" / "adapters.safetensors")
-    assert one.keys() == dp2.keys()
-    for name in one:
-        np.testing.assert_allclose(dp2[name], one[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    return _lora_run(cli, checkpoint, tmp_path_factory.mktemp("lora-one"), "train.grad_accum_steps=2")
 
 
-def test_lora_with_tensor_or_pipeline_parallelism_or_zero3_is_refused_before_anything_runs(pretrained, tmp_path):
-    params, _, instructions, checkpoint, _ = pretrained
-    sharded = params.model_copy(update={"parallel": params.parallel.model_copy(update={"tensor_parallel": 2})})
-    with pytest.raises(ValueError, match="LoRA with parallel.tensor_parallel=2"):
-        finetune(sharded, instructions.output_dir, checkpoint, tmp_path / "tp")
-    for update, refused in (({"pipeline_parallel": 2, "micro_batches": 2}, "parallel.pipeline_parallel=2"),
-                            ({"data_parallel": 2, "zero_stage": 3}, "parallel.zero_stage=3")):
-        layout = params.model_copy(update={"parallel": params.parallel.model_copy(update=update)})
-        with pytest.raises(ValueError, match=f"LoRA with {refused}"):
-            finetune(layout, instructions.output_dir, checkpoint, tmp_path / "refused")
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LORA_LAYOUTS)
+def test_lora_under_every_layout_trains_the_same_adapters_as_one_process(layout, pretrained, lora_one_process, tmp_path):
+    _, _, _, checkpoint, cli = pretrained
+    _, *sets = LORA_LAYOUTS[layout]
+    sharded = _lora_run(cli, checkpoint, tmp_path, *sets)
+    one = lora_one_process
+    assert [r["step"] for r in sharded["history"]] == [r["step"] for r in one["history"]]
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in sharded["history"]], [r[key] for r in one["history"]], rtol=1e-5, err_msg=key)
+    assert sharded["adapters"].keys() == one["adapters"].keys()
+    # Adam normalises each element's step, so an element whose gradient is near zero moves by up to lr on a
+    # last-bit difference in its summation order (tp sums A's and B's partial gradients over ranks): the
+    # adapters (values ~5e-2) agree to 3e-5 where the losses and norms agree to 1e-5.
+    for name, value in one["adapters"].items():
+        np.testing.assert_allclose(sharded["adapters"][name], value, rtol=1e-5, atol=3e-5, err_msg=name)
 
 
 def test_adapter_dropout_acts_in_training_steps_and_not_in_evaluation(pretrained, tmp_path):
-    from model_core.model.lora import adapter_weights, apply_lora
+    from model_core.model.lora import adapter_weights
 
     params, _, instructions, checkpoint, _ = pretrained
 
@@ -152,7 +171,7 @@ def test_adapter_dropout_acts_in_training_steps_and_not_in_evaluation(pretrained
         lora = params.lora.model_copy(update={"dropout": dropout})
         return Trainer(
             params, instructions.output_dir, tmp_path / name, steps=2, initial_weights=checkpoint,
-            adapt_model=lambda model: apply_lora(model, lora),
+            lora=lora,
         )
 
     plain, dropped = trainer(0.0, "plain"), trainer(0.5, "dropped")

@@ -162,13 +162,19 @@ def test_cli_convert_round_trip_and_tokenizer_check(tmp_path, capsys):
     assert "missing" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
-def test_lora_under_tensor_parallelism_is_refused_before_any_stage(corpus_jsonl, tmp_path, mlflow_uri):
-    overrides = small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "flow-lora-tp")
-    params = load_params("tiny", [*overrides, "lora.enabled=true", "parallel.tensor_parallel=2"])
-    with pytest.raises(ValueError, match="LoRA with parallel.tensor_parallel=2 is not supported"):
-        pretrain_flow(params)
-    assert MlflowClient(mlflow_uri).get_experiment_by_name("flow-lora-tp") is None
-    assert not (tmp_path / "data").exists()
+@pytest.mark.slow
+def test_pretrain_flow_with_lora_under_dp2_fine_tunes_on_ranks_too(corpus_jsonl, tmp_path, mlflow_uri):
+    overrides = small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "flow-lora-dp2")
+    sets = ["model.seq_len=128", "lora.enabled=true", "lora.steps=4", "parallel.data_parallel=2", "smoke.enabled=false",
+            "train.steps=4", "train.log_interval=2"]
+    result = pretrain_flow(load_params("tiny", [*overrides, *sets]))
+    assert result.finetune is not None and result.finetune.steps == 4
+    assert (result.finetune.adapters_dir / "adapters.safetensors").is_file()
+    assert (result.finetune.adapters_dir.parent / "logs").is_dir()  # the fine-tune ran as msrun ranks
+    client = MlflowClient(mlflow_uri)
+    _, children = _runs(client, "flow-lora-dp2")
+    assert [run.info.run_name for run in children] == ["data_prep", "pretrain", "finetune", "evaluate"]
+    assert [m.step for m in client.get_metric_history(children[2].info.run_id, "loss")] == [2, 4]
 
 
 @pytest.mark.slow

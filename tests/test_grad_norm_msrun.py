@@ -34,15 +34,15 @@ def float64_norm(dataset_dir, tmp_path_factory):
     fp32 gradient buffers just before the update, and the norm the process itself logged."""
     out = tmp_path_factory.mktemp("norm-one")
     trainer = Trainer(load_params("tiny", [*RUN, *WIDE, "parallel.micro_batches=4", f"train.output_dir={out}"]), dataset_dir, out / "ckpt")
-    assert sum(math.prod(w.shape) for w in trainer.accumulate.weights) > 3_000_000
+    assert sum(math.prod(w.shape) for w in trainer.parallel.weights) > 3_000_000
     seen = []
-    apply = trainer.apply
+    buffers, apply = trainer.parallel.accumulate.buffers, trainer.parallel.apply
 
     def recording_apply(*args):
-        seen.append(math.sqrt(sum(float(np.sum(b.asnumpy().astype(np.float64) ** 2)) for b in trainer.accumulate.buffers)))
+        seen.append(math.sqrt(sum(float(np.sum(b.asnumpy().astype(np.float64) ** 2)) for b in buffers)))
         return apply(*args)
 
-    trainer.apply = recording_apply
+    trainer.parallel.apply = recording_apply
     logged = trainer.run().history[0]["grad_norm"]
     return seen[0], logged
 

@@ -256,7 +256,7 @@ def run_measured_steps(overrides: list[str]) -> dict:
     from model_core.parallel.data_parallel import GradientAllReduce
     from model_core.parallel.zero import ShardedAdamW
     from model_core.train.system import peak_rss_bytes
-    from model_core.train.trainer import apply_recompute
+    from model_core.parallel.parallelize import apply_recompute
 
     params = load_params("tiny", overrides)
     dp = params.parallel.data_parallel

@@ -218,22 +218,17 @@ def test_initial_weights_may_be_stored_in_bf16(dataset_dir, tmp_path):
     assert abs(started.evaluate() - first.evaluate()) < 1e-2
 
 
-def test_adapt_model_runs_after_initial_weights_and_only_trainable_params_change(dataset_dir, tmp_path):
+def test_lora_starts_from_the_initial_weights_and_trains_only_the_adapters(dataset_dir, tmp_path):
     first = Trainer(small(tmp_path, "train.steps=1"), dataset_dir, tmp_path / "a")
     saved = first.run().checkpoint
     before = read_weights(saved)
-
-    def freeze_all_but_norms(model):
-        for name, param in model.parameters_and_names():
-            param.requires_grad = "norm" in name
-        return "frozen"
-
-    tuned = Trainer(
-        small(tmp_path, "train.steps=2"), dataset_dir, tmp_path / "b", initial_weights=saved,
-        adapt_model=freeze_all_but_norms,
-    )
-    assert tuned.adaptation == "frozen"
+    params = small(tmp_path, "train.steps=2")
+    tuned = Trainer(params, dataset_dir, tmp_path / "b", initial_weights=saved, lora=params.lora)
+    assert tuned.adaptation.adapted_modules == 2 * len(params.lora.target_modules)
+    started = model_weights(tuned.model)
     tuned.run()
     after = model_weights(tuned.model)
-    changed = {name for name in before if not np.array_equal(before[name], after[name])}
-    assert changed and all("norm" in name for name in changed)
+    assert all(np.array_equal(before[name], after[name]) for name in before)  # the base is frozen
+    adapters = set(after) - set(before)
+    assert adapters and all(name.endswith((".lora_a", ".lora_b")) for name in adapters)
+    assert all(not np.array_equal(started[name], after[name]) for name in adapters)

@@ -30,9 +30,9 @@ from model_core.data.instructions import Record, TemplateEncoder, parse_records,
 from model_core.data.packing import first_fit_rows, pack_examples, select_documents
 from model_core.data.prepare import TOKENIZER_NAME, PrepResult, _check_bad_records, _hash, _rng, prepared
 from model_core.data.shards import MANIFEST_NAME, build_or_reuse, write_shards
-from model_core.storage import file_sha256
 from model_core.data.sources import FileReport
 from model_core.data.tokenizer import load_tokenizer, open_tokenizer
+from model_core.storage import file_sha256
 from params.schema import DataParams, LoraParams, ModelParams, TokenizerParams
 
 FORMAT_VERSION = 2  # 2: flat token shards (shards.py) instead of Parquet

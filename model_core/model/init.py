@@ -29,19 +29,23 @@ _deferring = False
 
 @dataclass(frozen=True)
 class WeightInit:
-    """A weight of `shape` drawn from N(0, std^2), or all ones when std is None."""
+    """A weight of `shape` drawn from N(0, scale^2) ("normal"), from U(-scale, scale) ("uniform", LoRA's A:
+    Kaiming-uniform with bound 1/sqrt(in)), or all ones ("ones", norms)."""
 
     shape: tuple[int, ...]
-    std: float | None
+    kind: str
+    scale: float = 1.0
 
     def values(self, seed: int, name: str) -> np.ndarray:
         """The whole weight's initial values for the run seeded `seed`, as fp32."""
-        if self.std is None:
+        if self.kind == "ones":
             return np.ones(self.shape, np.float32)
         key = hashlib.sha256(f"{seed}:{name}".encode()).digest()[:16]
         generator = np.random.Generator(np.random.PCG64(int.from_bytes(key, "little")))
-        values = generator.standard_normal(self.shape, dtype=np.float32)
-        values *= np.float32(self.std)
+        if self.kind == "uniform":
+            values = generator.random(self.shape, dtype=np.float32) * np.float32(2 * self.scale) - np.float32(self.scale)
+        else:
+            values = generator.standard_normal(self.shape, dtype=np.float32) * np.float32(self.scale)
         return values
 
 
@@ -58,7 +62,7 @@ def deferred_weights() -> Iterator[None]:
 
 def new_weight(shape: Sequence[int], std: float | None) -> Parameter:
     """A weight for a cell: drawn now, or a placeholder carrying its `WeightInit` inside `deferred_weights()`."""
-    spec = WeightInit(tuple(shape), std)
+    spec = WeightInit(tuple(shape), "ones") if std is None else WeightInit(tuple(shape), "normal", std)
     if _deferring:
         placeholder = Parameter(Tensor(np.zeros((0,), np.float32)))
         placeholder.deferred = spec

@@ -24,7 +24,6 @@ import numpy as np
 from mindspore import Tensor, mint, nn, ops
 
 from model_core.model.attention import Attention, fused_attention_available
-from model_core.model.init import new_weight
 from model_core.model.fused import (
     HeadsFirst,
     HeadsLast,
@@ -33,6 +32,7 @@ from model_core.model.fused import (
     RotaryFunction,
     SwiGLUFunction,
 )
+from model_core.model.init import new_weight
 from params.schema import ModelParams
 
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
@@ -198,16 +198,22 @@ class Llama(nn.Cell):
             self.lm_head = Linear(params.hidden_size, params.vocab_size, params.init_std)
         self.head = LinearFunction()
         self.seq_len = params.seq_len
+        # A pipeline stage is this model with the ends it does not hold removed (`parallel.pipeline`): it then
+        # takes the previous stage's hidden states instead of tokens, or returns its own instead of logits.
+        self.takes_tokens, self.returns_logits = True, True
         self.rope_cos, self.rope_sin = rope_tables(params.head_dim, params.seq_len, params.rope_theta)
         self.causal_mask = Tensor(np.tril(np.ones((params.seq_len, params.seq_len), dtype=bool)))
 
     def construct(self, tokens: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> Tensor:
+        """`tokens`: [B, T] ids, or on a pipeline stage after the first the previous stage's [B, T, hidden]."""
         seq = tokens.shape[1]
         cos, sin = self._rotary_angles(seq, position_ids)
         mask = self._attention_mask(seq, segment_ids)
-        x = self.embed_tokens(tokens).astype(self.compute_dtype)  # [B, T, hidden]
+        x = self.embed_tokens(tokens).astype(self.compute_dtype) if self.takes_tokens else tokens  # [B, T, hidden]
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
+        if not self.returns_logits:
+            return x
         x = self.norm(x)
         head = self.embed_tokens.weight if self.tie_embeddings else self.lm_head.weight
         return self.head(x, head.astype(x.dtype)).astype(ms.float32)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,13 +75,14 @@ class LoraLinear(nn.Cell):
         self.lora_a = Parameter(initializer(HeUniform(negative_slope=math.sqrt(5)), (rank, in_features), ms.float32))
         self.lora_b = Parameter(initializer("zeros", (out_features, rank), ms.float32))
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
-        self.linear = LinearFunction()
+        # One function per weight, so a layout can wrap each (ZeRO-3 gathers each weight where it is used).
+        self.linear, self.linear_a, self.linear_b = LinearFunction(), LinearFunction(), LinearFunction()
         self.dropout = nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()
         self.unmerged: tuple[np.ndarray, np.ndarray] | None = None  # exact (W, B) while merged
 
     def construct(self, x: Tensor) -> Tensor:
-        update = self.linear(self.dropout(x), self.lora_a.astype(x.dtype)) * self.scale  # [..., r]
-        return self.linear(x, self.weight.astype(x.dtype)) + self.linear(update, self.lora_b.astype(x.dtype))
+        update = self.linear_a(self.dropout(x), self.lora_a.astype(x.dtype)) * self.scale  # [..., r]
+        return self.linear(x, self.weight.astype(x.dtype)) + self.linear_b(update, self.lora_b.astype(x.dtype))
 
     @property
     def merged(self) -> bool:
@@ -127,13 +129,15 @@ class LoraSummary:
     saved_state_bytes: int
 
 
-def apply_lora(model: nn.Cell, lora: LoraParams) -> LoraSummary:
-    """Wrap every `lora.target_modules` projection of every block in a `LoraLinear`; freeze the rest.
+def apply_lora(model: nn.Cell, lora: LoraParams, adapter: Callable[..., LoraLinear] | None = None) -> LoraSummary:
+    """Wrap every `lora.target_modules` projection of every block the model holds in a `LoraLinear`; freeze the
+    rest. `adapter(base, rank, alpha, dropout)` makes the wrapper instead, for projections a parallel layout has
+    swapped (`model_core.parallel.tensor.tensor_parallel_adapter`).
 
     `lora.enabled` is the pipeline's switch for the fine-tune stage and is not read here.
     """
     adapted = 0
-    for index, block in enumerate(model.layers):
+    for index, block in model.layers.name_cells().items():  # all blocks, or a pipeline stage's by their index
         for target in lora.target_modules:
             parent_path, attribute = TARGETS[target].rsplit(".", 1)
             parent = getattr(block, parent_path)
@@ -141,9 +145,10 @@ def apply_lora(model: nn.Cell, lora: LoraParams) -> LoraSummary:
             path = f"layers.{index}.{TARGETS[target]}"
             if isinstance(base, LoraLinear):
                 raise ValueError(f"{path} already has LoRA adapters; apply_lora runs once per model")
-            if not isinstance(base, Linear):
+            if adapter is None and not isinstance(base, Linear):
                 raise TypeError(f"{path} is a {type(base).__name__}; LoRA wraps model_core.model.llama.Linear only")
-            setattr(parent, attribute, LoraLinear(base, lora.rank, lora.alpha, lora.dropout))
+            make = adapter or LoraLinear
+            setattr(parent, attribute, make(base, lora.rank, lora.alpha, lora.dropout))
             adapted += 1
     for path, param in model.parameters_and_names():
         param.requires_grad = path.endswith((".lora_a", ".lora_b"))
@@ -155,8 +160,11 @@ def apply_lora(model: nn.Cell, lora: LoraParams) -> LoraSummary:
 
 def _summary(model: nn.Cell, adapted: int) -> LoraSummary:
     params = [param for _, param in model.parameters_and_names()]
-    total = sum(param.size for param in params)
-    trainable = sum(param.size for param in params if param.requires_grad)
+    return summary_of(adapted, sum(param.size for param in params if param.requires_grad), sum(param.size for param in params))
+
+
+def summary_of(adapted: int, trainable: int, total: int) -> LoraSummary:
+    """The `LoraSummary` of `adapted` projections with `trainable` adapter elements in a model of `total`."""
     return LoraSummary(
         adapted_modules=adapted,
         trainable_parameters=trainable,
@@ -222,21 +230,31 @@ def base_sha256(checkpoint_dir: str | Path) -> str:
 
 
 def save_adapters(directory: str | Path, model: nn.Cell, lora: LoraParams, base_sha256: str) -> Path:
-    """Write `adapters.safetensors` + `adapter_config.json` to `directory` (replaced whole, atomically)."""
+    """Write a whole model's adapters (`adapters.safetensors` + `adapter_config.json`) to `directory`."""
     config = _model_config(model)
     wanted = {"rank": lora.rank, "alpha": lora.alpha, "target_modules": [t for t in TARGETS if t in lora.target_modules]}
     for key, value in wanted.items():
         if config[key] != value:
             raise AdapterMismatchError(f"lora.{key}={value} but the model's adapters have {key}={config[key]}")
-    weights = adapter_weights(model)
-    summary = _summary(model, len(lora_layers(model)))
-    config.update(
-        format_version=FORMAT_VERSION,
-        dropout=lora.dropout,
-        base_sha256=base_sha256,
-        adapter_parameters=summary.trainable_parameters,
-        total_parameters=summary.total_parameters,
-    )
+    return write_adapters(directory, adapter_weights(model), lora, base_sha256, _summary(model, 0).total_parameters)
+
+
+def write_adapters(
+    directory: str | Path, weights: dict[str, np.ndarray], lora: LoraParams, base_sha256: str, total_parameters: int
+) -> Path:
+    """Write whole adapter tensors by path (`layers.0.self_attn.q_proj.lora_a`, ...), trained with `lora` on the
+    base with `base_sha256`, to `directory` (replaced whole, atomically); `total_parameters` of the adapted model."""
+    config = {
+        "rank": lora.rank,
+        "alpha": lora.alpha,
+        "target_modules": [t for t in TARGETS if t in lora.target_modules],
+        "format_version": FORMAT_VERSION,
+        "dropout": lora.dropout,
+        "base_sha256": base_sha256,
+        "adapted_modules": len(weights) // 2,  # an A and a B each
+        "adapter_parameters": sum(value.size for value in weights.values()),
+        "total_parameters": total_parameters,
+    }
 
     def write(building: Path) -> None:
         write_safetensors(building / ADAPTERS, weights, "float32", metadata={"base_sha256": base_sha256})

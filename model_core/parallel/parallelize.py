@@ -10,51 +10,43 @@ order (torchtitan's: describe the whole model, cut it, then make only what is ke
                  the weight's own (seed, path) generator and cut (`model_core.model.init`).
 A rank therefore holds its share plus, while one weight is being drawn, that one whole weight.
 
-Tensor parallelism (step 3) swaps, following `placement.TENSOR_PARALLEL_PLAN`:
-  q/k/v, gate/up          column-parallel: the weight is this rank's block of output rows, and the attention
-                          cell computes heads / tp query and kv_heads / tp key/value heads;
-  o_proj, down_proj       row-parallel (`RowParallelLinear`): a block of input columns, outputs summed;
-  the two block norms     replicated; their output enters the tp region (`ThenCopyToTensorParallel`);
-  embed_tokens, lm_head   vocab-parallel: a block of vocab rows (a tied head uses the embedding's block);
-  the final norm's output enters the tp region in the head (`VocabParallelHead`).
-Parameter paths do not move (`layers.0.mlp.down_proj.weight`), so checkpoints keep their names. The model
-then returns the logits of this rank's vocab block; train it with `VocabParallelTokenLoss` and measure its
-gradients with `gradient_norm.ParallelGradientNorm`.
+`parallelize(params, layout, rank, ...)` then composes the whole training step on that shard in one fixed
+order (see its docstring) and returns a `Parallelized`: the one object the trainer drives, whatever the layout.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, Tensor, nn
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from model_core.model.init import deferred, deferred_weights
+from model_core.model.init import WeightInit, deferred, deferred_weights
 from model_core.model.llama import Llama
-from model_core.model.weights import WeightMismatchError
+from model_core.model.lora import apply_lora, lora_layers
+from model_core.model.weights import WeightMismatchError, load_weights, model_weights, named_weights
+from model_core.optim.adamw import AdamW
+from model_core.optim.step import AccumulateGradients, ApplyGradients, SummedTokenLoss, ZeroGradients
 from model_core.parallel import comm
-from model_core.parallel.layout import Layout, check_tensor_parallel
-from model_core.parallel.pipeline import prune_to_stage
-from model_core.parallel.placement import PlacementTable
+from model_core.parallel.data_parallel import GradientAllReduce
+from model_core.parallel.gradient_norm import ParallelGradientNorm
+from model_core.parallel.layout import Layout
+from model_core.parallel.pipeline import MicroBatch, PipelineStage, SummedVocabParallelLoss, prune_to_stage
+from model_core.parallel.pipeline import SummedTokenLoss as StageTokenLoss
+from model_core.parallel.placement import PlacementTable, placement_table
 from model_core.parallel.tensor import (
-    RowParallelLinear,
-    ThenCopyToTensorParallel,
-    VocabParallelCrossEntropy,
-    VocabParallelEmbedding,
-    VocabParallelHead,
+    TensorParallelism,
+    VocabParallelTokenLoss,
+    tensor_parallel,
+    tensor_parallel_adapter,
 )
+from model_core.parallel.zero import ShardedAccumulateGradients, ShardedAdamW
+from model_core.parallel.zero3 import Zero3AdamW, shard_parameters
 from model_core.storage import WEIGHTS, read_block, tensor_shapes
-from params.schema import ModelParams
-
-
-@dataclass(frozen=True)
-class TensorParallelism:
-    """What `tensor_parallel` did: the tp group, and the first vocabulary id of this rank's block."""
-
-    group: comm.Group
-    vocab_start: int
+from params.schema import LoraParams, ModelParams, PipelineParams
 
 
 def take_block(array: np.ndarray, axis: int | None, size: int, index: int) -> np.ndarray:
@@ -111,48 +103,204 @@ def materialize(model: nn.Cell, table: PlacementTable, tp_index: int, seed: int,
 
 
 def check_weights_file(path: Path, table: PlacementTable) -> None:
-    """The file must hold exactly the table's weights, each of its whole shape (read from the header alone)."""
+    """The file must hold exactly the table's base weights (not adapters), each of its whole shape (read from the
+    header alone)."""
     shapes = tensor_shapes(path)
-    names = {row.name for row in table}
+    names = {row.name for row in table if not row.adapter}
     missing, unexpected = sorted(names - shapes.keys()), sorted(shapes.keys() - names)
     if missing or unexpected:
         raise WeightMismatchError(f"{path} does not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    for row in table:
+    for row in (row for row in table if not row.adapter):
         if shapes[row.name] != row.shape:
             raise WeightMismatchError(f"{path}: {row.name} has shape {shapes[row.name]}, the model's is {row.shape}")
 
 
-def tensor_parallel(model: Llama, layout: Layout, rank: int, params: ModelParams) -> TensorParallelism:
-    """Swap `model`'s cells (in place, weights left as they are) for rank `rank`'s tensor-parallel ones."""
-    check_tensor_parallel(layout.tp, params)
-    group = comm.group(layout.tp_group(rank))
-    size, index = group.size, group.index
-    for layer in model.layers.cells():  # all layers, or a pipeline stage's
-        attention, mlp = layer.self_attn, layer.mlp
-        attention.o_proj = RowParallelLinear(attention.o_proj.weight, group)
-        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight, group)
-        attention.num_heads //= size
-        attention.num_kv_heads //= size
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            norm.rms_norm = ThenCopyToTensorParallel(norm.rms_norm, group)
-    block = params.vocab_size // size
-    if hasattr(model, "embed_tokens"):
-        model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, index * block, block, group)
-    model.head = VocabParallelHead(group)
-    return TensorParallelism(group, index * block)
+def parallelize(
+    params: PipelineParams,
+    layout: Layout,
+    rank: int,
+    initial_weights: str | Path | None = None,
+    lora: LoraParams | None = None,
+) -> Parallelized:
+    """Rank `rank`'s model under `layout`, wired for training, composed in this fixed order:
+      1-4. `build_shard`: the model described, its stage kept, tensor parallelism swapped in, and this rank's
+           block of every weight made (drawn from the seed or read from `initial_weights`);
+      5.   recompute marked on the chosen blocks this rank holds;
+      6.   LoRA adapters (`lora`), with every other weight frozen;
+      7.   ZeRO-3: each weight cut to this rank's shard over dp, gathered where it is used;
+      8.   the step: the loss for this rank's logits, gradient accumulation (through the pipeline schedule
+           under pp; reduce-scattered per micro-batch under ZeRO-2), AdamW (moments sharded under ZeRO-1/2/3),
+           the dp gradient sum and the global gradient norm, each read from the placement table.
+    Every layout supports every feature (LoRA included); `Layout.from_params` has already refused a layout
+    that cannot run, naming both numbers."""
+    dp_group, tp_group = comm.group(layout.dp_group(rank)), comm.group(layout.tp_group(rank))
+    zero_stage = params.parallel.zero_stage if dp_group.size > 1 else 0
+    table = placement_table(params.model, layout, zero_stage, lora)
+    model, tensor_parallelism = build_shard(
+        params.model, table, rank, params.train.seed, params.precision.compute_dtype, initial_weights
+    )
+    apply_recompute(model, params)
+    adaptation = None
+    if lora is not None:
+        adaptation = apply_lora(model, lora, tensor_parallel_adapter if tensor_parallelism is not None else None)
+        init_adapters(model, table, params.train.seed, layout.coordinates(rank).tp)
+    zero3 = shard_parameters(model, dp_group) if zero_stage == 3 else None
+    model.set_train(True)  # training-only layers (LoRA's dropout) act in the step, not in evaluation
+
+    pipeline = None
+    if tensor_parallelism is not None:
+        loss = VocabParallelTokenLoss(model, tensor_parallelism)
+    else:
+        loss = SummedTokenLoss(model)
+    if layout.pp > 1:
+        stage_loss = (SummedVocabParallelLoss(tensor_parallelism.vocab_start, tensor_parallelism.group)
+                      if tensor_parallelism is not None else StageTokenLoss())
+        pipeline = accumulate = PipelineStage(
+            model, layout, rank, params.model, params.parallel.pipeline_schedule, stage_loss,
+            zero2_group=dp_group if zero_stage == 2 else None,
+        )
+    elif zero_stage == 2:  # gradients reduce-scattered per micro-batch into this rank's shard
+        accumulate = ShardedAccumulateGradients(model, dp_group, loss=loss)
+    else:
+        accumulate = AccumulateGradients(model, loss=loss)
+    names = {id(param): name for name, param in named_weights(model).items()}
+    weight_names = [names[id(param)] for param in accumulate.weights]
+    if zero3 is not None:
+        optimizer = Zero3AdamW(zero3, params.optimizer, weight_names)
+    elif zero_stage >= 1:
+        optimizer = ShardedAdamW(
+            accumulate.weights, params.optimizer, weight_names, dp_group, sharded_gradients=zero_stage == 2,
+            shard_length=accumulate.shard_length if zero_stage == 2 else None,
+        )
+    else:
+        optimizer = AdamW.from_params(accumulate.weights, params.optimizer, weight_names)
+    # The weight each gradient buffer belongs to: under ZeRO-2 the buffers are pieces of this rank's shard.
+    owners = accumulate.piece_params if zero_stage == 2 else range(len(weight_names))
+    counted = pipeline.counted_in_norm(accumulate.weights) if pipeline is not None else [True] * len(weight_names)
+    norm = ParallelGradientNorm(
+        accumulate.buffers,
+        split=[tp_group.size > 1 and table[weight_names[i]].tp_axis is not None for i in owners],
+        counted=[counted[i] for i in owners],
+        tp_group=tp_group,
+        shard_group=dp_group if zero_stage >= 2 else None,  # ZeRO-3's buffers are shards too
+        pp_group=pipeline.group if pipeline is not None else None,
+    )
+    summed_once_per_step = dp_group.size > 1 and zero_stage < 2
+    partial = [buffer for buffer, i in zip(accumulate.buffers, owners) if table[weight_names[i]].tp_partial]
+    return Parallelized(
+        model=model,
+        table=table,
+        layout=layout,
+        rank=rank,
+        dp_group=dp_group,
+        adaptation=adaptation,
+        pipeline=pipeline,
+        zero3=zero3,
+        accumulate=accumulate,
+        loss=loss,
+        optimizer=optimizer,
+        norm=norm,
+        sum_gradients=GradientAllReduce(accumulate.buffers, dp_group) if summed_once_per_step else None,
+        sum_partial_gradients=GradientAllReduce(ParameterTuple(partial), tp_group) if partial else None,
+        micro_batches_per_pass=params.parallel.micro_batches,
+    )
 
 
-class VocabParallelTokenLoss(nn.Cell):
-    """`step.SummedTokenLoss` for a vocab-parallel model: (summed token loss x scale, summed token loss) of
-    one micro-batch, from the local logit blocks. Labels are token ids; `loss_mask` picks the counted ones."""
+class Parallelized:
+    """What `parallelize` made: a rank's model and step under its layout, used the same way for every layout.
 
-    def __init__(self, model: nn.Cell, parallelism: TensorParallelism) -> None:
-        super().__init__()
-        self.model = model
-        self.cross_entropy = VocabParallelCrossEntropy(parallelism.vocab_start, parallelism.group)
+    `gradients` runs a step's micro-batches forward and backward into the gradient buffers (through the pipeline
+    schedule, per micro-batch otherwise) and sums them over dp where the layout needs it; `gradient_norm`,
+    `apply` and `discard_gradients` finish the step; `summed_loss` scores a batch forward only; `full_weights`
+    and `load_weights` speak whole tensors by path (this rank's tp block and stage), as checkpoints do."""
 
-    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
-        logits = self.model(tokens, position_ids, segment_ids)  # [B, T, vocab / tp]
-        per_token = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))[0]
-        summed = (per_token * (loss_mask.reshape(-1) != 0).astype(ms.float32)).sum()
-        return summed * scale, summed
+    def __init__(self, *, model, table, layout, rank, dp_group, adaptation, pipeline, zero3, accumulate, loss,
+                 optimizer, norm, sum_gradients, sum_partial_gradients, micro_batches_per_pass) -> None:
+        self.model, self.table, self.layout, self.rank = model, table, layout, rank
+        self.dp_group = dp_group
+        self.adaptation = adaptation
+        self.pipeline, self.zero3 = pipeline, zero3
+        self.accumulate, self.loss, self.optimizer, self.norm = accumulate, loss, optimizer, norm
+        self.sum_gradients, self.sum_partial_gradients = sum_gradients, sum_partial_gradients
+        self.micro_batches_per_pass = micro_batches_per_pass
+        self.stage = layout.coordinates(rank).pp
+        self._apply = ApplyGradients(accumulate.buffers, optimizer)
+        self._zero = ZeroGradients(accumulate.buffers)
+
+    @property
+    def weights(self):
+        """The trainable weights, in the order of the gradient buffers' owners."""
+        return self.accumulate.weights
+
+    def gradients(self, micro_batches: Sequence[MicroBatch], scale: Tensor) -> float:
+        """Forward and backward of a step's micro-batches, gradients added into the buffers and summed over dp
+        where the layout sums once per step (and over tp where a rank's gradient is a share: `tp_partial`); the
+        summed token loss of this replica's micro-batches."""
+        if self.pipeline is not None:
+            per_pass = self.micro_batches_per_pass
+            passes = [micro_batches[i : i + per_pass] for i in range(0, len(micro_batches), per_pass)]
+            summed = sum(self.pipeline.run(one, scale) for one in passes)
+        else:
+            summed = sum(float(self.accumulate(*batch.inputs(), scale).asnumpy()) for batch in micro_batches)
+        if self.sum_partial_gradients is not None:
+            self.sum_partial_gradients()
+        if self.sum_gradients is not None:
+            self.sum_gradients()
+        return summed
+
+    def gradient_norm(self, grad_scale: Tensor) -> float:
+        return float(self.norm(grad_scale).asnumpy())
+
+    def apply(self, lr: Tensor, step: Tensor, grad_scale: Tensor) -> None:
+        """One AdamW update from the buffers times `grad_scale`; the buffers are zeroed for the next step."""
+        self._apply(lr, step, grad_scale)
+
+    def discard_gradients(self) -> None:
+        self._zero()
+
+    def summed_loss(self, batch: MicroBatch) -> float:
+        """The summed token loss of one batch, forward only (through every stage of a pipeline). Under ZeRO-3
+        and pipeline parallelism a collective: every rank of the group calls it."""
+        if self.pipeline is not None:
+            return self.pipeline.loss(batch)
+        _, summed = self.loss(*batch.inputs(), Tensor(1.0, ms.float32))
+        return float(summed.asnumpy())
+
+    def full_weights(self) -> dict[str, np.ndarray]:
+        """This rank's weights (its tp block of its stage) whole over dp, by path. Collective under ZeRO-3."""
+        return self.zero3.full_weights() if self.zero3 is not None else model_weights(self.model)
+
+    def load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
+        """Take this rank's weights from tp blocks of whole tensors by path (extra stages' tensors ignored)."""
+        owned = {name: weights[name] for name in (row.name for row in self.table.on_stage(self.stage)) if name in weights}
+        if self.zero3 is not None:
+            self.zero3.load_full_weights(owned)
+        else:
+            load_weights(self.model, owned)
+
+
+def init_adapters(model: nn.Cell, table: PlacementTable, seed: int, tp_index: int) -> None:
+    """Every LoRA A this rank holds set to its block of A's keyed Kaiming-uniform draw (bound 1/sqrt(in) of the
+    whole A), so each layout starts from the single-process adapters; B stays zero."""
+    for path, layer in lora_layers(model).items():
+        row = table[f"{path}.lora_a"]
+        whole = WeightInit(row.shape, "uniform", 1 / math.sqrt(row.shape[1])).values(seed, row.name)
+        block = take_block(whole, row.tp_axis, table.layout.tp, tp_index)
+        ops.assign(layer.lora_a, Tensor(np.ascontiguousarray(block)))
+
+
+def apply_recompute(model: Llama, params: PipelineParams) -> list[int]:
+    """Mark the chosen blocks this rank holds for activation recomputation; returns their indices."""
+    choice = params.recompute
+    layers = range(params.model.num_layers)
+    if choice.mode == "all":
+        chosen = list(layers)
+    elif choice.mode == "selected":
+        chosen = list(choice.layers) if choice.layers else [i for i in layers if i % choice.every_k == 0]
+    else:
+        chosen = []
+    held = {int(name): block for name, block in model.layers.name_cells().items()}  # a stage's, by global index
+    for index in chosen:
+        if index in held:
+            held[index].recompute()
+    return chosen

@@ -9,17 +9,19 @@ needs the embedding table on the last stage too: both stages hold a copy, start 
 gradients are summed over the two before every update, so the copies stay bit-identical (Megatron's
 embedding group); the gradient norm counts the table once.
 
-A step runs its micro-batches through a schedule, each stage's list of actions:
+A stage runs the model's own forward: `prune_to_stage` removes the layers and ends it does not hold, and the
+model then takes the previous stage's hidden states instead of tokens, or returns its hidden states instead
+of logits. A step runs its micro-batches through a schedule, each stage's list of actions:
   gpipe  every forward, then every backward;
   1f1b   stage s first runs pp - 1 - s forwards (warm-up), then alternates one backward and one forward,
          so at most pp - s micro-batches are in flight on stage s, not all of them as in GPipe.
 The last stage's forward is forward + loss + backward at once (nothing waits between them there).
 Execution goes in ticks: in a tick each stage runs its next actions whose inputs have arrived, at most
-one forward and one backward, then the pipeline group exchanges what they produced (activations to the
-next stage, input gradients to the previous one) in one all-reduce of the tick's messages, each rank
-writing its blocks into zeros (exact). Every rank derives the same ticks from the same schedule, so all
-ranks run the same collectives in the same order: nothing can deadlock, and the exchange needs only
-the all-reduce that every backend has (MindSpore's CPU backend has no Send/Receive).
+one forward and one backward, then the messages they produced move (activations to the next stage, input
+gradients to the previous one), link by link, each only between the two ranks of its link: by native
+send/receive where the backend has it, and on MindSpore's CPU backend (no Send/Receive) by one all-reduce
+over the link's 2-rank group, each end writing the messages it sends into zeros (exact). Every rank derives
+the same ticks from the same schedule and takes its links in the same order, so nothing can deadlock.
 
 Activations are not kept from a forward to its backward: a stage stores only its input for each
 micro-batch in flight and the backward recomputes the stage's forward from it (graph-mode compiled
@@ -95,6 +97,10 @@ class Message:
     kind: str
     micro_batch: int
 
+    @property
+    def receiver(self) -> int:
+        return self.sender + (1 if self.kind == "act" else -1)
+
 
 @dataclass(frozen=True)
 class Tick:
@@ -124,7 +130,7 @@ def ticks(orders: Sequence[Sequence[Action]], backward: bool = True) -> list[Tic
             actions.append(tuple(done))
         if not messages and not any(actions):
             raise RuntimeError(f"pipeline schedule is stuck at positions {position}")  # a bad order
-        arrived |= {(m.sender + (1 if m.kind == "act" else -1), m.kind, m.micro_batch) for m in messages}
+        arrived |= {(m.receiver, m.kind, m.micro_batch) for m in messages}
         result.append(Tick(tuple(actions), tuple(messages)))
     return result
 
@@ -176,19 +182,19 @@ def most_in_flight(orders: Sequence[Sequence[Action]]) -> list[int]:
 # ------------------------------------------------------------------------------------------- the stage
 
 
-class _StageLayers(nn.Cell):
-    """Some blocks of the model, kept under their global indices (`layers.4`), run in order."""
+class _StageLayers(nn.CellList):
+    """Some blocks of the model, named by their global indices (`layers.4`) so parameter paths do not move, and
+    iterated like any CellList: `stage_layers[i]` is the i-th block the stage holds (how jit runs the loop)."""
 
     def __init__(self, blocks: dict[int, nn.Cell]) -> None:
         super().__init__()
         for index, block in blocks.items():
             self.insert_child_to_cell(str(index), block)
-        self.order = tuple(str(index) for index in blocks)
 
-    def construct(self, x, cos, sin, mask):
-        for name in self.order:
-            x = getattr(self, name)(x, cos, sin, mask)
-        return x
+    def __getitem__(self, index):
+        if isinstance(index, int):
+            return list(self._cells.values())[index]
+        return super().__getitem__(index)
 
 
 def prune_to_stage(model: Llama, sizes: Sequence[int], stage: int, tie_embeddings: bool) -> None:
@@ -199,6 +205,7 @@ def prune_to_stage(model: Llama, sizes: Sequence[int], stage: int, tie_embedding
     keep = stage_layers(sizes, stage)
     model.layers = _StageLayers({index: model.layers[index] for index in keep})
     first, last = stage == 0, stage == len(sizes) - 1
+    model.takes_tokens, model.returns_logits = first, last
     if not (first or (last and tie_embeddings)):
         del model.embed_tokens
     if not last:
@@ -208,8 +215,8 @@ def prune_to_stage(model: Llama, sizes: Sequence[int], stage: int, tie_embedding
 
 
 class _StageBody(nn.Cell):
-    """The stage's forward: (token ids on the first stage | the previous stage's activation) -> activation,
-    or on the last stage the summed token loss of the micro-batch."""
+    """The stage's forward: the model's own (token ids on the first stage, the previous stage's activation after
+    it), and on the last stage the summed token loss of the micro-batch from its logits."""
 
     def __init__(self, model: Llama, first: bool, last: bool, loss: nn.Cell) -> None:
         super().__init__()
@@ -218,19 +225,10 @@ class _StageBody(nn.Cell):
         self.loss = loss
 
     def construct(self, x, position_ids, segment_ids, labels, loss_mask):
-        model = self.model
-        seq = x.shape[1]
-        cos, sin = model._rotary_angles(seq, position_ids)
-        mask = model._attention_mask(seq, segment_ids)
-        if self.first:
-            x = model.embed_tokens(x).astype(model.compute_dtype)
-        x = model.layers(x, cos, sin, mask)
+        out = self.model(x, position_ids, segment_ids)
         if not self.last:
-            return x
-        x = model.norm(x)
-        head = model.embed_tokens.weight if model.tie_embeddings else model.lm_head.weight
-        logits = model.head(x, head.astype(x.dtype)).astype(ms.float32)
-        return self.loss(logits, labels, loss_mask)
+            return out
+        return self.loss(out, labels, loss_mask)
 
 
 class SummedTokenLoss(nn.Cell):
@@ -346,12 +344,17 @@ class MicroBatch:
     position_ids: Tensor | None
     segment_ids: Tensor | None
 
+    def inputs(self) -> tuple:
+        """The arguments of a loss cell or a gradient accumulation, in their order (before the scale)."""
+        return self.tokens, self.labels, self.loss_mask, self.position_ids, self.segment_ids
+
 
 @dataclass
 class PassTiming:
     """Seconds of one pipeline pass on every stage: (computing, in all); the rest is waiting and exchange."""
 
     per_stage: list[tuple[float, float]] = field(default_factory=list)
+    sent_bytes: int = 0  # what this stage sent its neighbours in the pass (activations, input gradients)
 
     def bubble(self) -> float:
         """1 - compute / wall over the pipeline's stages: time they spent not computing."""
@@ -389,8 +392,9 @@ class PipelineStage:
         self.model = model
         self.hidden_size = params.hidden_size
         self.compute_dtype = model.compute_dtype
-        # The tied table's copies on the first and last stages: gradients summed over the two.
-        self.tied = params.tie_embeddings and self.stages > 1 and (self.first or self.last)
+        # The tied table's copies on the first and last stages: gradients summed over the two (when it trains).
+        trained = "embed_tokens" in model.name_cells() and model.embed_tokens.weight.requires_grad
+        self.tied = params.tie_embeddings and self.stages > 1 and (self.first or self.last) and trained
         ends = comm.group((self.group.ranks[0], self.group.ranks[-1])) if self.tied else None
         weights = model.trainable_params()
         if self.tied:
@@ -411,6 +415,13 @@ class PipelineStage:
         self.forward = _Forward(body)
         self.backward = _Backward(body, self.weights, self.buffers, self.shards)
         self.exchange = _Exchange(self.group)
+        # The two-rank group of each link to a neighbouring stage (keyed by the link's lower stage): messages
+        # travel only between the two ranks that talk.
+        self.links = {
+            min(self.stage, other): _Exchange(comm.group(tuple(sorted((self.group.ranks[self.stage], self.group.ranks[other])))))
+            for other in (self.stage - 1, self.stage + 1)
+            if 0 <= other < self.stages
+        }
         self.tied_sum = None
         if self.tied:  # the table is weight 0: its gradient buffer, or under ZeRO-2 its piece of this shard
             owners = self.piece_params if self.shards is not None else range(len(self.weights))
@@ -440,6 +451,7 @@ class PipelineStage:
 
     def _execute(self, orders, micro_batches, scale, backward: bool) -> float:
         start = time.perf_counter()
+        self.sent_bytes = 0
         compute = 0.0
         inputs: dict[int, Tensor] = {}  # micro-batch -> this stage's input, until its backward
         grads: dict[int, Tensor] = {}  # micro-batch -> gradient of this stage's output
@@ -477,26 +489,43 @@ class PipelineStage:
             if tick.messages:
                 self._exchange(tick.messages, outbox, micro_batches, inputs, grads)
         summed, per_stage = self._share_over_stages([summed, compute, time.perf_counter() - start])
-        self.last_timing = PassTiming(per_stage)
+        self.last_timing = PassTiming(per_stage, self.sent_bytes)
         return summed
 
     def _exchange(self, messages, outbox, micro_batches, inputs, grads) -> None:
-        """One all-reduce of the tick's messages: this rank writes the blocks it sends, zeros elsewhere."""
-        shape = (len(messages), *self._activation_shape(micro_batches[messages[0].micro_batch]))
-        buffer = np.zeros(shape, np.float32)
-        for slot, message in enumerate(messages):
-            if message.sender == self.stage:
-                buffer[slot] = outbox.pop((message.kind, message.micro_batch))
-        received = self.exchange(Tensor(buffer)).asnumpy()
-        for slot, message in enumerate(messages):
-            to = message.sender + (1 if message.kind == "act" else -1)
-            if to != self.stage:
+        """The tick's messages, link by link in the order every rank derives from the schedule, each link's
+        between its two ranks only: by native send/receive where the backend has it, else in one 2-rank
+        all-reduce of a buffer into which each end writes the messages it sends (zeros elsewhere: exact)."""
+        shape = self._activation_shape(micro_batches[messages[0].micro_batch])
+        for link in sorted({min(m.sender, m.receiver) for m in messages}):
+            if link not in self.links:
                 continue
-            value = Tensor(received[slot])
-            if message.kind == "act":
-                inputs[message.micro_batch] = value.astype(self.compute_dtype)
+            on_link = [m for m in messages if min(m.sender, m.receiver) == link]
+            sent = [outbox.pop((m.kind, m.micro_batch)) if m.sender == self.stage else None for m in on_link]
+            self.sent_bytes += sum(value.nbytes for value in sent if value is not None)
+            exchange = self.links[link]
+            if exchange.group.native_p2p:
+                ranks = self.group.ranks
+                received = [
+                    comm.send_receive(Tensor(value if value is not None else np.zeros(shape, np.float32)),
+                                      ranks[m.sender], ranks[m.receiver]).asnumpy()
+                    for m, value in zip(on_link, sent)
+                ]
             else:
-                grads[message.micro_batch] = value
+                buffer = np.zeros((len(on_link), *shape), np.float32)
+                for slot, value in enumerate(sent):
+                    if value is not None:
+                        buffer[slot] = value
+                received = exchange(Tensor(buffer)).asnumpy()
+            for message, value in zip(on_link, received):
+                if message.receiver == self.stage:
+                    self._deliver(message, Tensor(value), inputs, grads)
+
+    def _deliver(self, message, value: Tensor, inputs, grads) -> None:
+        if message.kind == "act":
+            inputs[message.micro_batch] = value.astype(self.compute_dtype)
+        else:
+            grads[message.micro_batch] = value
 
     def _activation_shape(self, batch: MicroBatch) -> tuple[int, ...]:
         return (*batch.tokens.shape, self.hidden_size)

@@ -71,6 +71,7 @@ class Placement:
     stages: tuple[int, ...]
     zero_sharded: bool
     trainable: bool = True
+    adapter: bool = False  # a LoRA matrix: made by the adapter step, never read from the base weights
     tp_partial: bool = False  # held whole, but a tp rank's gradient is its share of the whole (summed over tp)
     dtype: str = "float32"
 
@@ -82,7 +83,7 @@ class Placement:
         """The shape one of `tp` tensor-parallel ranks holds."""
         if self.tp_axis is None or tp == 1:
             return self.shape
-        return tuple(n // tp if axis == self.tp_axis else n for axis, n in enumerate(self.shape))
+        return tuple(-(-n // tp) if axis == self.tp_axis else n for axis, n in enumerate(self.shape))  # padded if tp does not divide
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ def placement_table(
     def row(name: str, shape: Sequence[int], axis: int | None, stages: Sequence[int], adapter: bool = False,
             partial: bool = False) -> Placement:
         trainable = adapter if lora is not None else True
-        return Placement(name, tuple(shape), axis, tuple(stages), zero, trainable, partial and layout.tp > 1)
+        return Placement(name, tuple(shape), axis, tuple(stages), zero, trainable, adapter, partial and layout.tp > 1)
 
     embedding_stages = (0, last) if model.tie_embeddings and last > 0 else (0,)
     rows = [row("embed_tokens.weight", (model.vocab_size, hidden), 0, embedding_stages)]

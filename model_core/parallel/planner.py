@@ -54,6 +54,8 @@ import re
 from dataclasses import dataclass
 
 from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
+from model_core.parallel.layout import Layout
+from model_core.parallel.placement import placement_table
 from params.schema import ModelParams, PipelineParams
 
 GIB = 2**30
@@ -265,20 +267,9 @@ def candidates(dp: int, tp: int, pp: int) -> list[Candidate]:
 
 
 def stage_parameters(model: ModelParams, tp: int, pp: int, stage: int) -> int:
-    """Parameter elements on one rank of pipeline stage `stage`."""
-    hidden, head_dim = model.hidden_size, model.head_dim
-    attention = 2 * hidden * model.num_heads * head_dim + 2 * hidden * model.num_kv_heads * head_dim  # q, o; k, v
-    mlp = 3 * hidden * model.ffn_hidden_size
-    per_layer = (attention + mlp) // tp + 2 * hidden  # two RMSNorm weights, replicated
-    vocabulary = math.ceil(model.vocab_size / tp) * hidden
-    total = per_layer * (model.num_layers // pp)
-    if stage == 0:
-        total += vocabulary
-    if stage == pp - 1:
-        total += hidden  # final norm
-        if not model.tie_embeddings or pp > 1:
-            total += vocabulary  # untied head, or the tied head's copy of the embedding on the last stage
-    return total
+    """Parameter elements on one rank of pipeline stage `stage` (equal stages), read from the placement table."""
+    table = placement_table(model, Layout(tp=tp, pp=pp))
+    return sum(math.prod(row.block_shape(tp)) for row in table.on_stage(stage))
 
 
 def layer_activation_bytes(params: PipelineParams, tp: int) -> int:

@@ -12,15 +12,35 @@ all-reduce) and computes logits for its block only; `VocabParallelCrossEntropy` 
 logit blocks with all-reduces of per-token scalars, so full logits are never gathered.
 
 Every Cell here takes its `comm.Group`; a group of one rank makes each of them the single-device layer.
+
+`tensor_parallel(model, layout, rank, params)` applies the plan (`placement.TENSOR_PARALLEL_PLAN`) to a built
+single-device Llama from outside, by swapping cells; the weights themselves are this rank's blocks, made by
+`parallelize.build_shard` as the placement table says:
+  q/k/v, gate/up          column-parallel: plain `Linear`s holding a block of output rows, and the attention
+                          cell computes heads / tp query and kv_heads / tp key/value heads;
+  o_proj, down_proj       row-parallel (`RowParallelLinear`): a block of input columns, outputs summed;
+  the two block norms     replicated; their output enters the tp region (`ThenCopyToTensorParallel`);
+  embed_tokens, lm_head   vocab-parallel: a block of vocab rows (a tied head uses the embedding's block);
+  the final norm's output enters the tp region in the head (`VocabParallelHead`).
+Parameter paths do not move (`layers.0.mlp.down_proj.weight`), so checkpoints keep their names. The model
+then returns the logits of this rank's vocab block; train it with `VocabParallelTokenLoss`. LoRA adapters on
+the swapped projections come from `tensor_parallel_adapter`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import mindspore as ms
 from mindspore import Parameter, mint, nn, ops
 
 from model_core.model.fused import LinearFunction, expand, expand_rows
+from model_core.model.llama import Llama
+from model_core.model.lora import LoraLinear
+from model_core.parallel import comm
 from model_core.parallel.comm import Group
+from model_core.parallel.layout import Layout, check_tensor_parallel
+from params.schema import ModelParams
 
 
 class CopyToTensorParallel(nn.Cell):
@@ -165,3 +185,72 @@ class VocabParallelCrossEntropy(nn.Cell):
     def _local(self, labels, inside):
         """Labels as indices into the block; 0 for those outside it."""
         return (labels - self.start) * inside.astype(labels.dtype)
+
+
+@dataclass(frozen=True)
+class TensorParallelism:
+    """What `tensor_parallel` did: the tp group, and the first vocabulary id of this rank's block."""
+
+    group: Group
+    vocab_start: int
+
+
+def tensor_parallel(model: Llama, layout: Layout, rank: int, params: ModelParams) -> TensorParallelism:
+    """Swap `model`'s cells (in place, weights left as they are) for rank `rank`'s tensor-parallel ones."""
+    check_tensor_parallel(layout.tp, params)
+    group = comm.group(layout.tp_group(rank))
+    size, index = group.size, group.index
+    for layer in model.layers.cells():  # all layers, or a pipeline stage's
+        attention, mlp = layer.self_attn, layer.mlp
+        attention.o_proj = RowParallelLinear(attention.o_proj.weight, group)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight, group)
+        attention.num_heads //= size
+        attention.num_kv_heads //= size
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.rms_norm = ThenCopyToTensorParallel(norm.rms_norm, group)
+    block = params.vocab_size // size
+    if hasattr(model, "embed_tokens"):
+        model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, index * block, block, group)
+    model.head = VocabParallelHead(group)
+    return TensorParallelism(group, index * block)
+
+
+class VocabParallelTokenLoss(nn.Cell):
+    """`step.SummedTokenLoss` for a vocab-parallel model: (summed token loss x scale, summed token loss) of
+    one micro-batch, from the local logit blocks. Labels are token ids; `loss_mask` picks the counted ones."""
+
+    def __init__(self, model: nn.Cell, parallelism: TensorParallelism) -> None:
+        super().__init__()
+        self.model = model
+        self.cross_entropy = VocabParallelCrossEntropy(parallelism.vocab_start, parallelism.group)
+
+    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
+        logits = self.model(tokens, position_ids, segment_ids)  # [B, T, vocab / tp]
+        per_token = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))[0]
+        summed = (per_token * (loss_mask.reshape(-1) != 0).astype(ms.float32)).sum()
+        return summed * scale, summed
+
+
+class RowParallelLoraLinear(LoraLinear):
+    """LoRA on a row-parallel projection: y = reduce(x_r W_r^T + (alpha / r) (dropout(x_r) A_r^T) B^T), with A
+    [r, in / tp] this rank's block of input columns (cut like W) and B [out, r] whole. The adapter's output
+    joins the projection's before its one all-reduce, so LoRA adds no communication; B's gradient on a rank is
+    then that rank's share of the whole one, summed over tp once per step (`Placement.tp_partial`)."""
+
+    def __init__(self, base: RowParallelLinear, rank: int, alpha: float, dropout: float) -> None:
+        super().__init__(base, rank, alpha, dropout)
+        self.reduce = base.reduce
+
+    def construct(self, x):
+        update = self.linear_a(self.dropout(x), self.lora_a.astype(x.dtype)) * self.scale  # [..., r]
+        local = self.linear(x, self.weight.astype(x.dtype)) + self.linear_b(update, self.lora_b.astype(x.dtype))
+        return self.reduce(local)
+
+
+def tensor_parallel_adapter(base: nn.Cell, rank: int, alpha: float, dropout: float) -> LoraLinear:
+    """The LoRA wrapper of a projection after tensor parallelism: a column-parallel one is a plain `Linear` holding
+    its block of rows (A whole, B cut like W; A's gradient is a share, `Placement.tp_partial`), a row-parallel one
+    a `RowParallelLinear`."""
+    if isinstance(base, RowParallelLinear):
+        return RowParallelLoraLinear(base, rank, alpha, dropout)
+    return LoraLinear(base, rank, alpha, dropout)

@@ -37,6 +37,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from model_core.model.llama import Embedding, Linear, Llama, RMSNorm
+from model_core.model.lora import LoraLinear
 from model_core.optim.adamw import AdamW, applies_weight_decay
 from model_core.parallel.comm import Group
 from model_core.parallel.tensor import (
@@ -168,15 +169,20 @@ def shard_parameters(model: Llama, group: Group) -> ShardedParameters:
     whole weight) or its pipeline stage (`pipeline.prune_to_stage` applied first)."""
     shards, shapes, decays = {}, {}, {}
 
-    def own_shard(name: str, cell: nn.Cell) -> Parameter:
-        full = cell.weight
+    def own_shard(name: str, cell: nn.Cell, attribute: str = "weight") -> Parameter:
+        full = getattr(cell, attribute)
         shapes[name], decays[name] = tuple(full.shape), applies_weight_decay(full)
-        shards[name] = Parameter(Tensor(take_shard(full.asnumpy(), group.size, group.index)), name=full.name)
+        shard = Tensor(take_shard(full.asnumpy(), group.size, group.index))
+        shards[name] = Parameter(shard, name=full.name, requires_grad=full.requires_grad)  # frozen stays frozen
         return shards[name]
 
     for name, cell in list(model.cells_and_names()):
         path = f"{name}.weight"
-        if isinstance(cell, (Linear, RowParallelLinear)):
+        if isinstance(cell, LoraLinear):  # the frozen projection and both adapters, each gathered where used
+            for attribute, function in (("weight", "linear"), ("lora_a", "linear_a"), ("lora_b", "linear_b")):
+                setattr(cell, attribute, own_shard(f"{name}.{attribute}", cell, attribute))
+                setattr(cell, function, WithGatheredWeight(getattr(cell, function), shapes[f"{name}.{attribute}"], group))
+        elif isinstance(cell, (Linear, RowParallelLinear)):
             cell.weight = own_shard(path, cell)
             cell.linear = WithGatheredWeight(cell.linear, shapes[path], group)
         elif isinstance(cell, RMSNorm):

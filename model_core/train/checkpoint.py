@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from model_core.storage import commit_directory, file_sha256
 from model_core.parallel.layout import Layout
+from model_core.storage import commit_directory, file_sha256
 
 logger = logging.getLogger(__name__)
 

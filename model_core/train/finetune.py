@@ -1,19 +1,22 @@
 """LoRA fine-tuning: a pretrained checkpoint, adapters on chosen projections, instruction data.
 
-`finetune(...)` starts a `Trainer` from the base checkpoint with the adapters applied from outside the model
-(`apply_lora` as the trainer's `adapt_model`), so only the adapters train, and saves them alone, with the
-base checkpoint's sha256, next to the trainer's own (resumable) checkpoints. The instruction dataset is
+`finetune(...)` starts a `Trainer` from the base checkpoint with LoRA adapters applied from outside the model
+(`parallelize` adds them to each rank's shard, under any layout), so only the adapters train, and saves them
+alone and whole, with the base checkpoint's sha256, next to the trainer's own (resumable) checkpoints. The instruction dataset is
 prepared beforehand by `model_core.data.prepare_instructions` with the pretraining tokenizer.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from model_core.model.lora import LoraSummary, apply_lora, base_sha256, save_adapters
-from model_core.parallel.layout import ParallelConfigError
+from model_core.model.lora import CONFIG, LoraSummary, base_sha256, summary_of, write_adapters
+from model_core.parallel import comm
 from model_core.train.callbacks import MetricsCallback
+from model_core.train.checkpoint import Checkpoint, latest_valid
+from model_core.train.reshard import whole_tensors
 from model_core.train.trainer import Trainer, TrainResult
 from params.schema import PipelineParams
 
@@ -40,23 +43,6 @@ def finetune_params(params: PipelineParams) -> PipelineParams:
     return params.model_copy(update={"optimizer": optimizer, "train": train})
 
 
-def check_lora_layout(params: PipelineParams) -> None:
-    """Adapters are not sharded yet: under tensor or pipeline parallelism or ZeRO-3 they would have to split like
-    the projection they wrap, so those layouts are refused before anything is built."""
-    parallel = params.parallel
-    for field, value in (("tensor_parallel", parallel.tensor_parallel), ("pipeline_parallel", parallel.pipeline_parallel)):
-        if value > 1:
-            raise ParallelConfigError(
-                f"LoRA with parallel.{field}={value} is not supported: adapters would have to shard like the "
-                "projections they wrap; fine-tune with data_parallel (and zero_stage=1) instead"
-            )
-    if parallel.zero_stage == 3 and parallel.data_parallel > 1:
-        raise ParallelConfigError(
-            "LoRA with parallel.zero_stage=3 is not supported: ZeRO-3 replaces the projections LoRA wraps with flat "
-            "weight shards; use zero_stage 1 or 2"
-        )
-
-
 def finetune(
     params: PipelineParams,
     dataset_dir: str | Path,
@@ -67,16 +53,24 @@ def finetune(
 ) -> FinetuneResult:
     """Train LoRA adapters on top of `base_checkpoint` (a directory with model.safetensors) and save them to
     `<checkpoint_dir>/adapters`. `resume="auto"` continues from the newest valid fine-tuning checkpoint.
-    Data parallelism and ZeRO-1 apply as in pretraining (only the adapters are reduced and sharded)."""
-    check_lora_layout(params)
+    Runs on this process's rank of params.parallel's layout: every layout `parallelize` supports for LoRA."""
     tuned = finetune_params(params)
     trainer = Trainer(
-        tuned, dataset_dir, checkpoint_dir, steps=tuned.train.steps, initial_weights=base_checkpoint,
-        adapt_model=lambda model: apply_lora(model, params.lora),
+        tuned, dataset_dir, checkpoint_dir, steps=tuned.train.steps, initial_weights=base_checkpoint, lora=params.lora
     )
     result = trainer.run(on_metrics=on_metrics, resume=resume)
     base_hash = base_sha256(base_checkpoint)
     adapters_dir = Path(checkpoint_dir) / ADAPTERS_DIR
-    if trainer.is_reporting:
-        save_adapters(adapters_dir, trainer.model, params.lora, base_hash)
-    return FinetuneResult(train=result, adapters_dir=adapters_dir, summary=trainer.adaptation, base_sha256=base_hash)
+    if trainer.is_reporting:  # the adapters whole, from the run's last checkpoint (every rank wrote its block)
+        final = result.checkpoint or latest_valid(checkpoint_dir).path
+        weights, _ = whole_tensors(Checkpoint(final, -1))
+        adapters = {row.name: weights[row.name] for row in trainer.parallel.table if row.trainable}
+        write_adapters(adapters_dir, adapters, params.lora, base_hash, sum(value.size for value in weights.values()))
+    comm.barrier()  # the adapters exist before any rank returns
+    return FinetuneResult(train=result, adapters_dir=adapters_dir, summary=read_summary(adapters_dir), base_sha256=base_hash)
+
+
+def read_summary(adapters_dir: str | Path) -> LoraSummary:
+    """What the saved adapters amount to, from their adapter_config.json."""
+    config = json.loads((Path(adapters_dir) / CONFIG).read_text())
+    return summary_of(config["adapted_modules"], config["adapter_parameters"], config["total_parameters"])
