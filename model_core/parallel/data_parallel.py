@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore import ParameterTuple, Tensor, nn, ops
 
 from model_core.parallel.comm import Group
 
@@ -70,11 +70,3 @@ def sum_over(group: Group, values: Sequence[float]) -> list[float]:
     low = (exact - high).astype(np.float32)
     total = group.all_reduce(Tensor(np.stack([high, low]))).asnumpy().astype(np.float64)
     return [float(v) for v in total[0] + total[1]]
-
-
-def broadcast_parameters(parameters: Sequence[Parameter], group: Group, root: int) -> None:
-    """Give every member `root`'s values (in place, so compiled graphs keep seeing them)."""
-    if group.size == 1:
-        return
-    for parameter in parameters:
-        ops.assign(parameter, group.broadcast(parameter.value(), root))

@@ -6,7 +6,7 @@ whether ZeRO shards it over the data-parallel group, and its dtype. The table is
 params, the layout and the ZeRO stage alone, so the same answer reaches everyone who needs it: building a
 rank's shard, the gradient norm (a split gradient is summed over tp, a replicated one counted once), the
 checkpoint writer and `llmflow ckpt reshard` (which blocks join along which axis), ZeRO, and the planner's
-per-rank bytes. Nothing else decides where a parameter lives, and nobody parses a parameter's name to find
+per-rank parameter count. Nothing else decides where a parameter lives, and nobody parses a parameter's name to find
 out.
 
 Tensor parallelism follows Megatron's plan for a Llama block, written below as `TENSOR_PARALLEL_PLAN`:
