@@ -1,5 +1,5 @@
-"""What each rank holds, and what building it costs: dp1, tp2, pp2 and tp2 x pp2 on the reference model, every
-layout started from the same converted checkpoint on disk, against `llmflow plan`'s estimate.
+"""What each rank holds, and what building it costs: dp1, tp2, pp2, tp2 x pp2 and dp2 with ZeRO-3 on the reference
+model, every layout started from the same converted checkpoint on disk, against `llmflow plan`'s estimate.
 
 The reference model (vocab 8000, hidden 512, 8 layers, 8 heads, FFN 1376, seq 256, tied; 29.4M parameters) is
 given random weights, written as a Hugging Face directory and converted with `hf_to_ms`, so every layout reads
@@ -13,11 +13,12 @@ and reports:
   build/share    build MB / (params MB + full MB): 1.0 is a rank that never held more than its share plus one
                  whole tensor (issue 14's target is <= 1.2);
   plan MB        the planner's parameters + optimizer bytes for that rank's stage (fp32 masters 4P and AdamW
-                 moments 8P, ZeRO 0), compared like with like with +optim MB;
+                 moments 8P, each divided over dp where the layout's ZeRO stage shards it), compared like with
+                 like with +optim MB;
   peak / plan peak   the rank's peak RSS over the whole run against the planner's CPU total for its stage
                  (informative: two steps of a small batch, not what the planner's constants were fitted to).
 
-    flock /tmp/cpu.lock python benchmarks/rank_memory.py [--layouts dp1,tp2,pp2,tp2xpp2] [--steps 2]
+    flock /tmp/cpu.lock python benchmarks/rank_memory.py [--layouts dp1,tp2,pp2,tp2xpp2,dp2-zero3] [--steps 2]
 
 The last line printed is one JSON object: `max_build_over_share` (over ranks and layouts), `planner_error` (the
 largest relative error of the planner's parameters + optimizer bytes against the measured ones),
@@ -50,6 +51,7 @@ LAYOUTS = {
     "tp2": (2, 1, ["parallel.tensor_parallel=2"]),
     "pp2": (2, 1, PIPELINE),
     "tp2xpp2": (4, 1, ["parallel.tensor_parallel=2", *PIPELINE]),
+    "dp2-zero3": (2, 1, ["parallel.data_parallel=2", "parallel.zero_stage=3"]),
 }
 WORKER = Path(__file__).with_name("_rank_memory_worker.py")
 MB = 1e6
@@ -137,7 +139,9 @@ def add_planner_figures(name: str, report: dict) -> None:
 
     params = layout_params(name)
     parallel = params.parallel
-    candidate = Candidate(1, parallel.tensor_parallel, parallel.pipeline_parallel, zero_stage=0, recompute="none")
+    candidate = Candidate(
+        parallel.data_parallel, parallel.tensor_parallel, parallel.pipeline_parallel, parallel.zero_stage, "none"
+    )
     on_cpu = stage_memory(params, candidate, report["stage"], CPU, CPU.runtime_bytes)
     # Like with like: the planner's `parameters` (fp32 masters; no compute-dtype copies in fp32) and `optimizer`
     # (AdamW m and v) are what trainer.model and trainer.optimizer hold; its gradients, activations, buffers and

@@ -178,7 +178,15 @@ class TokenizerParams(StrictModel):
 class ModelParams(StrictModel):
     """Llama-family decoder architecture."""
 
-    vocab_size: int = Field(4096, ge=8, description="Tokens in the vocabulary; must match the tokenizer.")
+    vocab_size: int = Field(
+        4096, ge=8, description="Rows of the embedding table: the tokenizer's pieces plus vocab_padding."
+    )
+    vocab_padding: int = Field(
+        0,
+        ge=0,
+        description="Rows at the end of the table that no token uses (added so tensor parallelism divides the "
+        "vocabulary); their logits are kept out of the softmax.",
+    )
     hidden_size: int = Field(128, ge=1, description="Width of the residual stream (d_model).")
     num_layers: int = Field(4, ge=1, description="Transformer blocks.")
     num_heads: int = Field(4, ge=1, description="Query attention heads.")
@@ -196,8 +204,17 @@ class ModelParams(StrictModel):
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
+    @property
+    def unpadded_vocab_size(self) -> int:
+        """The tokenizer's pieces: the ids a token can have."""
+        return self.vocab_size - self.vocab_padding
+
     @model_validator(mode="after")
     def _shapes_divide(self) -> ModelParams:
+        if self.vocab_padding >= self.vocab_size:
+            raise ValueError(
+                f"model.vocab_padding={self.vocab_padding} leaves no tokens of model.vocab_size={self.vocab_size}"
+            )
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model.hidden_size={self.hidden_size} is not divisible by model.num_heads={self.num_heads}"

@@ -90,7 +90,7 @@ def prepare_and_record(params: PipelineParams, tracking: Tracking) -> DataResult
 
 
 def _stage_params(params: PipelineParams) -> dict[str, object]:
-    keep = ("data.", "tokenizer.", "model.vocab_size", "model.seq_len")
+    keep = ("data.", "tokenizer.", "model.vocab_size", "model.vocab_padding", "model.seq_len")
     return {key: value for key, value in flatten(params).items() if key.startswith(keep)}
 
 

@@ -233,6 +233,41 @@ def test_loss_without_counted_tokens_is_zero():
     assert (float(loss.asnumpy()), float(count.asnumpy())) == (0.0, 0.0)
 
 
+@pytest.mark.parametrize("tie_embeddings", [True, False])
+def test_a_vocabulary_padded_for_tensor_parallelism_gives_the_unpadded_loss_and_gradients(tie_embeddings):
+    """Padding rows hold large random values, as a converted model's could after training: masked, they change
+    neither the loss nor any gradient, and get none; unmasked, they move the loss."""
+    padding = 3
+    unpadded = build(tie_embeddings=tie_embeddings)
+    values = weights(unpadded)
+    rng = np.random.default_rng(5)
+    for name in ("embed_tokens.weight", "lm_head.weight"):
+        if name in values:
+            values[name] = np.concatenate([values[name], rng.standard_normal((padding, 64)).astype(np.float32)])
+    padded = build(tie_embeddings=tie_embeddings, vocab_size=VOCAB + padding, vocab_padding=padding)
+    unmasked = build(tie_embeddings=tie_embeddings, vocab_size=VOCAB + padding)
+    load(padded, values)
+    load(unmasked, values)
+    tokens = random_tokens()
+    inputs = [ms.Tensor(a) for a in (tokens[:, :-1], tokens[:, 1:])]
+
+    def loss_and_gradients(model):
+        grad_fn = ms.value_and_grad(lambda x, y: token_cross_entropy(model(x), y)[0], None, model.trainable_params())
+        loss, grads = grad_fn(*inputs)
+        return float(loss.asnumpy()), {p.name: g.asnumpy() for p, g in zip(model.trainable_params(), grads)}
+
+    loss, grads = loss_and_gradients(unpadded)
+    padded_loss, padded_grads = loss_and_gradients(padded)
+    assert padded_loss == pytest.approx(loss, rel=1e-6)
+    for name, gradient in grads.items():  # a matmul of another width sums in another order
+        difference = padded_grads[name][: gradient.shape[0]] - gradient
+        assert np.linalg.norm(difference) <= 1e-6 * np.linalg.norm(gradient), name
+    head = "embed_tokens.weight" if tie_embeddings else "lm_head.weight"
+    assert not np.any(padded_grads[head][VOCAB:])
+    assert abs(loss_and_gradients(unmasked)[0] - loss) > 1e-3
+    assert logits_of(padded, tokens)[..., VOCAB:].max() < -1e8  # and generation never picks them
+
+
 # ------------------------------------------------------------------------------- graph mode, dtypes
 
 

@@ -1,11 +1,12 @@
 """The placement table: its rows are the model's parameters (LoRA adapters included) with their shapes, in the
 model's order; each tp rank's blocks tile a split weight; the stages and the per-rank bytes follow the layout.
 A rank's shard built from it: each block of the seeded initialisation, or of a weights file read block by block,
-is the same block of the whole."""
+is the same block of the whole; a ZeRO-3 rank makes its shard of each weight and adapter and nothing more."""
 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,10 +14,11 @@ from conftest import SMALL_MODEL
 
 from model_core.model import Llama, apply_lora
 from model_core.model.init import deferred_weights
-from model_core.model.weights import WeightMismatchError, model_weights
+from model_core.model.weights import WeightMismatchError, model_weights, named_weights
 from model_core.parallel.layout import Layout
-from model_core.parallel.parallelize import check_weights_file, materialize, take_block
+from model_core.parallel.parallelize import build_shard, check_weights_file, hold_blocks, materialize, take_block
 from model_core.parallel.placement import ROW, TENSOR_PARALLEL_PLAN, placement_table
+from model_core.parallel.zero3 import take_shard
 from model_core.storage import read_safetensors, write_safetensors
 from params import load_params
 
@@ -87,18 +89,23 @@ def _deferred_model(params) -> Llama:
         return Llama(params)
 
 
+def _make(model, table, rank, seed, source):
+    hold_blocks(model, table)
+    materialize(model, table, rank, seed=seed, source=source)
+
+
 def test_each_tp_block_of_the_seeded_initialisation_is_the_block_of_the_whole():
     whole = _deferred_model(PARAMS.model)
-    materialize(whole, placement_table(PARAMS.model, Layout()), 0, seed=7, source=None)
+    _make(whole, placement_table(PARAMS.model, Layout()), 0, seed=7, source=None)
     full = model_weights(whole)
     table = placement_table(PARAMS.model, Layout(tp=2))
     for index in range(2):
         block = _deferred_model(PARAMS.model)
-        materialize(block, table, index, seed=7, source=None)
+        _make(block, table, index, seed=7, source=None)
         for name, value in model_weights(block).items():
             np.testing.assert_array_equal(value, take_block(full[name], table[name].tp_axis, 2, index), err_msg=name)
     other = _deferred_model(PARAMS.model)
-    materialize(other, placement_table(PARAMS.model, Layout()), 0, seed=8, source=None)
+    _make(other, placement_table(PARAMS.model, Layout()), 0, seed=8, source=None)
     assert not np.array_equal(model_weights(other)["layers.0.mlp.up_proj.weight"], full["layers.0.mlp.up_proj.weight"])
     assert np.array_equal(full["norm.weight"], np.ones_like(full["norm.weight"]))
 
@@ -108,7 +115,7 @@ def test_blocks_are_read_from_a_weights_file_one_block_at_a_time(tmp_path):
     write_safetensors(tmp_path / "model.safetensors", stored, "bfloat16")
     table = placement_table(PARAMS.model, Layout(tp=2))
     block = _deferred_model(PARAMS.model)
-    materialize(block, table, 1, seed=0, source=tmp_path / "model.safetensors")
+    _make(block, table, 1, seed=0, source=tmp_path / "model.safetensors")
     rounded = read_safetensors(tmp_path / "model.safetensors")
     for name, value in model_weights(block).items():
         np.testing.assert_array_equal(value, take_block(rounded[name], table[name].tp_axis, 2, 1), err_msg=name)
@@ -124,3 +131,23 @@ def test_a_weights_file_of_another_model_is_refused_by_name_and_shape(tmp_path):
     write_safetensors(tmp_path / "model.safetensors", stored, "float32")
     with pytest.raises(WeightMismatchError, match=r"norm.weight has shape \(3,\), the model's is \(64,\)"):
         check_weights_file(tmp_path / "model.safetensors", table)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_zero3_rank_makes_only_its_shard_of_every_weight_and_adapter(stages):
+    lora = PARAMS.lora.model_copy(update={"enabled": True, "target_modules": ["q", "down"]})
+    whole = model_weights(build_shard(PARAMS.model, placement_table(PARAMS.model, Layout(), lora=lora), 0, seed=3).model)
+    assert np.any(whole["layers.0.self_attn.q_proj.lora_a"]) and not np.any(whole["layers.0.self_attn.q_proj.lora_b"])
+    layout = Layout(dp=2, pp=stages)
+    table = placement_table(PARAMS.model, layout, zero_stage=3, lora=lora)
+    for rank in range(layout.world_size):
+        at = layout.coordinates(rank)
+        dp_group = SimpleNamespace(size=2, index=at.dp)  # building needs only its size and this rank's place
+        shard = build_shard(PARAMS.model, table, rank, seed=3, dp_group=dp_group)
+        made = model_weights(shard.model)
+        assert made.keys() == {row.name for row in table.on_stage(at.pp)} == shard.zero3.shards.keys()
+        for name, value in made.items():
+            np.testing.assert_array_equal(value, take_shard(whole[name], 2, at.dp), err_msg=name)
+        assert all(made[row.name].size == math.ceil(row.size / 2) for row in table.on_stage(at.pp))
+        trainable = {name for name, weight in named_weights(shard.model).items() if weight.requires_grad}
+        assert trainable == {row.name for row in table.on_stage(at.pp) if row.adapter}

@@ -1,7 +1,7 @@
 """Tensor parallelism over two msrun workers against one process on the same global batch: the same initial
 weights, losses and gradient norms for 20 steps; its checkpoint resharded to one rank holds the single-process
 weights and resumes there; and resuming tp2 from its own checkpoint is bit-exact. On four workers, dp2 x tp2
-with ZeRO-2 matches one process too."""
+with ZeRO-2 matches one process too, and a vocabulary padded for tp2 trains as the unpadded one."""
 
 from __future__ import annotations
 
@@ -86,3 +86,16 @@ def test_dp2_tp2_zero2_on_four_workers_matches_one_process(dataset_dir, tmp_path
         assert_same_metrics(rank["history"], expected)
     for rank in ranks:  # half of this rank's tp block, up to one fp32 element of padding
         assert abs(2 * rank["gradient_bytes"] - rank["parameter_bytes"]) <= 8, rank["parameter_bytes"]
+
+
+def test_tp2_with_a_vocabulary_padded_for_it_matches_the_unpadded_single_process(dataset_dir, tmp_path):
+    """Two padding rows (the seeded draw of the padded table starts with the unpadded one): their logits are kept
+    out of the softmax on the rank whose block holds them, so loss and gradient norm are the unpadded model's,
+    step 1 within 1e-6."""
+    expected = one_process(dataset_dir, tmp_path / "one", SHORT)
+    vocab = load_params("tiny", RUN).model.vocab_size
+    padded = (f"model.vocab_size={vocab + 2}", "model.vocab_padding=2")
+    ranks = train_job(tmp_path, dataset_dir, SHORT, *TP2, *padded)
+    for rank in ranks:
+        assert_same_metrics(rank["history"], expected)
+        assert rank["history"][0]["loss"] == pytest.approx(expected[0]["loss"], rel=1e-6)

@@ -177,17 +177,14 @@ def check_model_agrees(model: ModelParams, config: dict, tensor_parallel: int = 
     """The model section of params must describe the Hugging Face model (seq_len may be shorter, init_std is unused)."""
     derived = family_for(config.get("model_type")).params_from_config(config)
     padded_vocab = -(-derived.vocab_size // tensor_parallel) * tensor_parallel
-    for field, theirs in {**derived.model_dump(), "vocab_size": padded_vocab}.items():
+    padding = {"vocab_size": padded_vocab, "vocab_padding": padded_vocab - derived.vocab_size}
+    for field, theirs in {**derived.model_dump(), **padding}.items():
         ours = getattr(model, field)
         if field == "seq_len" and ours > theirs:
             raise ConversionError(f"model.seq_len={ours} is longer than the {origin} context of {theirs} positions")
         if field not in ("seq_len", "init_std") and ours != theirs:
-            padding = (
-                f" (vocab_size={derived.vocab_size} padded for tensor_parallel={tensor_parallel})"
-                if field == "vocab_size"
-                else ""
-            )
-            raise ConversionError(f"model.{field}={ours} but {origin} gives {field}={theirs}{padding}")
+            why = f" (vocab_size={derived.vocab_size} padded for tensor_parallel={tensor_parallel})" if field in padding else ""
+            raise ConversionError(f"model.{field}={ours} but {origin} gives {field}={theirs}{why}")
 
 
 # --------------------------------------------------------------------------------------------- ours
@@ -362,7 +359,7 @@ def _read_ours(src: Path) -> tuple[dict[str, np.ndarray], ModelParams, int, str]
         if problem is not None:
             raise ConversionError(f"training checkpoint {src} is not usable: {problem}")
         params = ModelParams(**json.loads((src / training_checkpoint.STATE).read_text())["model"])
-        return read_weights(src), params, params.vocab_size, "llama"
+        return read_weights(src), params, params.unpadded_vocab_size, "llama"
     raise ConversionError(
         f"{src} is neither a converted checkpoint ({RECORD}) nor a training checkpoint ({training_checkpoint.STATE})"
     )

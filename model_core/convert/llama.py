@@ -170,14 +170,14 @@ def from_hf(
     for name in VOCAB_ROWS:
         if name in weights:
             weights[name] = np.pad(weights[name], ((0, padded - params.vocab_size), (0, 0)))
-    return weights, _model_params({**params.model_dump(), "vocab_size": padded})
+    return weights, _model_params({**params.model_dump(), "vocab_size": padded, "vocab_padding": padded - params.vocab_size})
 
 
 def to_hf(
     weights: dict[str, np.ndarray], params: ModelParams, vocab_size: int | None = None
 ) -> tuple[dict[str, np.ndarray], dict]:
     """Hugging Face state dict and config.json; padded vocab rows beyond the real `vocab_size` are dropped."""
-    real_vocab = params.vocab_size if vocab_size is None else vocab_size
+    real_vocab = params.unpadded_vocab_size if vocab_size is None else vocab_size
     if real_vocab > params.vocab_size:
         raise ConversionError(f"real vocab_size={real_vocab} exceeds model.vocab_size={params.vocab_size}")
     expected = tensor_names(params)

@@ -28,7 +28,7 @@ from model_core.data.errors import DataPrepError
 from model_core.data.instruction_set import bundled_fingerprint, bundled_jsonl
 from model_core.data.instructions import Record, TemplateEncoder, parse_records, separators
 from model_core.data.packing import first_fit_rows, pack_examples, select_documents
-from model_core.data.prepare import TOKENIZER_NAME, PrepResult, _check_bad_records, _hash, _rng, prepared
+from model_core.data.prepare import TOKENIZER_NAME, PrepResult, _check_bad_records, _hash, _rng, prepared, vocab_padding
 from model_core.data.shards import MANIFEST_NAME, build_or_reuse, write_shards
 from model_core.data.sources import FileReport
 from model_core.data.tokenizer import load_tokenizer, open_tokenizer
@@ -67,7 +67,7 @@ class _Request:
                 "sha256": self.tokenizer_sha256,
                 **self.tokenizer.model_dump(include={"bos_id", "eos_id", "pad_id"}),
             },
-            "model": {"vocab_size": self.model.vocab_size, "seq_len": self.model.seq_len},
+            "model": {"vocab_size": self.model.vocab_size, "seq_len": self.model.seq_len, **vocab_padding(self.model)},
             "min_validation_rows": self.min_validation_rows,
         }
 
@@ -130,7 +130,7 @@ def _fingerprint(files: list[Path]) -> list[str]:
 def _build(build_dir: Path, files: list[Path], request: _Request) -> dict:
     started = time.perf_counter()
     lora, data, model, tokenizer = request.lora, request.data, request.model, request.tokenizer
-    open_tokenizer(request.tokenizer_bytes, tokenizer, model.vocab_size, f"tokenizer {request.tokenizer_path}")
+    open_tokenizer(request.tokenizer_bytes, tokenizer, model.vocab_size, f"tokenizer {request.tokenizer_path}", model.vocab_padding)
     (build_dir / TOKENIZER_NAME).write_bytes(request.tokenizer_bytes)
     records, reports = _read_records(files)
     read_counts = _check_bad_records(reports, data.max_bad_record_fraction)
@@ -177,6 +177,7 @@ def _build(build_dir: Path, files: list[Path], request: _Request) -> dict:
             **{name: getattr(tokenizer, name) for name in ("unk_id", "bos_id", "eos_id", "pad_id")},
         },
         "vocab_size": model.vocab_size,
+        **vocab_padding(model),
         "seq_len": model.seq_len,
         "splits": splits,
         "seconds": round(time.perf_counter() - started, 4),

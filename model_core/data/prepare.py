@@ -123,6 +123,12 @@ def prepare_dataset(
     return prepared(final_dir, reused=False)
 
 
+def vocab_padding(model: ModelParams) -> dict:
+    """The model's vocabulary padding where it has some: it decides the tokenizer's size, and a dataset key
+    without padding stays what it was before the field existed."""
+    return {"vocab_padding": model.vocab_padding} if model.vocab_padding else {}
+
+
 def data_params(data: DataParams, tokenizer: TokenizerParams, model: ModelParams) -> dict:
     """Everything that decides the content of the dataset (a loaded tokenizer counts by its bytes)."""
     tokenizer_params = tokenizer.model_dump(exclude={"model_path"})
@@ -133,7 +139,7 @@ def data_params(data: DataParams, tokenizer: TokenizerParams, model: ModelParams
         "format_version": FORMAT_VERSION,
         "data": data.model_dump(exclude=_NON_DATA_PARAMS),
         "tokenizer": tokenizer_params,
-        "model": {"vocab_size": model.vocab_size, "seq_len": model.seq_len},
+        "model": {"vocab_size": model.vocab_size, "seq_len": model.seq_len, **vocab_padding(model)},
     }
 
 
@@ -241,6 +247,7 @@ class _Build:
             "bad_records": read_counts.pop("examples"),
             "tokenizer": tokenizer_info,
             "vocab_size": self.model.vocab_size,
+            **vocab_padding(self.model),
             "seq_len": self.model.seq_len,
             "splits": splits,
             "reuse": self.reuse,
@@ -269,7 +276,7 @@ class _Build:
     def _shard_job(self, shard: InputShard, threads: int, directory: Path, tokenizer_path: Path | None = None):
         return shard_map.ShardJob(
             shard, self.data, self.tokenizer, self.model.vocab_size, threads, directory,
-            Path(self.data.output_dir).resolve() / CACHE_DIR, tokenizer_path,
+            Path(self.data.output_dir).resolve() / CACHE_DIR, tokenizer_path, self.model.vocab_padding,
         )
 
     def _tokenizer(self, shards: list[InputShard], threads: int) -> tuple[dict, Path]:
@@ -286,9 +293,11 @@ class _Build:
             check_bad_records(results, self.data.max_bad_record_fraction, log=False)  # logged after the map step
             _filter_counts(results, self.data, 0)  # fails on an empty corpus before training on nothing
             lines = _merged_sample([job.output for job in jobs], self.tokenizer.training_sentences)
-            model_bytes = train_tokenizer(lines, self.tokenizer, self.model.vocab_size, self.data.shuffle_seed, self.workers)
+            model_bytes = train_tokenizer(
+                lines, self.tokenizer, self.model.unpadded_vocab_size, self.data.shuffle_seed, self.workers
+            )
             origin = "the trained tokenizer"
-        open_tokenizer(model_bytes, self.tokenizer, self.model.vocab_size, origin)
+        open_tokenizer(model_bytes, self.tokenizer, self.model.vocab_size, origin, self.model.vocab_padding)
         path = self.build_dir / TOKENIZER_NAME
         path.write_bytes(model_bytes)
         self.seconds["tokenizer"] = time.perf_counter() - started

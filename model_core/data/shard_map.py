@@ -70,6 +70,7 @@ class ShardJob:
     output: Path
     docstring_cache: Path
     tokenizer_path: Path | None = None  # map_shard only
+    vocab_padding: int = 0  # rows of the model's vocabulary no token uses
 
 
 def text_hashes(texts: list[str]) -> np.ndarray:
@@ -229,7 +230,7 @@ def map_shard(job: ShardJob) -> dict:
         return cached
     started = time.perf_counter()
     model_bytes = job.tokenizer_path.read_bytes()
-    processor = open_tokenizer(model_bytes, job.tokenizer, job.vocab_size, f"tokenizer {job.tokenizer_path}")
+    processor = open_tokenizer(model_bytes, job.tokenizer, job.vocab_size, f"tokenizer {job.tokenizer_path}", job.vocab_padding)
     report, counts, hashes = FileReport(job.shard.input.path), _Counts(job.data), []
     token_ids, lengths, signatures = _encode(_documents(job, report, counts, hashes), processor, job.threads, job.data)
     all_hashes = np.concatenate(hashes) if hashes else np.empty((0, 2), dtype=np.uint64)

@@ -67,15 +67,19 @@ def load_tokenizer(path: Path) -> bytes:
     return path.read_bytes()
 
 
-def open_tokenizer(model: bytes, params: TokenizerParams, vocab_size: int, origin: str) -> spm.SentencePieceProcessor:
-    """The processor of a serialized model, after checking its size and special ids against the params."""
+def open_tokenizer(
+    model: bytes, params: TokenizerParams, vocab_size: int, origin: str, vocab_padding: int = 0
+) -> spm.SentencePieceProcessor:
+    """The processor of a serialized model, after checking its size (the model's vocabulary less its padding
+    rows) and special ids against the params."""
     try:
         processor = spm.SentencePieceProcessor(model_proto=model)
     except (RuntimeError, OSError) as error:
         raise DataPrepError(f"{origin} is not a SentencePiece model ({error})") from error
-    if processor.get_piece_size() != vocab_size:
+    if processor.get_piece_size() != vocab_size - vocab_padding:
+        padding = f" less model.vocab_padding={vocab_padding}" if vocab_padding else ""
         raise DataPrepError(
-            f"{origin} has {processor.get_piece_size()} pieces but model.vocab_size={vocab_size}"
+            f"{origin} has {processor.get_piece_size()} pieces but model.vocab_size={vocab_size}{padding}"
         )
     for name in _SPECIAL_IDS:
         actual, expected = getattr(processor, name)(), getattr(params, name)

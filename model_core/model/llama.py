@@ -203,6 +203,7 @@ class Llama(nn.Cell):
         self.takes_tokens, self.returns_logits = True, True
         self.rope_cos, self.rope_sin = rope_tables(params.head_dim, params.seq_len, params.rope_theta)
         self.causal_mask = Tensor(np.tril(np.ones((params.seq_len, params.seq_len), dtype=bool)))
+        self.vocab_mask = vocab_mask(params) if params.vocab_padding else None
 
     def construct(self, tokens: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> Tensor:
         """`tokens`: [B, T] ids, or on a pipeline stage after the first the previous stage's [B, T, hidden]."""
@@ -214,9 +215,16 @@ class Llama(nn.Cell):
             x = layer(x, cos, sin, mask)
         if not self.returns_logits:
             return x
+        return self._logits(x)
+
+    def _logits(self, x: Tensor) -> Tensor:
+        """Final norm, head and, with a padded vocabulary, the padding rows' logits pushed out of the softmax."""
         x = self.norm(x)
         head = self.embed_tokens.weight if self.tie_embeddings else self.lm_head.weight
-        return self.head(x, head.astype(x.dtype)).astype(ms.float32)
+        logits = self.head(x, head.astype(x.dtype)).astype(ms.float32)
+        if self.vocab_mask is not None:
+            logits = logits + self.vocab_mask
+        return logits
 
     def _rotary_angles(self, seq: int, position_ids: Tensor | None) -> tuple[Tensor, Tensor]:
         """cos, sin broadcastable to [B, H, T, head_dim], in the compute dtype."""
@@ -287,9 +295,19 @@ class Llama(nn.Cell):
                 x, cos, sin, visible, slots, keys[index], values[index]
             )
             new_keys, new_values = new_keys + (layer_keys,), new_values + (layer_values,)
-        x = self.norm(x)
-        head = self.embed_tokens.weight if self.tie_embeddings else self.lm_head.weight
-        return self.head(x, head.astype(x.dtype)).astype(ms.float32), new_keys, new_values
+        return self._logits(x), new_keys, new_values
+
+
+# Added to a padding row's logit: exp() of it is exactly 0 in fp32 next to any real logit, so the softmax, the
+# loss and its gradient are those of the unpadded vocabulary, and the padding rows get no gradient.
+PADDING_LOGIT = -1e9
+
+
+def vocab_mask(params: ModelParams) -> Tensor:
+    """[vocab] fp32: 0 for the tokenizer's ids, `PADDING_LOGIT` for the padding rows after them."""
+    mask = np.zeros(params.vocab_size, np.float32)
+    mask[params.unpadded_vocab_size :] = PADDING_LOGIT
+    return Tensor(mask)
 
 
 def count_parameters(model: nn.Cell, include_embeddings: bool = True) -> int:

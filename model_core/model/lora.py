@@ -28,6 +28,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindspore.common.initializer import HeUniform, initializer
 
 from model_core.model.fused import LinearFunction
+from model_core.model.init import WeightInit, deferred, placeholder, shape_of
 from model_core.model.llama import Linear
 from model_core.storage import WEIGHTS, build_directory, file_sha256, read_safetensors, write_safetensors
 from params.schema import LoraParams
@@ -62,18 +63,26 @@ class LoraLinear(nn.Cell):
     (full fine-tuning: 2.9 GB); a fused adapter with its own backward that kept only a bool mask measured
     the same 3.0 GB, so it is not used.
 
-    A starts Kaiming-uniform (bound 1/sqrt(in)), B at zero. While merged, W holds W + (alpha/r) B A and B is
+    A starts Kaiming-uniform (bound 1/sqrt(in)), B at zero. On a placeholder base (a model described inside
+    `deferred_weights()`, made later by its layout) A and B are placeholders too: A's draw is keyed by its path
+    like every other weight's, so each layout's block of it is the same block of the single-process A. While merged, W holds W + (alpha/r) B A and B is
     zero, so the adapter adds exactly nothing in any graph, compiled before or after; the exact W and B are
     kept on the host until `unmerge`.
     """
 
     def __init__(self, base: Linear, rank: int, alpha: float, dropout: float):
         super().__init__()
-        out_features, in_features = base.weight.shape
+        out_features, in_features = shape_of(base.weight)
         self.weight = base.weight
         self.weight.requires_grad = False
-        self.lora_a = Parameter(initializer(HeUniform(negative_slope=math.sqrt(5)), (rank, in_features), ms.float32))
-        self.lora_b = Parameter(initializer("zeros", (out_features, rank), ms.float32))
+        described = deferred(base.weight)
+        if described is None:
+            self.lora_a = Parameter(initializer(HeUniform(negative_slope=math.sqrt(5)), (rank, in_features), ms.float32))
+            self.lora_b = Parameter(initializer("zeros", (out_features, rank), ms.float32))
+        else:  # whole shapes for the draw, this rank's block shapes held
+            whole_out, whole_in = described.shape
+            self.lora_a = placeholder(WeightInit((rank, whole_in), "uniform", 1 / math.sqrt(whole_in)), (rank, in_features))
+            self.lora_b = placeholder(WeightInit((whole_out, rank), "zeros"), (out_features, rank))
         self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
         # One function per weight, so a layout can wrap each (ZeRO-3 gathers each weight where it is used).
         self.linear, self.linear_a, self.linear_b = LinearFunction(), LinearFunction(), LinearFunction()
@@ -160,7 +169,8 @@ def apply_lora(model: nn.Cell, lora: LoraParams, adapter: Callable[..., LoraLine
 
 def _summary(model: nn.Cell, adapted: int) -> LoraSummary:
     params = [param for _, param in model.parameters_and_names()]
-    return summary_of(adapted, sum(param.size for param in params if param.requires_grad), sum(param.size for param in params))
+    sizes = [(math.prod(shape_of(param)), param.requires_grad) for param in params]  # placeholders too
+    return summary_of(adapted, sum(size for size, trainable in sizes if trainable), sum(size for size, _ in sizes))
 
 
 def summary_of(adapted: int, trainable: int, total: int) -> LoraSummary:

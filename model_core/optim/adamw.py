@@ -23,12 +23,14 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
+from model_core.model.init import shape_of
 from params.schema import OptimizerParams
 
 
 def applies_weight_decay(parameter: Parameter) -> bool:
-    """Decay weight matrices and embeddings (ndim >= 2), never norms or biases (1-D)."""
-    return len(parameter.shape) >= 2
+    """Decay weight matrices and embeddings (ndim >= 2), never norms or biases (1-D); a placeholder by the
+    shape it stands for."""
+    return len(shape_of(parameter)) >= 2
 
 
 class AdamW(nn.Cell):

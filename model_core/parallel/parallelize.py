@@ -2,13 +2,17 @@
 
 `build_shard(model_params, table, rank, ...)` is the one place a run's model is made for its layout, in this
 order (torchtitan's: describe the whole model, cut it, then make only what is kept):
-  1. describe    the single-device `Llama` built inside `deferred_weights()`: cells with placeholder weights;
+  1. describe    the single-device `Llama` built inside `deferred_weights()`: cells with placeholder weights,
+                 each then told the shape this rank holds of it (its tp block, from the table);
   2. stage       under pipeline parallelism only this rank's stage is kept (`pipeline.prune_to_stage`);
   3. tensor      under tensor parallelism cells are swapped from outside (`tensor_parallel`);
-  4. weights     every placeholder becomes this rank's block of the weight, as the table places it: read
-                 from the initial weights on disk one block at a time (`storage.read_block`), or drawn from
-                 the weight's own (seed, path) generator and cut (`model_core.model.init`).
-A rank therefore holds its share plus, while one weight is being drawn, that one whole weight.
+  4. adapters    LoRA wraps the targeted projections, its A and B placeholders too, the rest frozen;
+  5. ZeRO-3      every weight's cells swapped for ones that gather it from a flat shard over dp;
+  6. weights     every placeholder becomes what this rank holds of the weight, as the table places it: its
+                 tp block (then, under ZeRO-3, its dp shard of that block), read from the initial weights on
+                 disk one block at a time (`storage.read_block`), or drawn from the weight's own (seed, path)
+                 generator and cut (`model_core.model.init`).
+A rank therefore holds its share plus, while one weight is being drawn or read, that one whole weight.
 
 `parallelize(params, layout, rank, ...)` then composes the whole training step on that shard in one fixed
 order (see its docstring) and returns a `Parallelized`: the one object the trainer drives, whatever the layout.
@@ -16,17 +20,17 @@ order (see its docstring) and returns a `Parallelized`: the one object the train
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore import Parameter, ParameterTuple, Tensor, nn
 
-from model_core.model.init import WeightInit, deferred, deferred_weights
+from model_core.model.init import deferred, deferred_weights, shape_of
 from model_core.model.llama import Llama
-from model_core.model.lora import apply_lora, lora_layers
+from model_core.model.lora import LoraSummary, apply_lora
 from model_core.model.weights import WeightMismatchError, load_weights, model_weights, named_weights
 from model_core.optim.adamw import AdamW
 from model_core.optim.step import AccumulateGradients, ApplyGradients, SummedTokenLoss, ZeroGradients
@@ -44,7 +48,7 @@ from model_core.parallel.tensor import (
     tensor_parallel_adapter,
 )
 from model_core.parallel.zero import ShardedAccumulateGradients, ShardedAdamW
-from model_core.parallel.zero3 import Zero3AdamW, shard_parameters
+from model_core.parallel.zero3 import ShardedParameters, Zero3AdamW, shard_parameters, take_shard
 from model_core.storage import WEIGHTS, read_block, tensor_shapes
 from params.schema import LoraParams, ModelParams, PipelineParams
 
@@ -56,6 +60,16 @@ def take_block(array: np.ndarray, axis: int | None, size: int, index: int) -> np
     return np.split(array, size, axis=axis)[index]
 
 
+@dataclass(frozen=True)
+class Shard:
+    """What `build_shard` made: the rank's model and what each step of it did (None where it did not run)."""
+
+    model: Llama
+    tensor_parallelism: TensorParallelism | None
+    adaptation: LoraSummary | None
+    zero3: ShardedParameters | None
+
+
 def build_shard(
     params: ModelParams,
     table: PlacementTable,
@@ -63,9 +77,11 @@ def build_shard(
     seed: int,
     compute_dtype: str = "float32",
     initial_weights: str | Path | None = None,
-) -> tuple[Llama, TensorParallelism | None]:
-    """Rank `rank`'s shard of the model (see the module docstring) and, under tp, what tensor parallelism did.
-    `initial_weights`: a directory with model.safetensors to start from instead of the seeded initialisation."""
+    dp_group: comm.Group | None = None,
+) -> Shard:
+    """Rank `rank`'s shard of the model (see the module docstring): LoRA adapters where the table has them, ZeRO-3
+    over `dp_group` where its ZeRO stage is 3. `initial_weights`: a directory with model.safetensors to start from
+    instead of the seeded initialisation (adapters always start from the seed)."""
     layout = table.layout
     with deferred_weights():
         model = Llama(params, compute_dtype)
@@ -73,33 +89,56 @@ def build_shard(
     if layout.pp > 1:
         prune_to_stage(model, layout.stage_sizes(params.num_layers), at.pp, params.tie_embeddings)
     parallelism = tensor_parallel(model, layout, rank, params) if layout.tp > 1 else None
+    hold_blocks(model, table)
+    adaptation = None
+    if table.lora is not None:
+        adaptation = apply_lora(model, table.lora, tensor_parallel_adapter if parallelism is not None else None)
+    zero3 = shard_parameters(model, dp_group) if table.zero_stage == 3 else None
     source = Path(initial_weights) / WEIGHTS if initial_weights is not None else None
     if source is not None:
         check_weights_file(source, table)
-    materialize(model, table, at.tp, seed, source)
-    return model, parallelism
+    materialize(model, table, rank, seed, source)
+    if zero3 is not None:  # the shards are now the Parameters `materialize` made
+        zero3 = replace(zero3, shards={name: weight for name, weight in named_weights(model).items() if name in zero3.shards})
+    return Shard(model, parallelism, adaptation, zero3)
 
 
-def materialize(model: nn.Cell, table: PlacementTable, tp_index: int, seed: int, source: Path | None) -> None:
-    """Replace every placeholder weight of `model` by tp block `tp_index` of its values, one weight at a time:
-    read from the safetensors file `source`, or drawn from the weight's seeded generator."""
-    tp = table.layout.tp
-    for path, cell in model.cells_and_names():
+def hold_blocks(model: nn.Cell, table: PlacementTable) -> None:
+    """Tell every placeholder of `model` the shape this rank holds of it: its tp block, as the table places it."""
+    for name, _, _, weight in placeholders(model):
+        weight.held_shape = table[name].block_shape(table.layout.tp)
+
+
+def placeholders(model: nn.Cell) -> Iterator[tuple[str, nn.Cell, str, Parameter]]:
+    """(path, cell, attribute, placeholder) of every weight of `model` not made yet, in model order."""
+    for path, cell in list(model.cells_and_names()):
         # A cell's own parameters by attribute: the one way MindSpore exposes which attribute holds which.
-        for attribute, placeholder in list(cell._params.items()):
-            init = deferred(placeholder)
-            if init is None:
-                continue
-            name = f"{path}.{attribute}" if path else attribute
-            axis = table[name].tp_axis if tp > 1 else None
-            if source is not None:
-                values = read_block(source, name, axis, tp, tp_index)
-            else:
-                values = np.ascontiguousarray(take_block(init.values(seed, name), axis, tp, tp_index))
-            expected = table[name].block_shape(tp)
-            if values.shape != expected:
-                raise ValueError(f"{name}: {source or 'initialisation'} gives shape {values.shape}, this rank holds {expected}")
-            setattr(cell, attribute, Parameter(Tensor(values, ms.float32), name=name, requires_grad=placeholder.requires_grad))
+        for attribute, weight in list(cell._params.items()):
+            if deferred(weight) is not None:
+                yield (f"{path}.{attribute}" if path else attribute), cell, attribute, weight
+
+
+def materialize(model: nn.Cell, table: PlacementTable, rank: int, seed: int, source: Path | None) -> None:
+    """Replace every placeholder weight of `model` by what rank `rank` holds of its values, one weight at a time:
+    read from the safetensors file `source` (LoRA adapters excepted), or drawn from the weight's seeded
+    generator; cut to the rank's tp block, then under ZeRO-3 to its flat dp shard of that block."""
+    layout = table.layout
+    at = layout.coordinates(rank)
+    for name, cell, attribute, placeholder in placeholders(model):
+        row = table[name]
+        axis = row.tp_axis if layout.tp > 1 else None
+        if source is not None and not row.adapter:
+            values = read_block(source, name, axis, layout.tp, at.tp)
+        else:
+            values = np.ascontiguousarray(take_block(deferred(placeholder).values(seed, name), axis, layout.tp, at.tp))
+        if values.shape != row.block_shape(layout.tp):
+            raise ValueError(f"{name}: {source or 'initialisation'} gives shape {values.shape}, this rank holds {row.block_shape(layout.tp)}")
+        if table.zero_stage == 3 and row.zero_sharded:
+            values = take_shard(values, layout.dp, at.dp)
+        if values.shape != shape_of(placeholder):
+            raise ValueError(f"{name}: the model holds shape {shape_of(placeholder)} of it, the table places {values.shape}")
+        weight = Parameter(Tensor(values, ms.float32), name=name, requires_grad=placeholder.requires_grad)
+        setattr(cell, attribute, weight)
 
 
 def check_weights_file(path: Path, table: PlacementTable) -> None:
@@ -123,11 +162,10 @@ def parallelize(
     lora: LoraParams | None = None,
 ) -> Parallelized:
     """Rank `rank`'s model under `layout`, wired for training, composed in this fixed order:
-      1-4. `build_shard`: the model described, its stage kept, tensor parallelism swapped in, and this rank's
-           block of every weight made (drawn from the seed or read from `initial_weights`);
-      5.   recompute marked on the chosen blocks this rank holds;
-      6.   LoRA adapters (`lora`), with every other weight frozen;
-      7.   ZeRO-3: each weight cut to this rank's shard over dp, gathered where it is used;
+      1-6. `build_shard`: the model described, its stage kept, tensor parallelism swapped in, LoRA adapters
+           (`lora`) with every other weight frozen, ZeRO-3's gathers from dp shards, and then what this rank
+           holds of every weight made (drawn from the seed or read from `initial_weights`);
+      7.   recompute marked on the chosen blocks this rank holds;
       8.   the step: the loss for this rank's logits, gradient accumulation (through the pipeline schedule
            under pp; reduce-scattered per micro-batch under ZeRO-2), AdamW (moments sharded under ZeRO-1/2/3),
            the dp gradient sum and the global gradient norm, each read from the placement table.
@@ -136,15 +174,11 @@ def parallelize(
     dp_group, tp_group = comm.group(layout.dp_group(rank)), comm.group(layout.tp_group(rank))
     zero_stage = params.parallel.zero_stage if dp_group.size > 1 else 0
     table = placement_table(params.model, layout, zero_stage, lora)
-    model, tensor_parallelism = build_shard(
-        params.model, table, rank, params.train.seed, params.precision.compute_dtype, initial_weights
+    shard = build_shard(
+        params.model, table, rank, params.train.seed, params.precision.compute_dtype, initial_weights, dp_group
     )
+    model, tensor_parallelism, adaptation, zero3 = shard.model, shard.tensor_parallelism, shard.adaptation, shard.zero3
     apply_recompute(model, params)
-    adaptation = None
-    if lora is not None:
-        adaptation = apply_lora(model, lora, tensor_parallel_adapter if tensor_parallelism is not None else None)
-        init_adapters(model, table, params.train.seed, layout.coordinates(rank).tp)
-    zero3 = shard_parameters(model, dp_group) if zero_stage == 3 else None
     model.set_train(True)  # training-only layers (LoRA's dropout) act in the step, not in evaluation
 
     pipeline = None
@@ -277,16 +311,6 @@ class Parallelized:
             self.zero3.load_full_weights(owned)
         else:
             load_weights(self.model, owned)
-
-
-def init_adapters(model: nn.Cell, table: PlacementTable, seed: int, tp_index: int) -> None:
-    """Every LoRA A this rank holds set to its block of A's keyed Kaiming-uniform draw (bound 1/sqrt(in) of the
-    whole A), so each layout starts from the single-process adapters; B stays zero."""
-    for path, layer in lora_layers(model).items():
-        row = table[f"{path}.lora_a"]
-        whole = WeightInit(row.shape, "uniform", 1 / math.sqrt(row.shape[1])).values(seed, row.name)
-        block = take_block(whole, row.tp_axis, table.layout.tp, tp_index)
-        ops.assign(layer.lora_a, Tensor(np.ascontiguousarray(block)))
 
 
 def apply_recompute(model: Llama, params: PipelineParams) -> list[int]:

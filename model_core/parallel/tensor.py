@@ -212,6 +212,8 @@ def tensor_parallel(model: Llama, layout: Layout, rank: int, params: ModelParams
     if hasattr(model, "embed_tokens"):
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, index * block, block, group)
     model.head = VocabParallelHead(group)
+    if model.vocab_mask is not None:
+        model.vocab_mask = model.vocab_mask[index * block : (index + 1) * block]
     return TensorParallelism(group, index * block)
 
 

@@ -1,7 +1,8 @@
 """ZeRO-3: every trainable parameter sharded over the data-parallel group and gathered only where it is used.
 
-`shard_parameters(model, group)` turns the full model (built from the seed on every rank, initial weights
-loaded) into this rank's shard in place, from outside, as `parallelize` does for tensor parallelism. Under
+`shard_parameters(model, group)` turns the model into this rank's shard in place, from outside, as `parallelize`
+does for tensor parallelism: a built model's weights are cut at once, a described one's placeholders become
+placeholders of their shards, made later as shards alone (`parallelize.build_shard`). Under
 tensor parallelism it shards each tp block as it would a whole weight; under pipeline parallelism it shards
 what the stage kept (the tied table's copies on the two end stages are cut alike, being the same size, so
 the pipeline sums their gradient shards over the pair as it sums whole gradients). Each
@@ -30,12 +31,14 @@ wrote them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from model_core.model.init import deferred, placeholder, shape_of
 from model_core.model.llama import Embedding, Linear, Llama, RMSNorm
 from model_core.model.lora import LoraLinear
 from model_core.optim.adamw import AdamW, applies_weight_decay
@@ -166,15 +169,23 @@ class ShardedParameters:
 def shard_parameters(model: Llama, group: Group) -> ShardedParameters:
     """Make `model` (in place) keep only its `group.index` shard of every weight it holds: the full
     single-device model, its tensor-parallel blocks (`parallelize` applied first: a block is sharded like a
-    whole weight) or its pipeline stage (`pipeline.prune_to_stage` applied first)."""
+    whole weight) or its pipeline stage (`pipeline.prune_to_stage` applied first). A placeholder weight (a
+    model described but not made, `model_core.model.init`) becomes a placeholder of its shard's shape, so
+    the rank that makes it never holds more than the shard."""
     shards, shapes, decays = {}, {}, {}
 
     def own_shard(name: str, cell: nn.Cell, attribute: str = "weight") -> Parameter:
         full = getattr(cell, attribute)
-        shapes[name], decays[name] = tuple(full.shape), applies_weight_decay(full)
-        shard = Tensor(take_shard(full.asnumpy(), group.size, group.index))
-        shards[name] = Parameter(shard, name=full.name, requires_grad=full.requires_grad)  # frozen stays frozen
-        return shards[name]
+        shapes[name] = shape_of(full)
+        decays[name] = applies_weight_decay(full)  # read before the weight is flattened
+        described = deferred(full)
+        if described is None:
+            shard = Parameter(Tensor(take_shard(full.asnumpy(), group.size, group.index)), name=full.name)
+        else:  # made later, by whoever made the model, as this shard
+            shard = placeholder(described, (shard_length(math.prod(shapes[name]), group.size),))
+        shard.requires_grad = full.requires_grad  # frozen stays frozen
+        shards[name] = shard
+        return shard
 
     for name, cell in list(model.cells_and_names()):
         path = f"{name}.weight"

@@ -55,9 +55,8 @@ def finetune(
     `<checkpoint_dir>/adapters`. `resume="auto"` continues from the newest valid fine-tuning checkpoint.
     Runs on this process's rank of params.parallel's layout: every layout `parallelize` supports for LoRA."""
     tuned = finetune_params(params)
-    trainer = Trainer(
-        tuned, dataset_dir, checkpoint_dir, steps=tuned.train.steps, initial_weights=base_checkpoint, lora=params.lora
-    )
+    lora = params.lora.model_copy(update={"enabled": True})  # `enabled` switches the pipeline's stage; this is the stage
+    trainer = Trainer(tuned, dataset_dir, checkpoint_dir, steps=tuned.train.steps, initial_weights=base_checkpoint, lora=lora)
     result = trainer.run(on_metrics=on_metrics, resume=resume)
     base_hash = base_sha256(base_checkpoint)
     adapters_dir = Path(checkpoint_dir) / ADAPTERS_DIR

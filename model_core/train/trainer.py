@@ -341,13 +341,19 @@ def _join_layout(params: PipelineParams) -> tuple[Layout, int]:
 
 
 def check_dataset(dataset_dir: str | Path, params: PipelineParams) -> None:
-    """The prepared data must have been made for this model's vocabulary and sequence length."""
+    """The prepared data must have been made for this model's tokens (its vocabulary less the padding rows no
+    token uses, so a model padded for tensor parallelism trains on the same data) and sequence length."""
     manifest = json.loads((Path(dataset_dir) / "manifest.json").read_text())
-    for field in ("vocab_size", "seq_len"):
-        made_for, wanted = manifest[field], getattr(params.model, field)
+    model = params.model
+    tokens = "model.vocab_size - model.vocab_padding" if model.vocab_padding else "model.vocab_size"
+    checks = (
+        ("vocab_size", manifest["vocab_size"] - manifest.get("vocab_padding", 0), model.unpadded_vocab_size, tokens),
+        ("seq_len", manifest["seq_len"], model.seq_len, "model.seq_len"),
+    )
+    for field, made_for, wanted, ours in checks:
         if made_for != wanted:
             raise ValueError(
-                f"dataset {dataset_dir} was prepared for {field}={made_for} but model.{field}={wanted}; "
+                f"dataset {dataset_dir} was prepared for {field}={made_for} but {ours}={wanted}; "
                 "prepare the data again with these params"
             )
 
