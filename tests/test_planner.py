@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from model_core.parallel.launch import launch
+from model_core.parallel.layout import Layout
+from model_core.parallel.placement import placement_table
 from model_core.parallel.planner import (
     ACCELERATOR,
     DEVICE_KINDS,
@@ -122,6 +124,20 @@ def test_zero1_holds_one_dp_th_of_the_optimizer_state():
     for dp in (2, 4, 8):
         sharded = stage_memory(params, Candidate(dp, 1, 1, 1, "none"), 0, ACCELERATOR, 0).optimizer
         assert sharded == 12 * math.ceil(held / dp)  # m, v and ZeRO-1's fp32 copy of its shard
+
+
+def test_zero3_holds_its_shard_as_the_weight_and_the_moments_of_that_shard_alone():
+    """ZeRO-3 updates the shard in place: no extra fp32 copy (benchmarks/rank_memory.py measures a dp2 rank
+    holding exactly 4 + 8 bytes per shard element); the same bytes as the placement table's."""
+    params = _small_model()
+    held = stage_parameters(params.model, 1, 1, 0)
+    for dp in (2, 4):
+        memory = stage_memory(params, Candidate(dp, 1, 1, 3, "none"), 0, ACCELERATOR, 0)
+        assert (memory.parameters, memory.optimizer) == (4 * math.ceil(held / dp), 8 * math.ceil(held / dp))
+        table = placement_table(params.model, Layout(dp=dp), zero_stage=3)
+        assert table.rank_bytes(0)["parameters"] + table.rank_bytes(0)["optimizer"] == pytest.approx(
+            memory.parameters + memory.optimizer, rel=1e-4  # the table rounds each tensor's shard up
+        )
 
 
 def test_llama2_7b_on_8_devices_of_64_gib_gets_tensor_parallel_2_with_zero1_and_recompute():
@@ -254,9 +270,9 @@ def run_measured_steps(overrides: list[str]) -> dict:
     from model_core.optim.step import AccumulateGradients, ApplyGradients, GradientNorm, scalar
     from model_core.parallel import comm
     from model_core.parallel.data_parallel import GradientAllReduce
+    from model_core.parallel.parallelize import apply_recompute
     from model_core.parallel.zero import ShardedAdamW
     from model_core.train.system import peak_rss_bytes
-    from model_core.parallel.parallelize import apply_recompute
 
     params = load_params("tiny", overrides)
     dp = params.parallel.data_parallel

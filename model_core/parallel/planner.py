@@ -322,7 +322,9 @@ def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind:
         recompute_graph += kind.recompute_bytes_per_layer * layers
     state = {
         "gradients": 2 * 4 * (shard if zero >= 2 else held),
-        "optimizer": (8 + 4) * shard if zero >= 1 else 8 * held,
+        # AdamW's two moments of what this rank updates; ZeRO-1/2 also keep an fp32 copy of their shard to update
+        # (the weights stay whole), while under ZeRO-3 the shard is the weight itself.
+        "optimizer": 8 * shard + (4 * shard if zero in (1, 2) else 0) if zero >= 1 else 8 * held,
         "runtime": runtime + kind.runtime_bytes_per_layer * layers + recompute_graph,
     }
     backward = Memory(
