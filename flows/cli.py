@@ -88,6 +88,13 @@ def _cmd_train(args: argparse.Namespace) -> int:
         # Data and weights are ready, so the ranks only reuse them; each rank runs this same command under msrun.
         cluster = {"nodes": args.nodes, "node_rank": args.node_rank, "master_addr": args.master_addr}
         launch_training(params, args.raw_args[1:], Path(checkpoints) / "logs", master_port=args.master_port, **cluster)
+        if args.nodes > 1:
+            local = params.parallel.world_size // args.nodes
+            first = args.node_rank * local
+            print(
+                f"node {args.node_rank} of {args.nodes}: ranks {first}-{first + local - 1} finished; their logs are "
+                f"{Path(checkpoints) / 'logs'}/worker_<rank>.log; rank 0 writes the checkpoints to {checkpoints}"
+            )
         return 0
     trainer = Trainer(params, dataset.output_dir, checkpoints, initial_weights=converted.path if converted else None)
     bar = TrainingProgress(trainer.steps)
@@ -97,9 +104,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     finally:
         bar.close()
     resumed = f" (resumed from {result.resumed_from})" if result.resumed_from else ""
+    rank = comm.rank()
+    saved = f"checkpoint {result.checkpoint}" if rank == 0 else f"rank 0 writes the checkpoints to {checkpoints}"
     print(
-        f"trained {result.steps} steps{resumed}: loss {result.initial_loss:.4f} -> {result.final_loss:.4f}, "
-        f"{result.skipped_steps} skipped; checkpoint {result.checkpoint}"
+        f"{f'rank {rank}: ' if rank else ''}trained {result.steps} steps{resumed}: loss {result.initial_loss:.4f} -> "
+        f"{result.final_loss:.4f}, {result.skipped_steps} skipped; {saved}"
     )
     return 0
 

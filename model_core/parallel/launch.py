@@ -78,7 +78,10 @@ def launch(
     """Run `python <python_args>` as `world_size / nodes` local ranks of a `world_size`-rank msrun job.
 
     This node's first rank's log streams to `echo` (stdout by default). Returns when every rank succeeded;
-    raises LaunchError otherwise. Logs: `log_dir/worker_<rank>.log`, msrun's own in `log_dir/msrun.log`."""
+    raises LaunchError otherwise. Logs: `log_dir/worker_<rank>.log`, msrun's own in `log_dir/msrun.log`
+    (`msrun-node<r>.log` on each node of a multi-node job, whose nodes may share log_dir). MindSpore's own
+    logging shows errors only (its INFO and WARNING lines are connection chatter), unless GLOG_v is set or
+    LLMFLOW_DEBUG=1."""
     if world_size < 1 or nodes < 1 or world_size % nodes:
         raise ParallelConfigError(f"world size {world_size} does not split evenly over {nodes} nodes")
     if not 0 <= node_rank < nodes:
@@ -94,12 +97,15 @@ def launch(
         "python", *python_args,
     ]
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
-    msrun_log = log_dir / "msrun.log"
+    quiet = "GLOG_v" not in env and env.get("LLMFLOW_DEBUG") != "1"
+    if quiet:
+        env["GLOG_v"] = "3"  # MindSpore's log level: errors only
+    msrun_log = log_dir / ("msrun.log" if nodes == 1 else f"msrun-node{node_rank}.log")
     with msrun_log.open("w") as sink:
         msrun = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     watch = _Watch()
     try:
-        finished = _supervise(msrun, watch, log_dir / f"worker_{node_rank * local}.log", grace_s, echo or sys.stdout)
+        finished = _supervise(msrun, watch, log_dir / f"worker_{node_rank * local}.log", grace_s, echo or sys.stdout, quiet)
     finally:
         _kill_all(msrun, watch)
     if not finished:
@@ -108,12 +114,14 @@ def launch(
         raise LaunchError(_failed_process(msrun_log, watch))
 
 
-def _supervise(msrun: subprocess.Popen, watch: _Watch, streamed: Path, grace_s: float, echo: TextIO) -> bool:
+def _supervise(
+    msrun: subprocess.Popen, watch: _Watch, streamed: Path, grace_s: float, echo: TextIO, quiet: bool
+) -> bool:
     """Stream the log and track processes until msrun exits (True) or the grace after a first exit runs out."""
     offset = 0
     while True:
         done = msrun.poll() is not None
-        offset = _copy_new_text(streamed, offset, echo)
+        offset = _copy_new_text(streamed, offset, echo, quiet, whole=done)
         if done:
             return True
         _track(msrun.pid, watch, streamed.parent)
@@ -178,14 +186,20 @@ def log_tail(path: Path | None, lines: int = LOG_TAIL_LINES) -> str:
     return "\n".join((meaningful or text)[-lines:])
 
 
-def _copy_new_text(path: Path, offset: int, echo: TextIO) -> int:
+def _copy_new_text(path: Path, offset: int, echo: TextIO, quiet: bool = False, whole: bool = False) -> int:
+    """Copy the log's complete new lines (all of it when `whole`) to `echo`; the offset copied up to. `quiet`
+    leaves out MindSpore's INFO lines: a worker's communication threads print some while the process exits,
+    whatever GLOG_v says."""
     if not path.exists():
         return offset
     with path.open("rb") as handle:
         handle.seek(offset)
         chunk = handle.read()
+    if not whole:
+        chunk = chunk[: chunk.rfind(b"\n") + 1]
     if chunk:
-        echo.write(chunk.decode(errors="replace"))
+        lines = chunk.decode(errors="replace").splitlines(keepends=True)
+        echo.write("".join(line for line in lines if not (quiet and line.startswith("[INFO] "))))
         echo.flush()
     return offset + len(chunk)
 

@@ -1,0 +1,141 @@
+"""Two hosts on one machine: two network namespaces joined by a veth pair, addressed from 192.0.2.0/24 (a
+documentation range: nothing outside the namespaces is ever addressed), one `llmflow train` node rank in each.
+dp2 with one rank a host equals one process over 10 steps; the second node says what it did instead of a
+checkpoint it never wrote, and MindSpore's INFO lines stay out of both consoles.
+
+The namespaces need root (CAP_SYS_ADMIN) and iproute2's `ip`; where they cannot be made the tests skip and
+say why. They are deleted after the tests, and before them in case a killed run left some behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import SMALL_MODEL
+
+from model_core.data import prepare_dataset
+from model_core.train.trainer import Trainer
+from params import load_params
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+# (namespace, its end of the veth pair, its address)
+HOSTS = (("llmflow-h0", "llmflow-v0", "192.0.2.1"), ("llmflow-h1", "llmflow-v1", "192.0.2.2"))
+MASTER_PORT = 29555  # a fresh namespace has every port free
+STEPS = 10
+
+
+def _ip(*arguments: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *arguments], capture_output=True, text=True, check=False)
+
+
+def _why_no_namespaces() -> str | None:
+    if shutil.which("ip") is None:
+        return "no `ip` command (iproute2) to make network namespaces"
+    if os.geteuid() != 0:
+        return "network namespaces need root (CAP_SYS_ADMIN)"
+    made = _ip("netns", "add", "llmflow-probe")
+    _ip("netns", "delete", "llmflow-probe")
+    return None if made.returncode == 0 else f"cannot make a network namespace: {made.stderr.strip()}"
+
+
+def _delete_hosts() -> None:
+    for namespace, _, _ in HOSTS:  # deleting a namespace deletes the veth end inside it, and so the pair
+        _ip("netns", "delete", namespace)
+
+
+def _make_hosts() -> None:
+    (first, first_end, _), (second, second_end, _) = HOSTS
+    steps = [
+        ("netns", "add", first), ("netns", "add", second),
+        ("link", "add", first_end, "type", "veth", "peer", "name", second_end),
+        ("link", "set", first_end, "netns", first), ("link", "set", second_end, "netns", second),
+    ]
+    for namespace, end, address in HOSTS:
+        steps += [
+            ("-n", namespace, "addr", "add", f"{address}/24", "dev", end),
+            ("-n", namespace, "link", "set", end, "up"),
+            ("-n", namespace, "link", "set", "lo", "up"),  # msrun's ranks also talk to their own node
+        ]
+    for step in steps:
+        result = _ip(*step)
+        if result.returncode != 0:
+            raise RuntimeError(f"ip {' '.join(step)}: {result.stderr.strip()}")
+
+
+@pytest.fixture(scope="module")
+def two_hosts():
+    reason = _why_no_namespaces()
+    if reason is not None:
+        print(f"skipping the multi-host tests: {reason}")
+        pytest.skip(reason)
+    _delete_hosts()
+    try:
+        _make_hosts()
+        yield HOSTS
+    finally:
+        _delete_hosts()
+
+
+@pytest.fixture(scope="module")
+def overrides(corpus_jsonl, tmp_path_factory):
+    """The params both nodes and the one-process reference train with; the dataset prepared once, first."""
+    out = tmp_path_factory.mktemp("multihost")
+    values = [
+        f"data.sources=[{{kind: jsonl, paths: ['{corpus_jsonl}']}}]", f"data.output_dir={out / 'data'}",
+        f"train.output_dir={out / 'train'}", *SMALL_MODEL, f"train.steps={STEPS}", "train.log_interval=1",
+        "train.eval_interval=1000", "train.checkpoint_interval=1000", "train.micro_batch_size=2",
+        "optimizer.warmup_steps=2",
+    ]
+    params = load_params("tiny", values)
+    prepare_dataset(params.data, params.tokenizer, params.model)
+    return values
+
+
+def _node(host: tuple[str, str, str], node_rank: int, overrides: list[str], metrics: Path) -> subprocess.Popen:
+    namespace = host[0]
+    options = [item for value in [*overrides, "parallel.data_parallel=2"] for item in ("--set", value)]
+    command = [
+        "ip", "netns", "exec", namespace, sys.executable, "-m", "flows.cli", "train", "--params", "tiny", *options,
+        "--nodes", "2", "--node-rank", str(node_rank), "--master-addr", HOSTS[0][2],
+        "--master-port", str(MASTER_PORT), "--metrics-jsonl", str(metrics),
+    ]
+    return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_dp2_across_two_hosts_equals_one_process(two_hosts, overrides, tmp_path):
+    nodes = [_node(host, rank, overrides, tmp_path / f"node{rank}.jsonl") for rank, host in enumerate(two_hosts)]
+    outputs = []
+    for node in nodes:
+        try:
+            outputs.append(node.communicate(timeout=600)[0])
+        except subprocess.TimeoutExpired:
+            for other in nodes:
+                other.kill()
+            raise
+    for rank, (node, output) in enumerate(zip(nodes, outputs)):
+        assert node.returncode == 0, f"node {rank} exited {node.returncode}:\n{output[-3000:]}"
+        assert "[INFO]" not in output, f"node {rank} printed MindSpore INFO lines:\n{output[-3000:]}"
+    summaries = ("trained", "rank", "node")
+    first, second = ([line for line in output.splitlines() if line.startswith(summaries)] for output in outputs)
+    assert first[0].startswith(f"trained {STEPS} steps") and "; checkpoint /" in first[0]
+    assert second[0].startswith(f"rank 1: trained {STEPS} steps") and "rank 0 writes the checkpoints to" in second[0]
+    assert second[-1].startswith("node 1 of 2: ranks 1-1 finished; their logs are") and "None" not in outputs[1]
+
+    across = [json.loads(line) for line in (tmp_path / "node0.jsonl").read_text().splitlines()]
+    reference = load_params("tiny", [*overrides, "parallel.micro_batches=2", f"train.output_dir={tmp_path / 'one'}"])
+    expected = Trainer(reference, _dataset(reference), tmp_path / "one" / "ckpt").run().history
+    assert [record["step"] for record in across] == [record["step"] for record in expected] == list(range(1, STEPS + 1))
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in across], [r[key] for r in expected], rtol=1e-5, err_msg=key)
+
+
+def _dataset(params) -> Path:
+    return prepare_dataset(params.data, params.tokenizer, params.model).output_dir
