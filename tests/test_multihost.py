@@ -20,6 +20,7 @@ import pytest
 from conftest import SMALL_MODEL
 
 from model_core.data import prepare_dataset
+from model_core.parallel.layout import Layout
 from model_core.train.trainer import Trainer
 from params import load_params
 
@@ -100,18 +101,18 @@ def overrides(corpus_jsonl, tmp_path_factory):
 
 
 def _node(host: tuple[str, str, str], node_rank: int, overrides: list[str], metrics: Path) -> subprocess.Popen:
-    namespace = host[0]
-    options = [item for value in [*overrides, "parallel.data_parallel=2"] for item in ("--set", value)]
+    options = [item for value in overrides for item in ("--set", value)]
     command = [
-        "ip", "netns", "exec", namespace, sys.executable, "-m", "flows.cli", "train", "--params", "tiny", *options,
+        "ip", "netns", "exec", host[0], sys.executable, "-m", "flows.cli", "train", "--params", "tiny", *options,
         "--nodes", "2", "--node-rank", str(node_rank), "--master-addr", HOSTS[0][2],
         "--master-port", str(MASTER_PORT), "--metrics-jsonl", str(metrics),
     ]
     return subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def test_dp2_across_two_hosts_equals_one_process(two_hosts, overrides, tmp_path):
-    nodes = [_node(host, rank, overrides, tmp_path / f"node{rank}.jsonl") for rank, host in enumerate(two_hosts)]
+def _run_on_both(hosts, overrides: list[str], out: Path) -> list[str]:
+    """Both node ranks of one job, each in its host; their console output. Both must succeed."""
+    nodes = [_node(host, rank, overrides, out / f"node{rank}.jsonl") for rank, host in enumerate(hosts)]
     outputs = []
     for node in nodes:
         try:
@@ -123,18 +124,44 @@ def test_dp2_across_two_hosts_equals_one_process(two_hosts, overrides, tmp_path)
     for rank, (node, output) in enumerate(zip(nodes, outputs)):
         assert node.returncode == 0, f"node {rank} exited {node.returncode}:\n{output[-3000:]}"
         assert "[INFO]" not in output, f"node {rank} printed MindSpore INFO lines:\n{output[-3000:]}"
+    return outputs
+
+
+def _assert_equals_one_process(out: Path, overrides: list[str], micro_batches: int) -> None:
+    """Rank 0's losses and gradient norms against one process on the same global batch."""
+    across = [json.loads(line) for line in (out / "node0.jsonl").read_text().splitlines()]
+    one = [*overrides, f"parallel.micro_batches={micro_batches}", f"train.output_dir={out / 'one'}"]
+    reference = load_params("tiny", one)
+    expected = Trainer(reference, _dataset(reference), out / "one" / "ckpt").run().history
+    assert [record["step"] for record in across] == [record["step"] for record in expected] == list(range(1, STEPS + 1))
+    for key in ("loss", "grad_norm"):
+        np.testing.assert_allclose([r[key] for r in across], [r[key] for r in expected], rtol=1e-5, err_msg=key)
+
+
+def test_dp2_across_two_hosts_equals_one_process(two_hosts, overrides, tmp_path):
+    outputs = _run_on_both(two_hosts, [*overrides, "parallel.data_parallel=2"], tmp_path)
     summaries = ("trained", "rank", "node")
     first, second = ([line for line in output.splitlines() if line.startswith(summaries)] for output in outputs)
     assert first[0].startswith(f"trained {STEPS} steps") and "; checkpoint /" in first[0]
     assert second[0].startswith(f"rank 1: trained {STEPS} steps") and "rank 0 writes the checkpoints to" in second[0]
     assert second[-1].startswith("node 1 of 2: ranks 1-1 finished; their logs are") and "None" not in outputs[1]
+    _assert_equals_one_process(tmp_path, overrides, micro_batches=2)
 
-    across = [json.loads(line) for line in (tmp_path / "node0.jsonl").read_text().splitlines()]
-    reference = load_params("tiny", [*overrides, "parallel.micro_batches=2", f"train.output_dir={tmp_path / 'one'}"])
-    expected = Trainer(reference, _dataset(reference), tmp_path / "one" / "ckpt").run().history
-    assert [record["step"] for record in across] == [record["step"] for record in expected] == list(range(1, STEPS + 1))
-    for key in ("loss", "grad_norm"):
-        np.testing.assert_allclose([r[key] for r in across], [r[key] for r in expected], rtol=1e-5, err_msg=key)
+
+def test_tp2_pp2_on_two_hosts_keeps_each_tp_group_in_one_host_and_equals_one_process(two_hosts, overrides, tmp_path):
+    """Two ranks a host: ranks 0-1 (stage 0's tp pair) on the first, 2-3 (stage 1's) on the second, so only the
+    pipeline's messages cross between the hosts."""
+    layout = ["parallel.tensor_parallel=2", "parallel.pipeline_parallel=2", "parallel.micro_batches=4"]
+    outputs = _run_on_both(two_hosts, [*overrides, *layout, f"train.output_dir={tmp_path / 'train'}"], tmp_path)
+    assert outputs[1].splitlines()[-1].startswith("node 1 of 2: ranks 2-3 finished")
+    placed = Layout(tp=2, pp=2)
+    assert [placed.tp_group(rank) for rank in range(4)] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert [placed.coordinates(rank).pp for rank in range(4)] == [0, 0, 1, 1]
+    (logs,) = (tmp_path / "train").glob("*/pretrain/logs")
+    for node, ranks in ((0, (0, 1)), (1, (2, 3))):  # msrun names the ranks each node started
+        started = (logs / f"msrun-node{node}.log").read_text()
+        assert all(f"rank id:{rank}," in started for rank in ranks), started[-2000:]
+    _assert_equals_one_process(tmp_path, overrides, micro_batches=4)
 
 
 def _dataset(params) -> Path:
