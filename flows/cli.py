@@ -16,6 +16,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from model_core.parallel.launch import LaunchError
 from params import ParamsError, PipelineParams, load_params, preset_names, to_yaml
 
 
@@ -492,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
     except ParamsError as error:
         print(f"llmflow: {error}", file=sys.stderr)
         return 2
-    except (ValueError, ArithmeticError) as error:  # bad input or a diverged run, found by a stage
+    except (ValueError, ArithmeticError, LaunchError) as error:  # bad input, a diverged run, a failed rank
         if os.environ.get("LLMFLOW_DEBUG"):
             raise
         print(f"llmflow {args.command}: {error}", file=sys.stderr)

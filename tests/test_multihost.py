@@ -1,7 +1,8 @@
 """Two hosts on one machine: two network namespaces joined by a veth pair, addressed from 192.0.2.0/24 (a
 documentation range: nothing outside the namespaces is ever addressed), one `llmflow train` node rank in each.
-dp2 with one rank a host equals one process over 10 steps; the second node says what it did instead of a
-checkpoint it never wrote, and MindSpore's INFO lines stay out of both consoles.
+dp2 with one rank a host and tp2 x pp2 with two equal one process over 10 steps; the second node says what it
+did instead of a checkpoint it never wrote, MindSpore's INFO lines stay out of both consoles, and killing the
+second host stops the first with the lost rank named in one line.
 
 The namespaces need root (CAP_SYS_ADMIN) and iproute2's `ip`; where they cannot be made the tests skip and
 say why. They are deleted after the tests, and before them in case a killed run left some behind."""
@@ -13,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +168,31 @@ def test_tp2_pp2_on_two_hosts_keeps_each_tp_group_in_one_host_and_equals_one_pro
 
 def _dataset(params) -> Path:
     return prepare_dataset(params.data, params.tokenizer, params.model).output_dir
+
+
+def test_killing_the_second_host_fails_the_first_with_the_lost_rank_named(two_hosts, overrides, tmp_path):
+    """Everything in the second host is killed once the job has checkpointed; node 0 stops soon after MindSpore's
+    scheduler notices, with one line that says which rank, on which node, stopped answering."""
+    long_run = [*overrides, "parallel.data_parallel=2", "train.steps=2000", "train.checkpoint_interval=5",
+                f"train.output_dir={tmp_path / 'train'}"]
+    nodes = [_node(host, rank, long_run, tmp_path / f"node{rank}.jsonl") for rank, host in enumerate(two_hosts)]
+    try:
+        deadline = time.monotonic() + 300
+        while not list((tmp_path / "train").glob("*/pretrain/step-00000005")):
+            assert time.monotonic() < deadline and all(node.poll() is None for node in nodes), "no checkpoint"
+            time.sleep(0.5)
+        pids = _ip("netns", "pids", two_hosts[1][0]).stdout.split()
+        subprocess.run(["kill", "-9", *pids], check=False)
+        killed = time.monotonic()
+        output = nodes[0].communicate(timeout=180)[0]
+        waited = time.monotonic() - killed
+    finally:
+        for node in nodes:
+            node.kill()
+    print(f"node 0 stopped {waited:.1f} s after the second host's processes were killed")
+    assert nodes[0].returncode == 1, output[-3000:]
+    # Rank 0's own log streams to the console as it is written, its failed all-reduce included; llmflow's reason
+    # is the line after it, with no traceback of the launcher's own.
+    reasons = [line for line in output.splitlines() if line.startswith("llmflow train: ")]
+    assert reasons and reasons[0].startswith("llmflow train: rank 1 on node 1 stopped answering the job's scheduler")
+    assert "Traceback" not in output[output.index(reasons[0]) :] and waited < 90

@@ -33,6 +33,8 @@ from params.schema import PipelineParams
 
 LOG_TAIL_LINES = 40
 _WORKER_FAILED = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
+# The scheduler's word for a rank whose heartbeats stopped: its node died or lost the network.
+_RANK_LOST = re.compile(r"The node: (\d+) is timed out")
 
 
 class LaunchError(RuntimeError):
@@ -109,9 +111,9 @@ def launch(
     finally:
         _kill_all(msrun, watch)
     if not finished:
-        raise LaunchError(f"{_failed_process(msrun_log, watch)}\n(the job was killed {grace_s:.0f} s after that exit)")
+        raise LaunchError(f"{_failed_process(msrun_log, watch, local)}\n(the job was killed {grace_s:.0f} s after that exit)")
     if msrun.returncode != 0:
-        raise LaunchError(_failed_process(msrun_log, watch))
+        raise LaunchError(_failed_process(msrun_log, watch, local))
 
 
 def _supervise(
@@ -162,8 +164,18 @@ def _alive(pid: int, process: _Process) -> bool:
         return False
 
 
-def _failed_process(msrun_log: Path, watch: _Watch) -> str:
-    """msrun names the failed worker by pid; fall back to the first process seen to exit."""
+def _failed_process(msrun_log: Path, watch: _Watch, ranks_per_node: int) -> str:
+    """A rank the scheduler lost (on node 0, which runs it: another node died), else the failed worker msrun
+    names by pid, else the first process seen to exit."""
+    scheduler_log = msrun_log.parent / "scheduler.log"
+    lost = _RANK_LOST.search(scheduler_log.read_text(errors="replace")) if scheduler_log.exists() else None
+    if lost:
+        rank = int(lost[1])
+        return (
+            f"rank {rank} on node {rank // ranks_per_node} stopped answering the job's scheduler (that node's "
+            f"processes died or it lost the network), so this node's ranks were stopped; the scheduler's log: "
+            f"{scheduler_log}"
+        )
     found = _WORKER_FAILED.search(msrun_log.read_text(errors="replace"))
     if found and int(found[1]) in watch.processes:
         return _describe(watch.processes[int(found[1])], f"exited with code {found[2]}")
