@@ -64,10 +64,11 @@ class LoraLinear(nn.Cell):
     the same 3.0 GB, so it is not used.
 
     A starts Kaiming-uniform (bound 1/sqrt(in)), B at zero. On a placeholder base (a model described inside
-    `deferred_weights()`, made later by its layout) A and B are placeholders too: A's draw is keyed by its path
-    like every other weight's, so each layout's block of it is the same block of the single-process A. While merged, W holds W + (alpha/r) B A and B is
-    zero, so the adapter adds exactly nothing in any graph, compiled before or after; the exact W and B are
-    kept on the host until `unmerge`.
+    `deferred_weights()` and made later) A and B are placeholders too: A's draw is keyed by its path like every
+    other weight's, so any block of it is the same block of the single-process A.
+
+    While merged, W holds W + (alpha/r) B A and B is zero, so the adapter adds exactly nothing in any graph,
+    compiled before or after; the exact W and B are kept on the host until `unmerge`.
     """
 
     def __init__(self, base: Linear, rank: int, alpha: float, dropout: float):

@@ -350,10 +350,10 @@ def check_dataset(dataset_dir: str | Path, params: PipelineParams) -> None:
         ("vocab_size", manifest["vocab_size"] - manifest.get("vocab_padding", 0), model.unpadded_vocab_size, tokens),
         ("seq_len", manifest["seq_len"], model.seq_len, "model.seq_len"),
     )
-    for field, made_for, wanted, ours in checks:
+    for name, made_for, wanted, ours in checks:
         if made_for != wanted:
             raise ValueError(
-                f"dataset {dataset_dir} was prepared for {field}={made_for} but {ours}={wanted}; "
+                f"dataset {dataset_dir} was prepared for {name}={made_for} but {ours}={wanted}; "
                 "prepare the data again with these params"
             )
 
