@@ -87,7 +87,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     converted = convert_for_run(convert, params.model, params.parallel.tensor_parallel) if convert.hf_source else None
     if params.parallel.world_size > 1 and not comm.launched_by_msrun():
         # Data and weights are ready, so the ranks only reuse them; each rank runs this same command under msrun.
-        cluster = {"nodes": args.nodes, "node_rank": args.node_rank, "master_addr": args.master_addr}
+        cluster = {
+            "nodes": args.nodes, "node_rank": args.node_rank, "master_addr": args.master_addr,
+            "node_timeout_s": args.node_timeout,
+        }
         launch_training(params, args.raw_args[1:], Path(checkpoints) / "logs", master_port=args.master_port, **cluster)
         if args.nodes > 1:
             local = params.parallel.world_size // args.nodes
@@ -379,6 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
     scale_out.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nodes-1")
     scale_out.add_argument("--master-addr", default="127.0.0.1", help="address of node 0")
     scale_out.add_argument("--master-port", type=int, help="port on node 0 (default: a free one; set it with --nodes > 1)")
+    scale_out.add_argument(
+        "--node-timeout", type=int, default=15, metavar="SECONDS",
+        help="fail the job when a node has been silent this long (default 15; MS_NODE_TIMEOUT, when set, wins)",
+    )
     train.set_defaults(handler=_cmd_train)
 
     tune = commands.add_parser(

@@ -4,6 +4,8 @@ process (no msrun)."""
 
 from __future__ import annotations
 
+import socket
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -15,6 +17,7 @@ from model_core.model.weights import model_weights, named_weights
 from model_core.optim.adamw import AdamW
 from model_core.optim.step import AccumulateGradients
 from model_core.parallel import comm
+from model_core.parallel import launch as launcher
 from model_core.parallel.data_parallel import bucket_indices
 from model_core.parallel.launch import launch, launch_training, log_tail
 from model_core.parallel.layout import Layout, ParallelConfigError, check_tensor_parallel
@@ -82,7 +85,22 @@ def test_invalid_layouts_fail_before_anything_is_launched(tmp_path):
         launch_training(odd, ["--params", "tiny"], tmp_path / "logs")
     with pytest.raises(ParallelConfigError, match="does not split evenly over 2 nodes"):
         launch(["-c", "pass"], 3, tmp_path / "logs", nodes=2)
+    with pytest.raises(ParallelConfigError, match="node timeout 0 s"):
+        launch(["-c", "pass"], 2, tmp_path / "logs", node_timeout_s=0)
     assert not (tmp_path / "logs").exists()
+
+
+def test_a_lost_node_is_named_with_its_host_and_a_rerun_sets_the_earlier_logs_aside(tmp_path):
+    """Node 0 reads the lost rank from the scheduler's log and the machine from the note the lost node left in
+    the shared log directory; a rerun in that directory renames the logs it would otherwise read stale."""
+    launcher._note_this_node(tmp_path, 1, "127.0.0.1")
+    (tmp_path / "scheduler.log").write_text("[ERROR] DISTRIBUTED ... The node: 3 is timed out. It may exit ...\n")
+    (tmp_path / "worker_2.log").write_text("the first attempt\n")
+    message = launcher._failed_process(tmp_path / "msrun-node0.log", launcher._Watch(), ranks_per_node=2)
+    assert message.startswith(f"rank 3 on node 1 (host {socket.gethostname()}, 127.0.0.1) stopped answering")
+    launcher._set_aside_earlier_logs(tmp_path, range(2, 4), scheduler=False)
+    assert (tmp_path / "worker_2.previous.log").read_text() == "the first attempt\n"
+    assert not (tmp_path / "worker_2.log").exists() and (tmp_path / "scheduler.log").exists()
 
 
 def _simulate(contribution, finish, inputs):

@@ -9,11 +9,15 @@ and then kills every process msrun started: its own process group and each worke
 worker in a session of its own).
 
 Multi-node: run the same `launch` on every node with `nodes`, that node's `node_rank` and the same
-`master_addr`/`master_port` (node 0's address); the world size is the total over all nodes.
+`master_addr`/`master_port` (node 0's address); the world size is the total over all nodes. A node whose
+processes die or whose network goes is noticed by the scheduler (on node 0) after `node_timeout_s` without
+its heartbeats; the job then stops on every node. Each node notes its host name and address in the log
+directory (shared by the nodes, like the checkpoints), so node 0 can say which machine was lost.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -75,6 +79,7 @@ def launch(
     master_port: int | None = None,
     grace_s: float = 15.0,
     cluster_timeout_s: int = 120,
+    node_timeout_s: int = 15,
     echo: TextIO | None = None,
 ) -> None:
     """Run `python <python_args>` as `world_size / nodes` local ranks of a `world_size`-rank msrun job.
@@ -83,11 +88,15 @@ def launch(
     raises LaunchError otherwise. Logs: `log_dir/worker_<rank>.log`, msrun's own in `log_dir/msrun.log`
     (`msrun-node<r>.log` on each node of a multi-node job, whose nodes may share log_dir). MindSpore's own
     logging shows errors only (its INFO and WARNING lines are connection chatter), unless GLOG_v is set or
-    LLMFLOW_DEBUG=1."""
+    LLMFLOW_DEBUG=1. `node_timeout_s`: how long the scheduler waits for a silent node before it fails the
+    job (MindSpore's MS_NODE_TIMEOUT, used as given when set); MindSpore's own 30 s, plus the stop that
+    follows, is more than the half minute within which a lost host should fail the job."""
     if world_size < 1 or nodes < 1 or world_size % nodes:
         raise ParallelConfigError(f"world size {world_size} does not split evenly over {nodes} nodes")
     if not 0 <= node_rank < nodes:
         raise ParallelConfigError(f"node rank {node_rank} is outside 0..{nodes - 1}")
+    if node_timeout_s < 1:
+        raise ParallelConfigError(f"node timeout {node_timeout_s} s: a node must be given at least 1 s")
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     local = world_size // nodes
@@ -102,6 +111,10 @@ def launch(
     quiet = "GLOG_v" not in env and env.get("LLMFLOW_DEBUG") != "1"
     if quiet:
         env["GLOG_v"] = "3"  # MindSpore's log level: errors only
+    env.setdefault("MS_NODE_TIMEOUT", str(node_timeout_s))
+    if nodes > 1:
+        _note_this_node(log_dir, node_rank, master_addr)
+    _set_aside_earlier_logs(log_dir, range(node_rank * local, (node_rank + 1) * local), node_rank == 0)
     msrun_log = log_dir / ("msrun.log" if nodes == 1 else f"msrun-node{node_rank}.log")
     with msrun_log.open("w") as sink:
         msrun = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -171,10 +184,11 @@ def _failed_process(msrun_log: Path, watch: _Watch, ranks_per_node: int) -> str:
     lost = _RANK_LOST.search(scheduler_log.read_text(errors="replace")) if scheduler_log.exists() else None
     if lost:
         rank = int(lost[1])
+        node = rank // ranks_per_node
         return (
-            f"rank {rank} on node {rank // ranks_per_node} stopped answering the job's scheduler (that node's "
-            f"processes died or it lost the network), so this node's ranks were stopped; the scheduler's log: "
-            f"{scheduler_log}"
+            f"rank {rank} on node {node}{_where(msrun_log.parent, node)} stopped answering the job's scheduler "
+            f"(that node's processes died or it lost the network), so this node's ranks were stopped; the "
+            f"scheduler's log: {scheduler_log}"
         )
     found = _WORKER_FAILED.search(msrun_log.read_text(errors="replace"))
     if found and int(found[1]) in watch.processes:
@@ -183,6 +197,46 @@ def _failed_process(msrun_log: Path, watch: _Watch, ranks_per_node: int) -> str:
     if exited:
         return _describe(min(exited, key=lambda p: p.exited_at), "exited first")
     return f"msrun failed before any rank started; the end of {msrun_log}:\n{log_tail(msrun_log)}"
+
+
+def _set_aside_earlier_logs(log_dir: Path, ranks: range, scheduler: bool) -> None:
+    """Rename the logs an earlier job in this directory (a resumed run's first attempt) left, to
+    `<name>.previous.log`: msrun rewrites them in place, so streaming from the start of a stale log would
+    skip the new one's first lines, and a stale scheduler log would blame a node for a failure it did not
+    cause this time."""
+    names = [f"worker_{rank}.log" for rank in ranks] + (["scheduler.log"] if scheduler else [])
+    for name in names:
+        log = log_dir / name
+        if log.exists():
+            log.replace(log.with_name(f"{log.stem}.previous.log"))
+
+
+def _note_this_node(log_dir: Path, node_rank: int, master_addr: str) -> None:
+    """Write `node-<rank>.json`: this machine's name and the address it reaches node 0 from."""
+    note = {"node": node_rank, "host": socket.gethostname(), "address": _address_towards(master_addr)}
+    path = log_dir / f"node-{node_rank}.json"
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(note))
+    partial.replace(path)
+
+
+def _address_towards(master_addr: str) -> str | None:
+    """The local address the route to node 0 leaves from (a UDP connect sends nothing)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((master_addr, 9))
+            return probe.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _where(log_dir: Path, node: int) -> str:
+    """' (host NAME, ADDRESS)' from the node's own note, or nothing when it left none here."""
+    try:
+        note = json.loads((log_dir / f"node-{node}.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return f" (host {note['host']}, {note['address']})" if note.get("address") else f" (host {note['host']})"
 
 
 def _describe(process: _Process, what: str) -> str:
