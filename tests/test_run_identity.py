@@ -194,3 +194,13 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--version"])
     assert exit_.value.code == 0 and capsys.readouterr().out.startswith("llmflow ")
+
+
+def test_continuing_with_a_tokenizer_trained_on_other_data_is_refused(first_run, capsys):
+    sets, _, first_directory, halves, _ = first_run
+    trained_tokenizer = [item for item in sets if not item.startswith("tokenizer.model_path=")]
+    second = [f"data.sources=[{{kind: jsonl, paths: ['{halves[1]}']}}]", *trained_tokenizer]
+    capsys.readouterr()
+    assert main(["train", *_cli_sets(*second)]) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "was trained with another tokenizer" in error and "tokenizer.model_path" in error
