@@ -40,10 +40,10 @@ def evaluate_stage(
     if tuned is not None:
         held_out["instructions"] = tuned.instructions_dir
         models["finetuned"] = tuned.adapters_dir
-    # A report per model, keyed by what it scores: a base already scored in an earlier run is not scored again.
-    directories = {name: eval_directory(params, pretrained, adapters, held_out) for name, adapters in models.items()}
-    done = {name for name, directory in directories.items() if (directory / JSON_NAME).is_file()}
     with stage_run(tracking, "evaluate") as run:
+        # A report per model, keyed by what it scores: a model scored in an earlier run is not scored again.
+        directories = {name: eval_directory(params, pretrained, adapters, held_out) for name, adapters in models.items()}
+        done = {name for name, directory in directories.items() if (directory / JSON_NAME).is_file()}
         run.log_params({key: value for key, value in flatten(params).items() if key.startswith("eval.")})
         run.log_params({"stage.checkpoint": pretrained, **{f"stage.adapters.{k}": v for k, v in models.items() if v}})
         record_reuse(run, "evaluate", ", ".join(map(str, directories.values())) if done == set(models) else None)
