@@ -2,9 +2,9 @@
 conversion and tokenizer tools.
 
 The pipeline commands take `--params NAME_OR_FILE` (default: the `tiny` preset) and any number of
-`--set section.field=value` overrides. Bad params exit with status 2 and a message naming the
-file, line and field; a failed stage exits with status 1 and its reason (LLMFLOW_DEBUG=1 shows
-the traceback too).
+`--set section.field=value` overrides. Errors are said on stderr without a traceback: bad params or
+arguments exit with status 2 and a message naming the file, line and field (one line per problem); any
+other failure exits with status 1 and its reason in one line (LLMFLOW_DEBUG=1 shows the traceback too).
 """
 
 from __future__ import annotations
@@ -14,10 +14,15 @@ import json
 import os
 import sys
 from collections.abc import Callable
+from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 from model_core.parallel.launch import LaunchError
 from params import ParamsError, PipelineParams, load_params, preset_names, to_yaml
+
+if TYPE_CHECKING:
+    from model_core.train.runs import TrainingRun
 
 
 def _quiet_prefect_defaults() -> None:
@@ -72,48 +77,108 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from model_core.convert import convert_for_run
     from model_core.parallel import comm
     from model_core.parallel.launch import launch_training
+    from model_core.parallel.layout import Layout
     from model_core.train.callbacks import fan_out, jsonl_writer
-    from model_core.train.checkpoint import run_directory
+    from model_core.train.runs import TrainingRun, pretraining_run
     from model_core.train.trainer import Trainer
-    from params import params_hash
     from tasks.progress import TrainingProgress
 
     params = _params(args)
+    Layout.from_params(params, params.parallel.world_size)  # a bad layout fails before anything is prepared
     dataset = _prepared_pretraining_data(params)
-    checkpoints = args.checkpoint_dir or run_directory(
-        params.train.output_dir, params.name, params_hash(params), dataset.output_dir, "pretrain"
-    )
     convert = params.convert
     converted = convert_for_run(convert, params.model, params.parallel.tensor_parallel) if convert.hf_source else None
+    initial_weights = converted.path if converted else None
+    if args.checkpoint_dir:
+        planned = TrainingRun.at(args.checkpoint_dir, params.train.steps)
+    else:
+        planned = pretraining_run(params, dataset.output_dir, initial_weights)
+    checkpoints = planned.directory
+    resume = args.resume or "none"
+    if not comm.launched_by_msrun():  # a launcher decides for its ranks, which run with its choice
+        resume = _resume_choice(planned, args.resume)
+        if resume is None:
+            return 0
+        planned.write_record()
     if params.parallel.world_size > 1 and not comm.launched_by_msrun():
         # Data and weights are ready, so the ranks only reuse them; each rank runs this same command under msrun.
         cluster = {
             "nodes": args.nodes, "node_rank": args.node_rank, "master_addr": args.master_addr,
             "node_timeout_s": args.node_timeout,
         }
-        launch_training(params, args.raw_args[1:], Path(checkpoints) / "logs", master_port=args.master_port, **cluster)
+        rank_args = [*args.raw_args[1:], "--checkpoint-dir", str(checkpoints), "--resume", resume]
+        launch_training(params, rank_args, checkpoints / "logs", master_port=args.master_port, **cluster)
         if args.nodes > 1:
             local = params.parallel.world_size // args.nodes
             first = args.node_rank * local
             print(
                 f"node {args.node_rank} of {args.nodes}: ranks {first}-{first + local - 1} finished; their logs are "
-                f"{Path(checkpoints) / 'logs'}/worker_<rank>.log; rank 0 writes the checkpoints to {checkpoints}"
+                f"{checkpoints / 'logs'}/worker_<rank>.log; rank 0 writes the checkpoints to {checkpoints}"
             )
         return 0
-    trainer = Trainer(params, dataset.output_dir, checkpoints, initial_weights=converted.path if converted else None)
-    bar = TrainingProgress(trainer.steps)
+    start = initial_weights if planned.continue_from is None else None  # a continued run starts from its own
+    trainer = Trainer(params, dataset.output_dir, checkpoints, initial_weights=start, continue_from=planned.continue_from)
+    bar = TrainingProgress(planned.final_step, initial=_starting_step(planned, resume))
     jsonl = jsonl_writer(args.metrics_jsonl) if args.metrics_jsonl else None
     try:
-        result = trainer.run(on_metrics=fan_out(bar, jsonl), resume=args.resume)
+        result = trainer.run(on_metrics=fan_out(bar, jsonl), resume=resume)
     finally:
         bar.close()
-    resumed = f" (resumed from {result.resumed_from})" if result.resumed_from else ""
+    if result.resumed_from:
+        origin = f" (resumed from {result.resumed_from})"
+    elif result.continued_from:
+        origin = f" (steps {result.schedule_start + 1}-{result.steps}, continuing {result.continued_from})"
+    else:
+        origin = ""
     rank = comm.rank()
     saved = f"checkpoint {result.checkpoint}" if rank == 0 else f"rank 0 writes the checkpoints to {checkpoints}"
     print(
-        f"{f'rank {rank}: ' if rank else ''}trained {result.steps} steps{resumed}: loss {result.initial_loss:.4f} -> "
-        f"{result.final_loss:.4f}, {result.skipped_steps} skipped; {saved}"
+        f"{f'rank {rank}: ' if rank else ''}trained {result.steps - result.schedule_start} steps{origin}: loss "
+        f"{result.initial_loss:.4f} -> {result.final_loss:.4f}, {result.skipped_steps} skipped; {saved}"
     )
+    return 0
+
+
+def _resume_choice(planned: TrainingRun, resume: str | None) -> str | None:
+    """How `llmflow train` starts in a run directory: `resume` as given, "none" for a new run, an error for an
+    existing run without --resume, None when the run is complete and --resume auto has nothing to do."""
+    import shutil
+
+    from model_core.train.checkpoint import list_checkpoints
+
+    newest = planned.newest()
+    if newest is None:
+        return resume or "none"
+    if resume is None:
+        raise ValueError(
+            f"{planned.directory} already holds this run (newest checkpoint {newest.path.name}); pass --resume auto "
+            "to continue it, or --resume none to start it again (its checkpoints are deleted)"
+        )
+    finished = planned.finished()
+    if resume == "auto" and finished is not None:
+        counters = finished.state()["counters"]
+        print(
+            f"nothing to do: {planned.directory} already holds this run's final checkpoint {finished.path.name} "
+            f"(loss {counters['initial_loss']:.4f} -> {counters['last_loss']:.4f})"
+        )
+        return None
+    if resume == "none":
+        stale = list_checkpoints(planned.directory)
+        for checkpoint in stale:  # left behind, a later step of the old run would pass for one of the new
+            shutil.rmtree(checkpoint.path)
+        print(f"starting {planned.directory} again: deleted its {len(stale)} checkpoints")
+    return resume
+
+
+def _starting_step(planned: TrainingRun, resume: str) -> int:
+    """The step a run starts at: its newest valid checkpoint's (resume auto), the one it continues, or 0."""
+    from model_core.train.checkpoint import Checkpoint, latest_valid
+
+    found = latest_valid(planned.directory) if resume == "auto" else None
+    if found is not None:
+        return found.step
+    if planned.continue_from is not None:
+        return Checkpoint(planned.continue_from, -1).state()["step"]
     return 0
 
 
@@ -138,10 +203,13 @@ def _prepared_pretraining_data(params: PipelineParams):
 
 def _latest_pretrained(params: PipelineParams, dataset_dir: Path) -> Path:
     """The newest valid checkpoint of this params' pretraining run (the one `llmflow train` writes)."""
-    from model_core.train.checkpoint import latest_valid, run_directory
-    from params import params_hash
+    from model_core.convert import convert_for_run
+    from model_core.train.checkpoint import latest_valid
+    from model_core.train.runs import pretraining_run
 
-    directory = run_directory(params.train.output_dir, params.name, params_hash(params), dataset_dir, "pretrain")
+    convert = params.convert
+    converted = convert_for_run(convert, params.model, params.parallel.tensor_parallel).path if convert.hf_source else None
+    directory = pretraining_run(params, dataset_dir, converted).directory
     found = latest_valid(directory)
     if found is None:
         raise ValueError(f"no valid pretraining checkpoint in {directory}; run `llmflow train` first or pass --base")
@@ -154,9 +222,8 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     from model_core.parallel.launch import launch
     from model_core.parallel.layout import Layout
     from model_core.train.callbacks import fan_out, jsonl_writer
-    from model_core.train.checkpoint import run_directory
     from model_core.train.finetune import finetune
-    from params import params_hash
+    from model_core.train.runs import finetune_directory
     from tasks.progress import TrainingProgress
 
     params = _params(args)
@@ -167,9 +234,7 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
         params.lora, params.data, dataset.tokenizer_path, params.model, params.tokenizer,
         min_validation_rows=params.train.micro_batch_size,
     )
-    checkpoints = args.checkpoint_dir or run_directory(
-        params.train.output_dir, params.name, params_hash(params), instructions.output_dir, "finetune"
-    )
+    checkpoints = args.checkpoint_dir or finetune_directory(params, base, instructions.output_dir)
     if params.parallel.world_size > 1 and not comm.launched_by_msrun():
         launch(["-m", "flows.cli", *args.raw_args], params.parallel.world_size, Path(checkpoints) / "logs")
         return 0
@@ -329,12 +394,27 @@ def _add_convert_commands(commands: argparse._SubParsersAction) -> None:
     check.set_defaults(handler=_cmd_tokenizer_check)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error said in one line (the usage itself is one --help away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("llmflow")
+    except metadata.PackageNotFoundError:  # a checkout run without installing it
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="llmflow",
         description="Declarative LLM pretraining and fine-tuning on MindSpore, orchestrated by Prefect, "
         "tracked in MLflow.",
     )
+    parser.add_argument("--version", action="version", version=f"llmflow {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = commands.add_parser(
@@ -362,16 +442,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_params_arguments(train)
     train.add_argument(
         "--resume",
-        default="none",
         metavar="auto|none|DIR",
-        help="auto: continue from the newest valid checkpoint of this run (corrupted ones are skipped); "
-        "none: start fresh (default); or a checkpoint directory",
+        help="needed when the run directory already holds checkpoints. auto: continue from the newest valid one "
+        "(corrupted ones are skipped; nothing to do when the run is complete); none: delete them and start "
+        "again; or a checkpoint directory",
     )
     train.add_argument("--metrics-jsonl", metavar="PATH", help="append every logged metrics record to PATH as JSON lines")
     train.add_argument(
         "--checkpoint-dir",
         metavar="DIR",
-        help="where checkpoints go (default: train.output_dir/<name>-<params hash>-<dataset key>/pretrain, "
+        help="where checkpoints go (default: train.output_dir/pretrain-<key of the inputs that decide the result>, "
         "the directory pretrain-flow's pretrain stage uses)",
     )
     scale_out = train.add_argument_group(
@@ -500,11 +580,24 @@ def main(argv: list[str] | None = None) -> int:
     except ParamsError as error:
         print(f"llmflow: {error}", file=sys.stderr)
         return 2
-    except (ValueError, ArithmeticError, LaunchError) as error:  # bad input, a diverged run, a failed rank
+    except KeyboardInterrupt:
+        print(f"llmflow {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
         if os.environ.get("LLMFLOW_DEBUG"):
             raise
-        print(f"llmflow {args.command}: {error}", file=sys.stderr)
+        print(f"llmflow {args.command}: {_reason(error)}", file=sys.stderr)
         return 1
+
+
+def _reason(error: Exception) -> str:
+    """What went wrong, for people: llmflow's own message, an OS error's file and cause, or for anything
+    unexpected its type, with the way to see where."""
+    if isinstance(error, OSError) and error.strerror and error.filename:
+        return f"{error.filename}: {error.strerror}"
+    if isinstance(error, (ValueError, ArithmeticError, LaunchError, OSError)):  # bad input, a diverged run, a failed rank
+        return str(error)
+    return f"{type(error).__name__}: {error} (unexpected; LLMFLOW_DEBUG=1 shows the traceback)"
 
 
 if __name__ == "__main__":

@@ -134,6 +134,8 @@ def _describe(
         if item["type"] == "extra_forbidden":
             message = "unknown field (check the spelling; `llmflow params show` lists every field)"
         problems.append(f"{where}{field}: {message}")
+    if len(problems) == 1:
+        return f"invalid params: {problems[0]}"
     return "invalid params:\n  " + "\n  ".join(problems)
 
 

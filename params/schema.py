@@ -358,7 +358,20 @@ class TrainParams(StrictModel):
         False, description="Restart attention and positions at the document boundaries recorded by data prep."
     )
     seed: int = Field(1234, description="Seed of initialisation, dropout and data order.")
-    output_dir: str = Field("artifacts/train", description="Where checkpoints and run outputs go.")
+    output_dir: str = Field(
+        "artifacts/train",
+        description="Where checkpoints and run outputs go: one directory per stage run, named by the key of the "
+        "inputs that decide its result (`pretrain-<key>`, `smoke-<key>`, `finetune-<key>`, `eval-<key>`), so a run "
+        "whose result is already there is reused.",
+    )
+    continue_from: Literal["latest", "none"] = Field(
+        "none",
+        description="When the prepared data is new for this model, optimizer and train section: `latest` continues "
+        "pretraining from the last checkpoint of the newest finished run of them on earlier data (weights, AdamW "
+        "moments and the step number; then train.steps more steps, the learning-rate warmup and decay run again "
+        "over them, and the new data is read from its start); `none` starts from the initialisation. Continuing "
+        "needs the same tokenizer (tokenizer.model_path).",
+    )
 
 
 class ConvertParams(StrictModel):

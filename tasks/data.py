@@ -18,7 +18,7 @@ from params import PipelineParams, flatten
 from tasks.progress import PhaseProgress, forwarded_logs
 from tasks.retry import retry_on_transient_io
 from tasks.runners import check_ray_nodes_reach_api, map_parallelism, map_task_runner, prefect_mapper
-from tasks.tracking import StageRun, Tracking, stage_run
+from tasks.tracking import StageRun, Tracking, record_reuse, stage_run
 
 _BATCHES_PER_WORKER = 4  # task runs per map step and worker: few enough to cost little, enough to balance
 
@@ -75,7 +75,8 @@ def prepare_and_record(params: PipelineParams, tracking: Tracking) -> DataResult
         metrics = numeric_leaves(result.manifest, skip={"shards"})
         metrics["seconds"] = time.perf_counter() - started
         run.log_metrics(metrics)
-        run.set_tags({"llmflow.reused": str(result.reused).lower(), "llmflow.dataset_dir": str(result.output_dir)})
+        run.set_tags({"llmflow.dataset_dir": str(result.output_dir)})
+        record_reuse(run, "data prep", result.output_dir if result.reused else None)
         _log_artifacts(run, result)
     create_markdown_artifact(
         summary_markdown(result), key="data-prep-summary", description="Data prep counts, tokens and shards"

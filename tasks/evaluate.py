@@ -4,6 +4,7 @@ side-by-side table go to MLflow."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from prefect import task
@@ -12,12 +13,13 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from model_core.eval.evaluate import evaluate_checkpoint
-from model_core.eval.report import EvalReport, write_report
-from model_core.train.checkpoint import run_directory
-from params import PipelineParams, flatten, params_hash
+from model_core.eval.perplexity import HeldOutLoss
+from model_core.eval.report import JSON_NAME, write_report
+from model_core.train.runs import eval_directory
+from params import PipelineParams, flatten
 from tasks.data import DataResult
 from tasks.finetune import FinetuneStageResult
-from tasks.tracking import Tracking, stage_run
+from tasks.tracking import Tracking, record_reuse, stage_run
 
 
 class EvaluateStageResult(BaseModel):
@@ -38,42 +40,54 @@ def evaluate_stage(
     if tuned is not None:
         held_out["instructions"] = tuned.instructions_dir
         models["finetuned"] = tuned.adapters_dir
-    directory = run_directory(params.train.output_dir, params.name, params_hash(params), data.dataset_dir, "evaluate")
     with stage_run(tracking, "evaluate") as run:
+        # A report per model, keyed by what it scores: a model scored in an earlier run is not scored again.
+        directories = {name: eval_directory(params, pretrained, adapters, held_out) for name, adapters in models.items()}
+        done = {name for name, directory in directories.items() if (directory / JSON_NAME).is_file()}
         run.log_params({key: value for key, value in flatten(params).items() if key.startswith("eval.")})
         run.log_params({"stage.checkpoint": pretrained, **{f"stage.adapters.{k}": v for k, v in models.items() if v}})
-        reports: dict[str, EvalReport] = {}
+        record_reuse(run, "evaluate", ", ".join(map(str, directories.values())) if done == set(models) else None)
+        scores: dict[str, dict[str, HeldOutLoss]] = {}
         for name, adapters in models.items():
-            reports[name] = evaluate_checkpoint(params, pretrained, data.tokenizer_path, held_out, adapters)
-            write_report(reports[name], directory / name)
-            run.log_artifacts(directory / name, f"eval/{name}")
+            directory = directories[name]
+            if name not in done:
+                report = evaluate_checkpoint(params, pretrained, data.tokenizer_path, held_out, adapters)
+                write_report(report, directory)
+                run.log_artifacts(directory, f"eval/{name}")
+            scores[name] = read_held_out(directory)
         run.log_metrics(
             {
-                f"{name}.{dataset}.{metric}": getattr(scores, metric)
-                for name, report in reports.items()
-                for dataset, scores in report.held_out.items()
+                f"{name}.{dataset}.{metric}": getattr(loss, metric)
+                for name, by_set in scores.items()
+                for dataset, loss in by_set.items()
                 for metric in ("mean_loss", "perplexity")
             }
         )
-        table = comparison_markdown(reports)
+        table = comparison_markdown(scores)
         run.log_text(table, "eval/comparison.md")
     create_markdown_artifact(table, key="evaluation", description="Held-out loss and perplexity, base vs fine-tuned")
     return EvaluateStageResult(
-        report_dirs={name: directory / name for name in reports},
-        losses={name: {k: v.mean_loss for k, v in report.held_out.items()} for name, report in reports.items()},
+        report_dirs=directories,
+        losses={name: {k: v.mean_loss for k, v in by_set.items()} for name, by_set in scores.items()},
     )
 
 
-def comparison_markdown(reports: dict[str, EvalReport]) -> str:
+def read_held_out(directory: Path) -> dict[str, HeldOutLoss]:
+    """The held-out scores of a written report."""
+    report = json.loads((directory / JSON_NAME).read_text())
+    return {name: HeldOutLoss(**values) for name, values in report["held_out"].items()}
+
+
+def comparison_markdown(scores: dict[str, dict[str, HeldOutLoss]]) -> str:
     """One row per held-out set, one loss / perplexity column pair per model."""
-    names = list(reports)
-    datasets = list(next(iter(reports.values())).held_out)
+    names = list(scores)
+    datasets = list(next(iter(scores.values())))
     header = "| held-out set | " + " | ".join(f"{n} loss | {n} perplexity" for n in names) + " |"
     rule = "|---|" + "---|---|" * len(names)
     rows = [
         f"| {dataset} | "
         + " | ".join(
-            f"{reports[n].held_out[dataset].mean_loss:.4f} | {reports[n].held_out[dataset].perplexity:.2f}" for n in names
+            f"{scores[n][dataset].mean_loss:.4f} | {scores[n][dataset].perplexity:.2f}" for n in names
         )
         + " |"
         for dataset in datasets

@@ -3,6 +3,7 @@ adapters and a loss curve in MLflow."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from prefect import task
@@ -10,17 +11,18 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from model_core.data import prepare_instructions
-from model_core.model.lora import base_sha256
+from model_core.model.lora import CONFIG, base_sha256
 from model_core.parallel.launch import launch
 from model_core.train.callbacks import MetricsCallback, follow_jsonl
-from model_core.train.checkpoint import latest_valid, run_directory
+from model_core.train.checkpoint import latest_valid
 from model_core.train.finetune import ADAPTERS_DIR, FinetuneResult, finetune, read_summary
-from params import PipelineParams, params_hash, to_yaml
+from model_core.train.runs import finetune_directory
+from params import PipelineParams, to_yaml
 from tasks.data import DataResult, numeric_leaves
 from tasks.plots import loss_curve_png
 from tasks.retry import retry_on_transient_io
-from tasks.tracking import MetricsBatcher, Tracking, stage_run
-from tasks.train import result_of_ranks
+from tasks.tracking import MetricsBatcher, Tracking, record_reuse, stage_run
+from tasks.train import result_of_checkpoint
 
 __all__ = ["FinetuneStageResult", "finetune_stage"]
 
@@ -40,15 +42,14 @@ class FinetuneStageResult(BaseModel):
 def finetune_stage(
     params: PipelineParams, data: DataResult, base_checkpoint: Path, tracking: Tracking
 ) -> FinetuneStageResult:
-    """LoRA on `base_checkpoint` with the pretraining tokenizer; `resume auto` continues an interrupted run."""
+    """LoRA on `base_checkpoint` with the pretraining tokenizer; `resume auto` continues an interrupted run, and
+    a finished one (same base, instructions and lora params) is reused."""
     with stage_run(tracking, "finetune") as run:
         instructions = prepare_instructions(
             params.lora, params.data, data.tokenizer_path, params.model, params.tokenizer,
             min_validation_rows=params.train.micro_batch_size,
         )
-        directory = run_directory(
-            params.train.output_dir, params.name, params_hash(params), instructions.output_dir, "finetune"
-        )
+        directory = finetune_directory(params, base_checkpoint, instructions.output_dir)
         run.log_params(
             {
                 "stage.base_checkpoint": base_checkpoint,
@@ -58,11 +59,16 @@ def finetune_stage(
         )
         run.log_metrics(numeric_leaves(instructions.manifest, "data.", skip={"shards"}))
         run.log_artifact(instructions.manifest_path, "data")
-        with MetricsBatcher(run) as metrics:
-            if params.parallel.world_size > 1:  # the ranks under msrun, as pretraining runs them
-                result = _finetune_on_ranks(params, base_checkpoint, directory, metrics)
-            else:
-                result = finetune(params, instructions.output_dir, base_checkpoint, directory, on_metrics=metrics)
+        reused = _finished(directory, params.lora.steps)
+        record_reuse(run, "finetune", directory if reused is not None else None)
+        if reused is not None:
+            result = reused
+        else:
+            with MetricsBatcher(run) as metrics:
+                if params.parallel.world_size > 1:  # the ranks under msrun, as pretraining runs them
+                    result = _finetune_on_ranks(params, base_checkpoint, directory, metrics)
+                else:
+                    result = finetune(params, instructions.output_dir, base_checkpoint, directory, on_metrics=metrics)
         trained, summary = result.train, result.summary
         run.log_metrics(
             {
@@ -76,7 +82,8 @@ def finetune_stage(
             step=trained.steps,
         )
         run.set_tags({"llmflow.base_sha256": result.base_sha256})
-        run.log_artifacts(result.adapters_dir, "adapters")
+        if reused is None:
+            run.log_artifacts(result.adapters_dir, "adapters")
         if trained.history:
             run.log_bytes(loss_curve_png(trained.history, title=f"{params.name} finetune"), "loss_curve.png")
     return FinetuneStageResult(
@@ -109,4 +116,14 @@ def _finetune_on_ranks(
     if found is None:
         raise RuntimeError(f"the fine-tuning ranks finished but left no valid checkpoint in {directory}")
     adapters = directory / ADAPTERS_DIR
-    return FinetuneResult(result_of_ranks(found, history), adapters, read_summary(adapters), base_sha256(base_checkpoint))
+    return FinetuneResult(result_of_checkpoint(found, history), adapters, read_summary(adapters), base_sha256(base_checkpoint))
+
+
+def _finished(directory: Path, steps: int) -> FinetuneResult | None:
+    """The fine-tuning run in `directory` when it is complete (its final checkpoint and its adapters)."""
+    found = latest_valid(directory)
+    adapters = directory / ADAPTERS_DIR
+    if found is None or found.step < steps or not (adapters / CONFIG).is_file():
+        return None
+    base_hash = json.loads((adapters / CONFIG).read_text())["base_sha256"]  # the key holds the base's content
+    return FinetuneResult(result_of_checkpoint(found, []), adapters, read_summary(adapters), base_hash)

@@ -39,8 +39,9 @@ class PhaseProgress:
 class TrainingProgress:
     """Metrics callback drawing one bar over optimizer steps: loss, tokens/s and tqdm's ETA."""
 
-    def __init__(self, total_steps: int, description: str = "train") -> None:
-        self.bar = tqdm(total=total_steps, desc=description, unit="step", disable=None)
+    def __init__(self, total_steps: int, description: str = "train", initial: int = 0) -> None:
+        """`total_steps`: the run's final step; `initial`: the step it starts at (resumed or continued)."""
+        self.bar = tqdm(total=total_steps, initial=initial, desc=description, unit="step", disable=None)
 
     def __call__(self, record: dict[str, float]) -> None:
         self.bar.update(int(record["step"]) - self.bar.n)

@@ -134,6 +134,15 @@ class StageRun:
             self.log_artifact(path, None if parent == "." else parent)
 
 
+def record_reuse(run: StageRun, stage: str, reused_from: str | Path | None) -> None:
+    """Tag a stage run with whether its result was already there (`reused_from`) or made now; a reused stage
+    is also said on the console, since nothing else of it shows."""
+    run.set_tags({"llmflow.reused": str(reused_from is not None).lower()})
+    if reused_from is not None:
+        run.set_tags({"llmflow.reused_from": str(reused_from)})
+        print(f"{stage}: reused {reused_from} (its result is there already; nothing to run)")
+
+
 class MetricsBatcher:
     """A trainer metrics callback that sends records to MLflow in batches (one call per `every` records).
 

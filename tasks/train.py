@@ -15,14 +15,16 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from model_core.parallel.launch import launch_training
+from model_core.train import runs
 from model_core.train.callbacks import MetricsCallback, follow_jsonl
-from model_core.train.checkpoint import Checkpoint, list_checkpoints, run_directory, verify
+from model_core.train.checkpoint import Checkpoint, list_checkpoints, verify
+from model_core.train.runs import TrainingRun
 from model_core.train.trainer import Trainer, TrainResult
-from params import PipelineParams, params_hash, to_yaml
+from params import PipelineParams, to_yaml
 from tasks.data import DataResult
 from tasks.plots import loss_curve_png
 from tasks.retry import retry_on_transient_io
-from tasks.tracking import MetricsBatcher, StageRun, Tracking, stage_run
+from tasks.tracking import MetricsBatcher, StageRun, Tracking, record_reuse, stage_run
 
 
 class SmokeTestFailed(ValueError):
@@ -43,26 +45,38 @@ def train_stage(
     data: DataResult,
     run: StageRun,
     stage: str,
-    steps: int,
+    planned: TrainingRun,
     resume: str,
     initial_weights: Path | None = None,
 ) -> TrainResult:
-    """Train and record: batched per-step metrics, a summary, the final checkpoint and a loss curve."""
-    directory = run_directory(params.train.output_dir, params.name, params_hash(params), data.dataset_dir, stage)
+    """Train and record: batched per-step metrics, a summary, the final checkpoint and a loss curve. A run
+    whose final checkpoint is already there is reused: its summary is recorded, nothing is trained."""
+    steps = planned.final_step - _schedule_start(planned)
     run.log_params(
         {
             "stage.steps": steps,
-            "stage.checkpoint_dir": directory,
+            "stage.final_step": planned.final_step,
+            "stage.checkpoint_dir": planned.directory,
             "stage.resume": resume,
-            "stage.initial_weights": initial_weights or "random init",
+            "stage.initial_weights": planned.continue_from or initial_weights or "random init",
         }
     )
-    with MetricsBatcher(run) as metrics:
-        if params.parallel.world_size > 1:
-            result = _train_on_ranks(params, directory, steps, resume, initial_weights, metrics)
-        else:
-            trainer = Trainer(params, data.dataset_dir, directory, steps=steps, initial_weights=initial_weights)
-            result = trainer.run(on_metrics=metrics, resume=resume)
+    finished = planned.finished()
+    record_reuse(run, stage, finished.path if finished is not None else None)
+    if finished is not None:
+        result = result_of_checkpoint(finished, [])
+    else:
+        planned.write_record()
+        with MetricsBatcher(run) as metrics:
+            if params.parallel.world_size > 1:
+                result = _train_on_ranks(params, planned, steps, resume, initial_weights, metrics)
+            else:
+                start = initial_weights if planned.continue_from is None else None  # a continued run has its own
+                trainer = Trainer(
+                    params, data.dataset_dir, planned.directory, steps=steps, initial_weights=start,
+                    continue_from=planned.continue_from,
+                )
+                result = trainer.run(on_metrics=metrics, resume=resume)
     run.log_metrics(
         {
             "initial_loss": result.initial_loss,
@@ -72,23 +86,32 @@ def train_stage(
         },
         step=result.steps,
     )
-    if result.checkpoint is not None:
+    if result.checkpoint is not None and finished is None:
         run.log_artifacts(result.checkpoint, f"checkpoint/{result.checkpoint.name}")
     if result.history:
         run.log_bytes(loss_curve_png(result.history, title=f"{params.name} {stage}"), "loss_curve.png")
     return result
 
 
+def _schedule_start(planned: TrainingRun) -> int:
+    """The step a run's schedule starts at: that of the checkpoint it continues, else 0."""
+    if planned.continue_from is None:
+        return 0
+    return Checkpoint(planned.continue_from, -1).state()["step"]
+
+
 def _train_on_ranks(
     params: PipelineParams,
-    directory: Path,
+    planned: TrainingRun,
     steps: int,
     resume: str,
     initial_weights: Path | None,
     on_metrics: MetricsCallback,
 ) -> TrainResult:
     """`llmflow train` on params.parallel.world_size ranks under msrun, rank 0's metrics streamed to
-    `on_metrics` while it runs; the result is read back from its metrics and its last checkpoint."""
+    `on_metrics` while it runs; the result is read back from its metrics and its last checkpoint. The ranks
+    read the run's start from its record in the directory."""
+    directory = planned.directory
     directory.mkdir(parents=True, exist_ok=True)
     run_params = directory / f"params-{steps}-steps.yaml"
     update = {"train": params.train.model_copy(update={"steps": steps})}
@@ -102,14 +125,14 @@ def _train_on_ranks(
     with follow_jsonl(metrics_file, on_metrics) as history:
         launch_training(params, arguments, directory / "logs")
     # The checkpoint of this run's last step: an earlier run in the same directory may have gone further.
-    found = next((c for c in list_checkpoints(directory) if c.step == steps and verify(c) is None), None)
+    found = next((c for c in list_checkpoints(directory) if c.step == planned.final_step and verify(c) is None), None)
     if found is None:
-        raise RuntimeError(f"the ranks finished but left no valid checkpoint of step {steps} in {directory}")
-    return result_of_ranks(found, history)
+        raise RuntimeError(f"the ranks finished but left no valid checkpoint of step {planned.final_step} in {directory}")
+    return result_of_checkpoint(found, history)
 
 
-def result_of_ranks(found: Checkpoint, history: list[dict[str, float]]) -> TrainResult:
-    """What a run on ranks trained, read back from its last checkpoint's counters and rank 0's metrics."""
+def result_of_checkpoint(found: Checkpoint, history: list[dict[str, float]]) -> TrainResult:
+    """What a run trained, read back from its last checkpoint's counters (and rank 0's metrics, if it ran)."""
     counters = found.state()["counters"]
     return TrainResult(
         steps=counters["step"],
@@ -138,7 +161,7 @@ def _summary(result: TrainResult) -> TrainStageResult:
 def smoke_run(params: PipelineParams, data: DataResult, tracking: Tracking) -> TrainStageResult:
     """Always from a random initialisation: it checks that this model, data and optimizer can learn."""
     with stage_run(tracking, "smoke") as run:
-        result = train_stage(params, data, run, "smoke", params.smoke.steps, resume="none")
+        result = train_stage(params, data, run, "smoke", runs.smoke_run(params, data.dataset_dir), resume="none")
         drop = result.initial_loss - result.final_loss
         passed = result.nonfinite_steps == 0 and math.isfinite(drop) and drop >= params.smoke.min_loss_drop
         run.set_tags({"llmflow.smoke_passed": str(passed).lower()})
@@ -155,8 +178,10 @@ def smoke_run(params: PipelineParams, data: DataResult, tracking: Tracking) -> T
 def pretrain(
     params: PipelineParams, data: DataResult, tracking: Tracking, initial_weights: Path | None = None
 ) -> TrainStageResult:
-    """The full run, from `initial_weights` (a converted checkpoint) or a random initialisation; `resume auto`
-    continues from this run's newest valid checkpoint (a retry or a rerun)."""
+    """The full run, from `initial_weights` (a converted checkpoint) or a random initialisation, or with
+    train.continue_from=latest the continuation of the same model's run on earlier data; `resume auto`
+    continues from this run's newest valid checkpoint (a retry), and a finished run is reused (a rerun)."""
     with stage_run(tracking, "pretrain") as run:
-        result = train_stage(params, data, run, "pretrain", params.train.steps, "auto", initial_weights)
+        planned = runs.pretraining_run(params, data.dataset_dir, initial_weights)
+        result = train_stage(params, data, run, "pretrain", planned, "auto", initial_weights)
     return _summary(result)

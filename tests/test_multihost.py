@@ -175,7 +175,7 @@ def test_tp2_pp2_on_two_hosts_keeps_each_tp_group_in_one_host_and_equals_one_pro
     placed = Layout(tp=2, pp=2)
     assert [placed.tp_group(rank) for rank in range(4)] == [(0, 1), (0, 1), (2, 3), (2, 3)]
     assert [placed.coordinates(rank).pp for rank in range(4)] == [0, 0, 1, 1]
-    (logs,) = (tmp_path / "train").glob("*/pretrain/logs")
+    (logs,) = (tmp_path / "train").glob("pretrain-*/logs")
     for node, ranks in ((0, (0, 1)), (1, (2, 3))):  # msrun names the ranks each node started
         started = (logs / f"msrun-node{node}.log").read_text()
         assert all(f"rank id:{rank}," in started for rank in ranks), started[-2000:]
@@ -201,7 +201,7 @@ def test_killing_the_second_host_fails_the_first_within_30_s_and_both_resume_bit
     ]
     try:
         deadline = time.monotonic() + 300
-        while not list((tmp_path / "train").glob("*/pretrain/step-00000005")):
+        while not list((tmp_path / "train").glob("pretrain-*/step-00000005")):
             assert time.monotonic() < deadline and all(node.poll() is None for node in nodes), "no checkpoint"
             time.sleep(0.1)
         _kill_everything_in(two_hosts[1][0])

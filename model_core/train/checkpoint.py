@@ -208,8 +208,3 @@ def _prune(directory: Path, keep: int) -> None:
     for old in list_checkpoints(directory)[:-keep]:
         shutil.rmtree(old.path, ignore_errors=True)
 
-
-def run_directory(output_dir: str | Path, name: str, params_hash: str, dataset_dir: str | Path, stage: str) -> Path:
-    """`<output_dir>/<name>-<params hash>-<dataset key>/<stage>`: one run's checkpoints, where `--resume auto`
-    looks. New data (a new prepared dataset directory) or new params start a new run instead of resuming."""
-    return Path(output_dir) / f"{name}-{params_hash[:12]}-{Path(dataset_dir).name[:12]}" / stage

@@ -3,8 +3,9 @@
 `Trainer(params, ...)` joins the msrun job when params ask for more than one rank, has
 `model_core.parallel.parallelize` build this rank's shard of the model and wire its step for the layout (the
 one place where layouts are composed), then drives that `Parallelized` the same way for every layout:
-optionally resume from the newest valid checkpoint, then run `steps` optimizer steps. It knows nothing of
-MLflow or Prefect: every `log_interval` steps it hands a metrics record (a flat dict) to `on_metrics`.
+optionally resume from the newest valid checkpoint (or continue an earlier run's), then run `steps` optimizer
+steps. It knows nothing of MLflow or Prefect: every `log_interval` steps it hands a metrics record (a flat
+dict) to `on_metrics`.
 A step whose loss or gradient norm is not finite is skipped and counted; `max_consecutive_nonfinite` of
 them in a row stop the run with `NonFiniteError`, leaving the last good checkpoint as it was.
 
@@ -65,6 +66,8 @@ class TrainResult:
     checkpoint: Path | None
     resumed_from: Path | None
     history: list[dict[str, float]] = field(default_factory=list)
+    continued_from: Path | None = None
+    schedule_start: int = 0  # the step this run's learning-rate schedule starts at (that of the run it continues)
 
 
 @dataclass
@@ -89,16 +92,22 @@ class Trainer:
         steps: int | None = None,
         initial_weights: str | Path | None = None,
         lora: LoraParams | None = None,
+        continue_from: str | Path | None = None,
     ):
         """`initial_weights`: a directory with `model.safetensors` (a converted or earlier checkpoint) to start
         from instead of a random initialisation; a resumed checkpoint takes precedence over it. `lora`: train
-        LoRA adapters (and nothing else) on top of those weights."""
+        LoRA adapters (and nothing else) on top of those weights. `continue_from`: a training checkpoint of an
+        earlier run (on other data) whose weights, AdamW moments, loss scale and step number this run starts
+        from when it has no checkpoint of its own to resume; it then trains `steps` more steps, its learning-rate
+        warmup and decay run again over them, and the data is read from its start."""
         device = device_target()
         check_precision(params.precision, device)
         self.params = params
         self.steps = steps if steps is not None else params.train.steps
         self.checkpoint_dir = Path(checkpoint_dir)
         self.initial_weights = Path(initial_weights) if initial_weights is not None else None
+        self.continue_from = Path(continue_from) if continue_from is not None else None
+        self.schedule_start = 0
         check_dataset(dataset_dir, params)
         self.layout, self.rank = _join_layout(params)
         ms.set_seed(params.train.seed)
@@ -128,12 +137,34 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ resume
 
+    @property
+    def final_step(self) -> int:
+        return self.schedule_start + self.steps
+
     def resume(self, how: str | Path) -> Path | None:
-        """`auto`: newest valid checkpoint in checkpoint_dir, if any; `none`: start fresh (from the random
-        initialisation or `initial_weights`); or a path."""
+        """`auto`: newest valid checkpoint in checkpoint_dir, if any; `none`: start fresh (from `continue_from`,
+        `initial_weights` or the random initialisation); or a path. Returns the resumed checkpoint."""
         found = self._find_checkpoint(how)
         if found is None:
+            if self.continue_from is not None:
+                self._continue(self.continue_from)
             return None
+        state = self._load(found)
+        self.batches.load_state_dict(state["data"])
+        self.counters = _Counters(**state["counters"])
+        self.schedule_start = state.get("schedule_start", 0)
+        return found.path
+
+    def _continue(self, path: Path) -> None:
+        found = ckpt.Checkpoint(path, -1)
+        if problem := ckpt.verify(found):
+            raise ResumeError(f"checkpoint {path} to continue from is not usable: {problem}")
+        state = self._load(found)  # the data position belongs to the earlier data: this data starts at its start
+        self.schedule_start = state["step"]
+        self.counters = _Counters(step=state["step"], tokens_seen=state["counters"]["tokens_seen"])
+
+    def _load(self, found: ckpt.Checkpoint) -> dict:
+        """Weights, moments and loss scale of a checkpoint into this rank's shard; returns its state."""
         state = found.state()
         self._check_compatible(state, found.path)
         at = self.layout.coordinates(self.rank)
@@ -143,10 +174,8 @@ class Trainer:
         except WeightMismatchError as error:
             raise ResumeError(f"checkpoint {found.path}: {error}") from error
         self.optimizer.load_state_dict(stage_tensors(moments, self.parallel.table, at.pp))
-        self.batches.load_state_dict(state["data"])
         self.loss_scale.load_state_dict(state["loss_scale"])
-        self.counters = _Counters(**state["counters"])
-        return found.path
+        return state
 
     def _find_checkpoint(self, how: str | Path) -> ckpt.Checkpoint | None:
         if how == "none":
@@ -174,20 +203,20 @@ class Trainer:
         train = self.params.train
         last_checkpoint = resumed_from
         window_tokens, window_start = 0, time.perf_counter()
-        while self.counters.step < self.steps:
+        while self.counters.step < self.final_step:
             loss, grad_norm, tokens = self._optimizer_step()
             window_tokens += tokens
             step = self.counters.step
-            if step % train.log_interval == 0 or step == self.steps:
+            if step % train.log_interval == 0 or step == self.final_step:
                 elapsed = time.perf_counter() - window_start
                 record = self._record(loss, grad_norm, window_tokens / max(elapsed, 1e-9))
-                if step % train.eval_interval == 0 or step == self.steps:
+                if step % train.eval_interval == 0 or step == self.final_step:
                     record["validation_loss"] = self.evaluate()
                 history.append(record)
                 if on_metrics is not None and self.is_reporting:
                     on_metrics(record)
                 window_tokens, window_start = 0, time.perf_counter()
-            due = step % train.checkpoint_interval == 0 or step == self.steps
+            due = step % train.checkpoint_interval == 0 or step == self.final_step
             if due and self.counters.consecutive_nonfinite == 0:  # never replace good checkpoints with bad weights
                 saved = self.save()
                 last_checkpoint = saved.path if saved is not None else None
@@ -201,6 +230,8 @@ class Trainer:
             checkpoint=last_checkpoint,
             resumed_from=resumed_from,
             history=history,
+            continued_from=self.continue_from if resumed_from is None else None,
+            schedule_start=self.schedule_start,
         )
 
     def _optimizer_step(self) -> tuple[float, float, int]:
@@ -221,7 +252,7 @@ class Trainer:
         if finite:
             clip = self.params.optimizer.grad_clip
             coefficient = min(1.0, clip / (grad_norm + 1e-6)) if clip is not None else 1.0
-            lr = learning_rate(step, self.steps, self.params.optimizer)
+            lr = learning_rate(step - self.schedule_start, self.steps, self.params.optimizer)
             self.last_lr = lr
             self.parallel.apply(scalar(lr), scalar(step + 1), scalar(coefficient / self.loss_scale.scale))
             counters.consecutive_nonfinite = 0
@@ -315,6 +346,7 @@ class Trainer:
         shards = {ckpt.block_index(self.layout, at.pp, at.tp): (weights, moments)} if self.writes_checkpoints else {}
         state = None if not self.is_reporting else {
             "step": self.counters.step,
+            "schedule_start": self.schedule_start,
             "counters": vars(self.counters),
             "data": self.batches.state_dict(),
             "loss_scale": self.loss_scale.state_dict(),
