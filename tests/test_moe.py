@@ -138,3 +138,80 @@ def test_layouts_that_do_not_carry_routing_yet_are_refused_with_the_setting_name
     params = load_params("tiny", [*SMALL_MODEL, *MOE, f"{setting}={value}", *extra, *dp])
     with pytest.raises(ParallelConfigError, match=rf"{setting}={value} with model.moe \(1 MoE blocks\)"):
         Layout.from_params(params)
+
+
+# ------------------------------------------------------------------------------------- Mixtral conversion
+
+VOCAB, SEQ = 256, 16
+TOKENS = np.random.default_rng(7).integers(0, VOCAB, (2, SEQ)).astype(np.int32)
+
+
+def hf_mixtral(tie: bool = False, seed: int = 0):
+    """A small random MixtralForCausalLM (4 experts, top 2, GQA); norms randomised to take part too."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, rope_theta=500.0, rms_norm_eps=1e-5,
+        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=tie, sliding_window=None,
+    )
+    torch.manual_seed(seed)
+    model = transformers.MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith("norm.weight"):
+                tensor.uniform_(0.5, 1.5)
+    return model
+
+
+def hf_logits(model) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.from_numpy(TOKENS.astype(np.int64))).logits.float().numpy()
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_a_converted_mixtral_matches_transformers_logits_and_round_trips_bit_for_bit(tmp_path, tie):
+    from model_core.convert import hf_to_ms, ms_to_hf, read_converted
+    from model_core.model.weights import load_weights
+
+    transformers = pytest.importorskip("transformers")
+    model = hf_mixtral(tie)
+    model.save_pretrained(tmp_path / "hf")
+    saved = set(load_file_names(tmp_path / "hf"))
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in saved  # the per-expert layout on disk
+    converted = hf_to_ms(tmp_path / "hf", tmp_path / "ours")
+    weights, params, vocab_size = read_converted(converted.path)
+    assert params.moe_layers == (0, 1) and params.moe.num_experts == 4 and params.moe.experts_per_token == 2
+    assert weights["layers.1.mlp.experts.down_proj"].shape == (4, 64, 96)
+    ours = Llama(params)
+    load_weights(ours, weights)
+    difference = np.abs(ours(Tensor(TOKENS)).asnumpy() - hf_logits(model)).max()
+    print(f"max |logit difference| against transformers' Mixtral ({'tied' if tie else 'untied'}, fp32): {difference:.2e}")
+    assert difference <= 1e-4
+
+    exported = ms_to_hf(converted.path, tmp_path / "back")
+    reloaded = transformers.MixtralForCausalLM.from_pretrained(exported.path).eval()
+    np.testing.assert_array_equal(hf_logits(reloaded), hf_logits(model))
+    original, again = model.state_dict(), reloaded.state_dict()
+    assert original.keys() == again.keys()
+    assert all(np.array_equal(original[name].numpy(), again[name].numpy()) for name in original)
+
+
+def load_file_names(directory) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), "np") as handle:
+        return list(handle.keys())
+
+
+def test_a_model_with_dense_blocks_has_no_mixtral_form_and_says_why():
+    from model_core.convert import ConversionError
+    from model_core.convert.mixtral import to_hf
+
+    params = ModelParams(**{**moe_params().model_dump(), "num_layers": 4, "moe": {"num_experts": 4, "every": 2}})
+    ms.set_seed(0)
+    weights = {name: param.asnumpy() for name, param in Llama(params).parameters_and_names()}
+    with pytest.raises(ConversionError, match=r"every layer; model.moe gives them in blocks \[1, 3\] of model.num_layers=4"):
+        to_hf(weights, params)
