@@ -215,3 +215,25 @@ def test_a_model_with_dense_blocks_has_no_mixtral_form_and_says_why():
     weights = {name: param.asnumpy() for name, param in Llama(params).parameters_and_names()}
     with pytest.raises(ConversionError, match=r"every layer; model.moe gives them in blocks \[1, 3\] of model.num_layers=4"):
         to_hf(weights, params)
+
+
+# ------------------------------------------------------------------------------------------- layouts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 1])
+def test_dp2_trains_an_moe_model_equal_to_one_process(dataset_dir, tmp_path, zero):
+    """Each rank routes its own micro-batches, the same rows one process routes in its micro-batches, so the
+    routing losses, their gradients and the routing metrics summed over dp repeat the single process."""
+    from test_parallel_msrun import SHORT, assert_same_metrics, one_process, train_job
+
+    # A capacity bound that drops some choices, on both sides alike.
+    moe = ["model.moe={num_experts: 4, experts_per_token: 2, every: 2, capacity_factor: 1.5}", SHORT]
+    expected = one_process(dataset_dir, tmp_path / "one", *moe)
+    ranks = train_job(
+        tmp_path / "dp2", dataset_dir, *moe, "parallel.data_parallel=2", "parallel.micro_batches=2", f"parallel.zero_stage={zero}"
+    )
+    assert_same_metrics(ranks[0]["history"], expected)
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_load_cv_layer1"):
+        np.testing.assert_allclose([r[key] for r in ranks[0]["history"]], [r[key] for r in expected], rtol=1e-5, err_msg=key)
+    assert max(r["moe_dropped_fraction"] for r in expected) > 0
