@@ -8,6 +8,7 @@ name both fields and both values. The class defaults are the `tiny` preset, so a
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -206,6 +207,12 @@ class MoEParams(StrictModel):
         "first choices before second ones and in token order within each; a choice past that is dropped "
         "(it adds nothing; the token keeps its residual)."
     )
+
+    def capacity(self, tokens: int) -> int:
+        """Slots each expert has for a micro-batch of `tokens` tokens (the rule `capacity_factor` states)."""
+        if self.capacity_factor is None:
+            return tokens
+        return min(tokens, math.ceil(self.capacity_factor * tokens * self.experts_per_token / self.num_experts))
 
 
 class ModelParams(StrictModel):

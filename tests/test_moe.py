@@ -14,7 +14,7 @@ from mindspore import Tensor
 
 from model_core.data import prepare_dataset
 from model_core.model.llama import Llama
-from model_core.model.moe import MoE, capacity
+from model_core.model.moe import MoE
 from model_core.parallel.layout import Layout, ParallelConfigError
 from model_core.train.trainer import Trainer
 from params import load_params
@@ -44,7 +44,7 @@ def reference(block: MoE, x: np.ndarray, params: ModelParams) -> tuple[np.ndarra
     weights = np.take_along_axis(probs, chosen, -1)
     if moe.normalize_top_k:
         weights /= weights.sum(-1, keepdims=True)
-    slots = capacity(params, len(flat))
+    slots = params.moe.capacity(len(flat))
     taken = np.zeros(moe.num_experts, int)
     out, dropped = np.zeros_like(flat), 0
     for rank in range(moe.experts_per_token):
@@ -74,7 +74,7 @@ def test_the_routed_block_equals_a_per_token_reference_and_drops_what_the_rule_s
     if capacity_factor is None:
         assert expected_dropped == 0
     else:
-        assert capacity(params, 16) == math.ceil(0.5 * 16 * 2 / 4) == 4 and expected_dropped > 0
+        assert params.moe.capacity(16) == math.ceil(0.5 * 16 * 2 / 4) == 4 and expected_dropped > 0
 
 
 def test_a_router_sending_every_token_to_one_expert_pays_more_balancing_loss_than_a_uniform_one():
@@ -237,3 +237,29 @@ def test_dp2_trains_an_moe_model_equal_to_one_process(dataset_dir, tmp_path, zer
     for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_load_cv_layer1"):
         np.testing.assert_allclose([r[key] for r in ranks[0]["history"]], [r[key] for r in expected], rtol=1e-5, err_msg=key)
     assert max(r["moe_dropped_fraction"] for r in expected) > 0
+
+
+def test_mfu_counts_a_mixtral_8x7b_shaped_models_active_parameters():
+    """Mixtral 8x7B: 46.7B parameters, 12.9B of them active per token (2 of 8 experts, the router, attention,
+    norms, embedding and head)."""
+    from model_core.train.flops import non_embedding_parameters
+
+    mixtral = ModelParams(
+        vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336,
+        seq_len=4096, tie_embeddings=False, moe={"num_experts": 8, "experts_per_token": 2},
+    )
+    active = non_embedding_parameters(mixtral)
+    assert active == 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 8 * 4096 + 2 * 3 * 4096 * 14336 + 2 * 4096) + 4096
+    assert round((active + 2 * 32000 * 4096) / 1e9, 1) == 12.9
+
+
+def test_the_planner_counts_experts_and_offers_only_the_layouts_moe_trains_with():
+    from model_core.parallel.planner import parse_bytes, plan, stage_parameters
+
+    params = load_params("tiny_moe")
+    dense = load_params("tiny")
+    experts = 2 * (4 * 128 + 3 * 4 * 352 * 128 - 3 * 352 * 128)  # two MoE blocks: router + 4 experts, not 1 MLP
+    assert stage_parameters(params.model, 1, 1, 0) - stage_parameters(dense.model, 1, 1, 0) == experts
+    result = plan(params, devices=2, device_memory_bytes=parse_bytes("8GiB"))
+    layouts = {(e.candidate.dp, e.candidate.tp, e.candidate.pp, e.candidate.zero_stage) for e in result.estimates}
+    assert layouts == {(2, 1, 1, 0), (2, 1, 1, 1)}

@@ -24,8 +24,6 @@ Routing statistics come back beside the output for the training objective and th
 
 from __future__ import annotations
 
-import math
-
 import mindspore as ms
 from mindspore import Tensor, mint, nn, ops
 
@@ -60,14 +58,6 @@ class Experts(nn.Cell):
         return ops.bmm(mint.nn.functional.silu(gate) * up, mint.transpose(self.down_proj.astype(x.dtype), 1, 2))
 
 
-def capacity(params: ModelParams, tokens: int) -> int:
-    """Slots per expert for a micro-batch of `tokens` tokens (the documented rule; see MoEParams)."""
-    moe = params.moe
-    if moe.capacity_factor is None:
-        return tokens
-    return min(tokens, math.ceil(moe.capacity_factor * tokens * moe.experts_per_token / moe.num_experts))
-
-
 class MoE(nn.Cell):
     """x [B, T, hidden] -> (y [B, T, hidden], (aux, z, load [E], dropped)); see the module docstring."""
 
@@ -82,7 +72,7 @@ class MoE(nn.Cell):
     def construct(self, x: Tensor):
         batch, seq, hidden = x.shape
         tokens, experts, k = batch * seq, self.num_experts, self.top_k
-        slots = capacity(self.params, tokens)
+        slots = self.params.moe.capacity(tokens)
         flat = x.reshape(tokens, hidden)
         logits = self.router(flat)  # [N, E] fp32
         probs = mint.softmax(logits, -1)
