@@ -263,3 +263,15 @@ def test_the_planner_counts_experts_and_offers_only_the_layouts_moe_trains_with(
     result = plan(params, devices=2, device_memory_bytes=parse_bytes("8GiB"))
     layouts = {(e.candidate.dp, e.candidate.tp, e.candidate.pp, e.candidate.zero_stage) for e in result.estimates}
     assert layouts == {(2, 1, 1, 0), (2, 1, 1, 1)}
+
+
+def test_recomputing_moe_blocks_changes_nothing(dataset_dir, tmp_path):
+    run = [*SMALL_MODEL, *MOE, "train.steps=4", "train.log_interval=1", "train.eval_interval=1000",
+           "optimizer.warmup_steps=2"]
+    histories = [
+        Trainer(load_params("tiny", [*run, f"recompute.mode={mode}", f"train.output_dir={tmp_path / mode}"]),
+                dataset_dir, tmp_path / mode / "ckpt").run().history
+        for mode in ("none", "all")
+    ]
+    for key in ("loss", "grad_norm", "moe_aux_loss", "moe_load_cv_layer1"):
+        np.testing.assert_allclose([r[key] for r in histories[1]], [r[key] for r in histories[0]], rtol=1e-6, err_msg=key)
