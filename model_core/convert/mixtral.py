@@ -123,12 +123,7 @@ def from_hf(
             weights[ours] = np.stack([round_to(state[name], dtype, name) for name in names])
     except StorageError as error:
         raise ConversionError(str(error)) from error
-    padded = -(-params.vocab_size // tensor_parallel) * tensor_parallel
-    for name in llama.VOCAB_ROWS:
-        if name in weights:
-            weights[name] = np.pad(weights[name], ((0, padded - params.vocab_size), (0, 0)))
-    values = {**params.model_dump(), "vocab_size": padded, "vocab_padding": padded - params.vocab_size}
-    return weights, llama._model_params(values)
+    return llama.pad_vocabulary(weights, params, tensor_parallel)
 
 
 def to_hf(
