@@ -8,6 +8,7 @@ name both fields and both values. The class defaults are the `tiny` preset, so a
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -175,6 +176,45 @@ class TokenizerParams(StrictModel):
 # ---------------------------------------------------------------------------------------------- model
 
 
+class MoEParams(StrictModel):
+    """Sparse mixture-of-experts feed-forward blocks (Mixtral-style): a linear router, softmax over the
+    experts, each token sent to its top `experts_per_token`, SwiGLU experts."""
+
+    num_experts: int = Field(8, ge=2, description="Experts in each MoE block.")
+    experts_per_token: int = Field(2, ge=1, description="Experts each token is sent to (top-k).")
+    every: int = Field(
+        1, ge=1, description="Every k-th block is MoE, counting from the first: block i when (i + 1) % every == 0 "
+        "(1: all; 2: blocks 1, 3, 5, ...). Ignored when `layers` is given."
+    )
+    layers: list[int] | None = Field(None, description="The MoE blocks by index; the rest stay dense.")
+    expert_ffn_hidden_size: int | None = Field(
+        None, ge=1, description="Inner width of each expert's SwiGLU (default model.ffn_hidden_size)."
+    )
+    normalize_top_k: bool = Field(
+        True, description="Rescale a token's top-k router probabilities to sum to 1 (Mixtral does; Qwen2-MoE not)."
+    )
+    aux_loss_coef: float = Field(
+        0.01, ge=0.0, description="Weight of the load-balancing loss (Switch Transformer's E * sum_e f_e * P_e, "
+        "f_e counting all k choices, averaged over the MoE blocks) in the training objective."
+    )
+    z_loss_coef: float = Field(
+        0.0, ge=0.0, description="Weight of the router z-loss (mean squared logsumexp of the router logits, "
+        "ST-MoE), averaged over the MoE blocks."
+    )
+    capacity_factor: float | None = Field(
+        None, gt=0.0, description="null: dropless, every choice is computed. Otherwise each expert takes at "
+        "most ceil(capacity_factor * tokens * experts_per_token / num_experts) of a micro-batch's choices, "
+        "first choices before second ones and in token order within each; a choice past that is dropped "
+        "(it adds nothing; the token keeps its residual)."
+    )
+
+    def capacity(self, tokens: int) -> int:
+        """Slots each expert has for a micro-batch of `tokens` tokens (the rule `capacity_factor` states)."""
+        if self.capacity_factor is None:
+            return tokens
+        return min(tokens, math.ceil(self.capacity_factor * tokens * self.experts_per_token / self.num_experts))
+
+
 class ModelParams(StrictModel):
     """Llama-family decoder architecture."""
 
@@ -199,10 +239,24 @@ class ModelParams(StrictModel):
     norm_eps: float = Field(1e-5, gt=0.0, description="RMSNorm epsilon.")
     tie_embeddings: bool = Field(True, description="Share the token embedding with the LM head.")
     init_std: float = Field(0.02, gt=0.0, description="Std of the normal initialisation of weights.")
+    moe: MoEParams | None = Field(None, description="Mixture-of-experts blocks; null: every block dense.")
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        """The indices of the MoE blocks (none without `moe`)."""
+        if self.moe is None:
+            return ()
+        if self.moe.layers is not None:
+            return tuple(sorted(self.moe.layers))
+        return tuple(i for i in range(self.num_layers) if (i + 1) % self.moe.every == 0)
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        return self.moe.expert_ffn_hidden_size or self.ffn_hidden_size if self.moe is not None else 0
 
     @property
     def unpadded_vocab_size(self) -> int:
@@ -228,6 +282,22 @@ class ModelParams(StrictModel):
                 f"head dim {self.head_dim} (model.hidden_size={self.hidden_size} / "
                 f"model.num_heads={self.num_heads}) must be even for RoPE"
             )
+        if self.moe is not None:
+            if self.moe.experts_per_token > self.moe.num_experts:
+                raise ValueError(
+                    f"model.moe.experts_per_token={self.moe.experts_per_token} exceeds "
+                    f"model.moe.num_experts={self.moe.num_experts}"
+                )
+            outside = [i for i in self.moe.layers or () if not 0 <= i < self.num_layers]
+            if outside or len(set(self.moe.layers or ())) != len(self.moe.layers or ()):
+                raise ValueError(
+                    f"model.moe.layers={self.moe.layers} must name distinct blocks 0..{self.num_layers - 1} "
+                    f"(model.num_layers={self.num_layers})"
+                )
+            if not self.moe_layers:
+                raise ValueError(
+                    f"model.moe.every={self.moe.every} selects no block of model.num_layers={self.num_layers}"
+                )
         return self
 
 

@@ -68,7 +68,7 @@ def test_isolated_scope_undoes_registrations_and_removals():
     with isolated_registry():
         register(toy_family())
         unregister("llama")
-        assert registered() == ["toy-llama"]
+        assert registered() == ["mixtral", "toy-llama"]
     assert "toy-llama" not in registered() and "llama" in registered()
     with pytest.raises(RegistryError, match="'toy-llama' is not registered"):
         unregister("toy-llama")
@@ -77,7 +77,7 @@ def test_isolated_scope_undoes_registrations_and_removals():
 def test_conversion_dispatches_on_model_type(tmp_path):
     source = write_hf_dir(tmp_path / "toy", "toy-llama")
     with pytest.raises(
-        ConversionError, match=r"model_type='toy-llama' has no registered adapter \(registered: \['llama'\]\)"
+        ConversionError, match=r"model_type='toy-llama' has no registered adapter \(registered: \['llama', 'mixtral'\]\)"
     ):
         hf_to_ms(source, tmp_path / "out")
     with isolated_registry():

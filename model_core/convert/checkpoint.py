@@ -180,11 +180,23 @@ def check_model_agrees(model: ModelParams, config: dict, tensor_parallel: int = 
     padding = {"vocab_size": padded_vocab, "vocab_padding": padded_vocab - derived.vocab_size}
     for field, theirs in {**derived.model_dump(), **padding}.items():
         ours = getattr(model, field)
+        if field == "moe":  # its architecture; the routing-loss coefficients are the run's choice
+            ours, theirs = _experts(model), _experts(derived)
         if field == "seq_len" and ours > theirs:
             raise ConversionError(f"model.seq_len={ours} is longer than the {origin} context of {theirs} positions")
         if field not in ("seq_len", "init_std") and ours != theirs:
             why = f" (vocab_size={derived.vocab_size} padded for tensor_parallel={tensor_parallel})" if field in padding else ""
             raise ConversionError(f"model.{field}={ours} but {origin} gives {field}={theirs}{why}")
+
+
+def _experts(model: ModelParams) -> dict | None:
+    moe = model.moe
+    if moe is None:
+        return None
+    return {
+        "num_experts": moe.num_experts, "experts_per_token": moe.experts_per_token, "layers": list(model.moe_layers),
+        "expert_ffn_hidden_size": model.expert_ffn_hidden_size, "normalize_top_k": moe.normalize_top_k,
+    }
 
 
 # --------------------------------------------------------------------------------------------- ours
@@ -359,7 +371,7 @@ def _read_ours(src: Path) -> tuple[dict[str, np.ndarray], ModelParams, int, str]
         if problem is not None:
             raise ConversionError(f"training checkpoint {src} is not usable: {problem}")
         params = ModelParams(**json.loads((src / training_checkpoint.STATE).read_text())["model"])
-        return read_weights(src), params, params.unpadded_vocab_size, "llama"
+        return read_weights(src), params, params.unpadded_vocab_size, "mixtral" if params.moe is not None else "llama"
     raise ConversionError(
         f"{src} is neither a converted checkpoint ({RECORD}) nor a training checkpoint ({training_checkpoint.STATE})"
     )

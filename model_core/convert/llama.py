@@ -166,6 +166,13 @@ def from_hf(
         weights = {ours: round_to(state[theirs], dtype, theirs) for ours, (theirs, _) in expected.items()}
     except StorageError as error:  # a value the chosen dtype cannot hold
         raise ConversionError(str(error)) from error
+    return pad_vocabulary(weights, params, tensor_parallel)
+
+
+def pad_vocabulary(
+    weights: dict[str, np.ndarray], params: ModelParams, tensor_parallel: int
+) -> tuple[dict[str, np.ndarray], ModelParams]:
+    """The embedding and head with zero rows up to a multiple of tensor_parallel, and params saying so."""
     padded = math.ceil(params.vocab_size / tensor_parallel) * tensor_parallel
     for name in VOCAB_ROWS:
         if name in weights:

@@ -1,4 +1,4 @@
-"""Which state-dict adapters convert which `model_type` (the config.json key); llama is built in.
+"""Which state-dict adapters convert which `model_type` (the config.json key); llama and mixtral are built in.
 
 A family is registered once under its model_type; registering a taken name is an error that names the
 existing owner, so two plugins never silently replace each other. `isolated_registry()` gives tests a
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from model_core.convert import llama
+from model_core.convert import llama, mixtral
 from model_core.convert.errors import ConversionError
 from params.schema import ModelParams
 
@@ -36,8 +36,9 @@ class ModelFamily:
 
 
 LLAMA = ModelFamily("llama", llama.params_from_config, llama.from_hf, llama.to_hf, owner=llama.__name__)
+MIXTRAL = ModelFamily("mixtral", mixtral.params_from_config, mixtral.from_hf, mixtral.to_hf, owner=mixtral.__name__)
 
-_families: dict[str, ModelFamily] = {LLAMA.model_type: LLAMA}
+_families: dict[str, ModelFamily] = {family.model_type: family for family in (LLAMA, MIXTRAL)}
 _lock = threading.Lock()
 
 

@@ -33,6 +33,7 @@ from model_core.model.fused import (
     SwiGLUFunction,
 )
 from model_core.model.init import new_weight
+from model_core.model.moe import MoE
 from params.schema import ModelParams
 
 ComputeDtype = Literal["float32", "bfloat16", "float16"]
@@ -143,19 +144,24 @@ class SwiGLU(nn.Cell):
 
 
 class Block(nn.Cell):
-    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). A mixture-of-experts block
+    (`is_moe`) returns its routing statistics beside x (see `model_core.model.moe`)."""
 
-    def __init__(self, params: ModelParams):
+    def __init__(self, params: ModelParams, is_moe: bool = False):
         super().__init__()
         # Each residual branch's output projection is scaled down so the stream's variance stays O(1) in depth.
         output_std = params.init_std / math.sqrt(2 * params.num_layers)
+        self.is_moe = is_moe
         self.input_layernorm = RMSNorm(params.hidden_size, params.norm_eps)
         self.self_attn = SelfAttention(params, output_std)
         self.post_attention_layernorm = RMSNorm(params.hidden_size, params.norm_eps)
-        self.mlp = SwiGLU(params, output_std)
+        self.mlp = MoE(params, output_std) if is_moe else SwiGLU(params, output_std)
 
-    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        if self.is_moe:
+            out, routing = self.mlp(self.post_attention_layernorm(x))
+            return x + out, routing
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def construct_cached(self, x, cos, sin, visible, slots, keys, values):
@@ -164,6 +170,8 @@ class Block(nn.Cell):
             self.input_layernorm(x), cos, sin, visible, slots, keys, values
         )
         x = x + attended
+        if self.is_moe:
+            return x + self.mlp(self.post_attention_layernorm(x))[0], keys, values
         return x + self.mlp(self.post_attention_layernorm(x)), keys, values
 
 
@@ -192,7 +200,9 @@ class Llama(nn.Cell):
         self.compute_dtype = _DTYPES[compute_dtype]
         self.tie_embeddings = params.tie_embeddings
         self.embed_tokens = Embedding(params.vocab_size, params.hidden_size, params.init_std)
-        self.layers = nn.CellList([Block(params) for _ in range(params.num_layers)])
+        moe_layers = set(params.moe_layers)
+        self.layers = nn.CellList([Block(params, index in moe_layers) for index in range(params.num_layers)])
+        self.has_moe = bool(moe_layers)
         self.norm = RMSNorm(params.hidden_size, params.norm_eps)
         if not params.tie_embeddings:
             self.lm_head = Linear(params.hidden_size, params.vocab_size, params.init_std)
@@ -207,6 +217,8 @@ class Llama(nn.Cell):
 
     def construct(self, tokens: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> Tensor:
         """`tokens`: [B, T] ids, or on a pipeline stage after the first the previous stage's [B, T, hidden]."""
+        if self.has_moe:
+            return self.routed(tokens, position_ids, segment_ids)[0]
         seq = tokens.shape[1]
         cos, sin = self._rotary_angles(seq, position_ids)
         mask = self._attention_mask(seq, segment_ids)
@@ -216,6 +228,25 @@ class Llama(nn.Cell):
         if not self.returns_logits:
             return x
         return self._logits(x)
+
+    def routed(self, tokens: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None):
+        """`construct` of a model with MoE blocks, and their routing statistics: (output, (aux, z, load, dropped))
+        with aux and z averaged over the MoE blocks, load [MoE blocks, E] and dropped summed over them."""
+        seq = tokens.shape[1]
+        cos, sin = self._rotary_angles(seq, position_ids)
+        mask = self._attention_mask(seq, segment_ids)
+        x = self.embed_tokens(tokens).astype(self.compute_dtype) if self.takes_tokens else tokens  # [B, T, hidden]
+        aux, z, dropped, loads = 0.0, 0.0, 0.0, ()
+        for layer in self.layers:
+            if layer.is_moe:
+                x, (layer_aux, layer_z, load, layer_dropped) = layer(x, cos, sin, mask)
+                aux, z, dropped, loads = aux + layer_aux, z + layer_z, dropped + layer_dropped, loads + (load,)
+            else:
+                x = layer(x, cos, sin, mask)
+        routing = (aux / len(loads), z / len(loads), ops.stack(loads), dropped)
+        if not self.returns_logits:
+            return x, routing
+        return self._logits(x), routing
 
     def _logits(self, x: Tensor) -> Tensor:
         """Final norm, head and, with a padded vocabulary, the padding rows' logits pushed out of the softmax."""

@@ -149,6 +149,8 @@ def apply_lora(model: nn.Cell, lora: LoraParams, adapter: Callable[..., LoraLine
     adapted = 0
     for index, block in model.layers.name_cells().items():  # all blocks, or a pipeline stage's by their index
         for target in lora.target_modules:
+            if block.is_moe and TARGETS[target].startswith("mlp."):
+                continue  # an MoE block's experts are not adapted (`parallel.placement` places the same)
             parent_path, attribute = TARGETS[target].rsplit(".", 1)
             parent = getattr(block, parent_path)
             base = getattr(parent, attribute)

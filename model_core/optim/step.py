@@ -20,17 +20,34 @@ from model_core.model.fused import row_sum
 
 
 class SummedTokenLoss(nn.Cell):
-    """(summed token loss x scale, summed token loss) of one micro-batch; the first is differentiated."""
+    """(summed token loss x scale, summed token loss) of one micro-batch; the first is differentiated.
 
-    def __init__(self, model: nn.Cell) -> None:
+    A model with mixture-of-experts blocks adds its routing losses to the objective, each weighted by its
+    coefficient and by the micro-batch's counted tokens (so accumulation over micro-batches gives their
+    token-weighted mean, like the token loss), and returns a third output, `routing_statistics`: [count x aux,
+    count x z, dropped choices, tokens per expert of every MoE block (flattened)]. The second output stays
+    the token loss alone, which is what the metrics call the loss."""
+
+    def __init__(self, model: nn.Cell, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> None:
         super().__init__()
         self.model = model
+        self.routed = bool(getattr(model, "has_moe", False))
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
 
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
+        if self.routed:
+            logits, (aux, z, load, dropped) = self.model.routed(tokens, position_ids, segment_ids)
+            mean, count = token_cross_entropy(logits, labels, loss_mask)
+            summed = mean * count
+            objective = summed + count * (self.aux_loss_coef * aux + self.z_loss_coef * z)
+            statistics = mint.cat([ops.stack([count * aux, count * z, dropped]), load.reshape(-1)])
+            return objective * scale, summed, statistics
         logits = self.model(tokens, position_ids, segment_ids)
         mean, count = token_cross_entropy(logits, labels, loss_mask)
         summed = mean * count
         return summed * scale, summed
+
+
 
 
 class AccumulateGradients(nn.Cell):
@@ -47,14 +64,17 @@ class AccumulateGradients(nn.Cell):
             Parameter(ops.zeros(w.shape, ms.float32), name=f"grad_accum.{w.name}", requires_grad=False)
             for w in self.weights
         )
+        self.routed = bool(getattr(self.loss, "routed", False))  # returns (summed, routing statistics)
         self.value_and_grad = ops.value_and_grad(self.loss, None, self.weights, has_aux=True)
 
     @ms.jit
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
-        (_, summed), grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale)
+        outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale)
         for buffer, grad in zip(self.buffers, grads):
             ops.assign_add(buffer, grad)
-        return summed
+        if self.routed:
+            return outputs[1], outputs[2]
+        return outputs[1]
 
 
 class GradientNorm(nn.Cell):

@@ -58,6 +58,7 @@ class Layout:
             )
         check_tensor_parallel(layout.tp, model)
         layout.stage_sizes(model.num_layers)
+        check_experts(layout, parallel.zero_stage, model)
         return layout
 
     def stage_sizes(self, num_layers: int) -> tuple[int, ...]:
@@ -113,6 +114,22 @@ class Layout:
     def __str__(self) -> str:
         split = "" if self.pipeline_layers is None else " layers " + "+".join(map(str, self.pipeline_layers))
         return f"dp{self.dp} tp{self.tp} pp{self.pp}{split}"
+
+
+def check_experts(layout: Layout, zero_stage: int, model: ModelParams) -> None:
+    """Mixture-of-experts blocks train under data parallelism with ZeRO 0 or 1 so far: tensor and pipeline
+    parallelism and ZeRO-2/3 do not carry their routing losses and expert weights yet, and are refused rather
+    than trained wrong."""
+    if not model.moe_layers:
+        return
+    for name, value, allowed in (
+        ("tensor_parallel", layout.tp, 1), ("pipeline_parallel", layout.pp, 1), ("zero_stage", zero_stage, None)
+    ):
+        if (allowed is not None and value != allowed) or (allowed is None and value >= 2):
+            raise ParallelConfigError(
+                f"parallel.{name}={value} with model.moe ({len(model.moe_layers)} MoE blocks): mixture-of-experts "
+                f"models train with data parallelism and ZeRO 0 or 1 for now"
+            )
 
 
 def check_tensor_parallel(tp: int, model: ModelParams) -> None:

@@ -185,7 +185,8 @@ def parallelize(
     if tensor_parallelism is not None:
         loss = VocabParallelTokenLoss(model, tensor_parallelism)
     else:
-        loss = SummedTokenLoss(model)
+        moe = params.model.moe
+        loss = SummedTokenLoss(model, moe.aux_loss_coef, moe.z_loss_coef) if moe is not None else SummedTokenLoss(model)
     if layout.pp > 1:
         stage_loss = (SummedVocabParallelLoss(tensor_parallelism.vocab_start, tensor_parallelism.group)
                       if tensor_parallelism is not None else StageTokenLoss())
@@ -260,6 +261,7 @@ class Parallelized:
         self.stage = layout.coordinates(rank).pp
         self._apply = ApplyGradients(accumulate.buffers, optimizer)
         self._zero = ZeroGradients(accumulate.buffers)
+        self._routing: np.ndarray | None = None
 
     @property
     def weights(self):
@@ -275,7 +277,13 @@ class Parallelized:
             passes = [micro_batches[i : i + per_pass] for i in range(0, len(micro_batches), per_pass)]
             summed = sum(self.pipeline.run(one, scale) for one in passes)
         else:
-            summed = sum(float(self.accumulate(*batch.inputs(), scale).asnumpy()) for batch in micro_batches)
+            summed = 0.0
+            for batch in micro_batches:
+                out = self.accumulate(*batch.inputs(), scale)
+                if getattr(self.accumulate, "routed", False):  # an MoE model also returns its routing statistics
+                    out, routing = out
+                    self._routing = routing.asnumpy() + (self._routing if self._routing is not None else 0.0)
+                summed += float(out.asnumpy())
         if self.sum_partial_gradients is not None:
             self.sum_partial_gradients()
         if self.sum_gradients is not None:
@@ -297,8 +305,14 @@ class Parallelized:
         and pipeline parallelism a collective: every rank of the group calls it."""
         if self.pipeline is not None:
             return self.pipeline.loss(batch)
-        _, summed = self.loss(*batch.inputs(), Tensor(1.0, ms.float32))
+        summed = self.loss(*batch.inputs(), Tensor(1.0, ms.float32))[1]
         return float(summed.asnumpy())
+
+    def routing_statistics(self) -> np.ndarray | None:
+        """This rank's MoE routing statistics summed over the micro-batches since the last call (see
+        `SummedTokenLoss`); None for a model without MoE blocks."""
+        routing, self._routing = self._routing, None
+        return routing
 
     def full_weights(self) -> dict[str, np.ndarray]:
         """This rank's weights (its tp block of its stage) whole over dp, by path. Collective under ZeRO-3."""

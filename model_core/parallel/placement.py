@@ -56,6 +56,7 @@ BLOCK_PARAMETERS = (
     "mlp.up_proj",
     "mlp.down_proj",
 )
+DENSE_FFN = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # replaced by experts in an MoE block
 # (weight, LoRA A, LoRA B): the axis each is split along under a style.
 _AXES = {COLUMN: (0, None, 0), ROW: (1, 1, None)}
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -158,10 +159,12 @@ def placement_table(
 
     embedding_stages = (0, last) if model.tie_embeddings and last > 0 else (0,)
     rows = [row("embed_tokens.weight", (model.vocab_size, hidden), 0, embedding_stages)]
+    moe_layers = set(model.moe_layers)
     start = 0
     for stage, count in enumerate(sizes):
         for index in range(start, start + count):
-            rows += _layer_rows(row, f"layers.{index}", stage, hidden, projection_shapes, adapted, lora)
+            experts = _expert_shapes(model) if index in moe_layers else None
+            rows += _layer_rows(row, f"layers.{index}", stage, hidden, projection_shapes, adapted, lora, experts)
         start += count
     rows.append(row("norm.weight", (hidden,), None, (last,)))
     if not model.tie_embeddings:
@@ -169,10 +172,28 @@ def placement_table(
     return PlacementTable(layout, zero_stage if layout.dp > 1 else 0, tuple(rows), lora)
 
 
-def _layer_rows(row, prefix: str, stage: int, hidden: int, shapes: dict, adapted: set[str], lora) -> list[Placement]:
-    """The rows of one transformer block, in the model's order (`BLOCK_PARAMETERS`)."""
+def _expert_shapes(model: ModelParams) -> dict[str, tuple[int, ...]]:
+    """A mixture-of-experts block's feed-forward parameters in model order (`model_core.model.moe`), in place of
+    the dense `DENSE_FFN`. Tensor and expert parallelism do not split them yet (the layout check refuses tp and
+    pp with MoE blocks), so a rank holds them whole, or its ZeRO shard. LoRA leaves them alone."""
+    experts, hidden, inner = model.moe.num_experts, model.hidden_size, model.expert_ffn_hidden_size
+    return {
+        "mlp.router.weight": (experts, hidden),
+        "mlp.experts.gate_proj": (experts, inner, hidden),
+        "mlp.experts.up_proj": (experts, inner, hidden),
+        "mlp.experts.down_proj": (experts, hidden, inner),
+    }
+
+
+def _layer_rows(
+    row, prefix: str, stage: int, hidden: int, shapes: dict, adapted: set[str], lora, experts: dict | None = None
+) -> list[Placement]:
+    """The rows of one transformer block, in the model's order (`BLOCK_PARAMETERS`; an MoE block's `experts`
+    in place of its dense feed-forward)."""
     rows = []
     for path in BLOCK_PARAMETERS:
+        if experts is not None and path in DENSE_FFN:
+            continue
         if path not in TENSOR_PARALLEL_PLAN:  # a norm
             rows.append(row(f"{prefix}.{path}.weight", (hidden,), None, (stage,)))
             continue
@@ -182,4 +203,6 @@ def _layer_rows(row, prefix: str, stage: int, hidden: int, shapes: dict, adapted
         if path in adapted:  # the adapter that is not split is used by the rank's block alone: a partial gradient
             rows.append(row(f"{prefix}.{path}.lora_a", (lora.rank, in_features), a_axis, (stage,), True, a_axis is None))
             rows.append(row(f"{prefix}.{path}.lora_b", (out_features, lora.rank), b_axis, (stage,), True, b_axis is None))
+    for name, shape in (experts or {}).items():
+        rows.append(row(f"{prefix}.{name}", shape, None, (stage,)))
     return rows

@@ -248,6 +248,8 @@ def layout_problems(params: PipelineParams, dp: int, tp: int, pp: int, devices_p
         problems.append(f"pipeline_parallel={pp} does not divide model.num_layers={model.num_layers}")
     if micro_batches < pp:
         problems.append(f"parallel.micro_batches={micro_batches} is fewer than pipeline_parallel={pp}")
+    if model.moe_layers and (tp > 1 or pp > 1):
+        problems.append(f"model.moe trains with data parallelism only for now (tensor_parallel={tp}, pipeline_parallel={pp})")
     return problems
 
 
@@ -257,9 +259,12 @@ def degrees(devices: int) -> list[tuple[int, int, int]]:
     return [(devices // (tp * pp), tp, pp) for pp in divisors for tp in divisors if (devices // pp) % tp == 0]
 
 
-def candidates(dp: int, tp: int, pp: int) -> list[Candidate]:
-    """ZeRO stages 0-3 where there is a dp group to shard over (only 0 for dp=1), each with and without recompute."""
+def candidates(dp: int, tp: int, pp: int, model: ModelParams | None = None) -> list[Candidate]:
+    """ZeRO stages 0-3 where there is a dp group to shard over (only 0 for dp=1), each with and without recompute;
+    0 and 1 for a model with MoE blocks (the stages they train with so far)."""
     stages = range(4) if dp > 1 else (0,)
+    if model is not None and model.moe_layers:
+        stages = [stage for stage in stages if stage < 2]
     return [Candidate(dp, tp, pp, stage, mode) for stage in stages for mode in RECOMPUTE_MODES]
 
 
@@ -279,7 +284,17 @@ def layer_activation_bytes(params: PipelineParams, tp: int) -> int:
     hidden, ffn = model.hidden_size, model.ffn_hidden_size
     replicated = 2 * tokens * hidden * 4 + 2 * tokens * hidden * c
     split = (4 * tokens * hidden + 3 * tokens * ffn) * c // tp
-    return replicated + split
+    if not model.moe_layers:
+        return replicated + split
+    # An MoE block keeps, in place of the dense 3 BTF: its expert slots' inputs and outputs (2 S H) and the
+    # experts' gate, up and down inputs (3 S F), S = E x capacity slots, plus the router's fp32 logits and
+    # probabilities (2 BT E x 4). Averaged over the model's blocks, dense and MoE.
+    experts, inner = model.moe.num_experts, model.expert_ffn_hidden_size
+    slots = experts * model.moe.capacity(tokens)
+    moe = replicated + 4 * tokens * hidden * c + (2 * slots * hidden + 3 * slots * inner) * c + 2 * tokens * experts * 4
+    blocks = len(model.moe_layers)
+    return ((model.num_layers - blocks) * (replicated + split) + blocks * moe) // model.num_layers
+
 
 
 def activation_bytes(params: PipelineParams, candidate: Candidate, stage: int, kind: DeviceKind) -> int:
@@ -396,7 +411,7 @@ def plan(
         if problems:
             excluded.append(Excluded(dp, tp, pp, "; ".join(problems)))
             continue
-        estimates.extend(estimate(params, c, device_memory_bytes, kind, runtime) for c in candidates(dp, tp, pp))
+        estimates.extend(estimate(params, c, device_memory_bytes, kind, runtime) for c in candidates(dp, tp, pp, params.model))
     estimates.sort(key=lambda e: e.candidate.preference())
     return Plan(devices, device_memory_bytes, devices_per_node, kind, runtime, tuple(estimates), tuple(excluded))
 

@@ -6,6 +6,9 @@ Convention (PaLM, Chowdhery et al. 2022, appendix B): training FLOPs per token =
   plus the LM head, which is a real [hidden x vocab] matmul whether or not it is tied to the embedding.
   The embedding lookup is a gather, not a matmul, and is excluded; `include_embeddings=True` counts it as if
   it were one, which makes N the total parameter count of an untied model (the "6 x parameters" rule).
+  In a mixture-of-experts block N counts the active parameters only: the router [E x hidden] and the k
+  experts a token is sent to (Switch/Mixtral convention), not all E; the E/k-fold work a dropless
+  static-shape dispatch spends on empty slots is not model FLOPs.
 - 12 L H Q T: attention scores QK^T and the weighted sum AV over the full seq_len T, forward and backward,
   for L layers, H query heads of head dim Q. Like PaLM it does not halve for the causal mask, and it counts
   T even when attention resets at document boundaries.
@@ -52,12 +55,17 @@ _NVIDIA_NAMES = {
 
 
 def non_embedding_parameters(model: ModelParams) -> int:
-    """Parameters of the transformer blocks and the final norm: no embedding table, no LM head."""
+    """Parameters of the transformer blocks and the final norm: no embedding table, no LM head; MoE blocks
+    count their active parameters (see the module docstring)."""
     hidden, kv_width = model.hidden_size, model.num_kv_heads * model.head_dim
     attention = 2 * hidden * hidden + 2 * hidden * kv_width  # q, o: [h, h]; k, v: [h, kv_heads * head_dim]
     mlp = 3 * hidden * model.ffn_hidden_size  # SwiGLU gate, up, down
     norms = 2 * hidden
-    return model.num_layers * (attention + mlp + norms) + hidden
+    total = model.num_layers * (attention + mlp + norms) + hidden
+    if model.moe is not None:  # an MoE block: the router and the k active experts in place of the dense MLP
+        active = model.moe.num_experts * hidden + model.moe.experts_per_token * 3 * hidden * model.expert_ffn_hidden_size
+        total += len(model.moe_layers) * (active - mlp)
+    return total
 
 
 def flops_per_token(model: ModelParams, include_embeddings: bool = False) -> float:

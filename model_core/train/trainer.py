@@ -43,7 +43,7 @@ from model_core.train.precision import LossScale, check_precision
 from model_core.train.reshard import blocks_for, stage_tensors
 from model_core.train.schedule import learning_rate
 from model_core.train.system import device_target, peak_memory_bytes
-from params.schema import LoraParams, PipelineParams
+from params.schema import LoraParams, ModelParams, PipelineParams
 
 RESUME_CHOICES = ("auto", "none")
 
@@ -132,6 +132,7 @@ class Trainer:
         self.loss_scale = LossScale.from_params(params.precision)
         self.counters = _Counters()
         self.last_lr = 0.0
+        self.last_routing: dict[str, float] = {}  # a mixture-of-experts model's routing metrics of the last step
         self.flops_per_token = flops_per_token(params.model)
         self.peak_flops = peak_flops_for_current_device(params.precision.compute_dtype)
 
@@ -244,6 +245,9 @@ class Trainer:
         summed = self.parallel.gradients([_micro_batch(batch) for batch in micro], scale)
         [summed] = sum_over(self.dp_group, [summed])
         loss = summed / max(counted, 1)
+        routing = self.parallel.routing_statistics()
+        if routing is not None:
+            self.last_routing = routing_metrics(sum_over(self.dp_group, list(routing)), counted, self.params.model)
         grad_norm = self.parallel.gradient_norm(scalar(1.0 / self.loss_scale.scale))
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         self.loss_scale.update(finite)
@@ -294,6 +298,7 @@ class Trainer:
         utilisation = mfu(tokens_per_second, self.flops_per_token, self.peak_flops)
         if utilisation is not None:
             record["mfu"] = utilisation
+        record.update(self.last_routing)
         if self.parallel.pipeline is not None:  # of the step's last pipeline pass
             record["pipeline_bubble"] = self.parallel.pipeline.last_timing.bubble()  # over all stages
             record["pipeline_sent_bytes"] = self.parallel.pipeline.last_timing.sent_bytes  # by this rank
@@ -370,6 +375,25 @@ def _join_layout(params: PipelineParams) -> tuple[Layout, int]:
             )
         comm.init()
     return Layout.from_params(params, comm.world_size()), comm.rank()
+
+
+def routing_metrics(statistics: list[float], counted: float, model: ModelParams) -> dict[str, float]:
+    """Metrics of a step's summed routing statistics (`optim.step.SummedTokenLoss`): the token-weighted mean
+    aux and z losses, the share of token choices dropped past an expert's capacity, and for every MoE block
+    the tokens its busiest and idlest experts took and the coefficient of variation of its experts' load
+    (0 when perfectly balanced)."""
+    experts = model.moe.num_experts
+    loads = np.asarray(statistics[3:], dtype=np.float64).reshape(-1, experts)
+    metrics = {
+        "moe_aux_loss": statistics[0] / max(counted, 1),
+        "moe_z_loss": statistics[1] / max(counted, 1),
+        "moe_dropped_fraction": statistics[2] / max(float(loads.sum()), 1.0),
+    }
+    for layer, load in zip(model.moe_layers, loads):
+        metrics[f"moe_load_min_layer{layer}"] = float(load.min())
+        metrics[f"moe_load_max_layer{layer}"] = float(load.max())
+        metrics[f"moe_load_cv_layer{layer}"] = float(load.std() / load.mean()) if load.mean() > 0 else 0.0
+    return metrics
 
 
 def check_dataset(dataset_dir: str | Path, params: PipelineParams) -> None:

@@ -1,0 +1,102 @@
+"""A sparse mixture-of-experts feed-forward block (Mixtral's): router, top-k softmax gating, SwiGLU experts.
+
+Every token's router logits (a linear map of its hidden state, fp32) give a softmax over the E experts; the
+token goes to its k most probable experts, and its output is their outputs weighted by those probabilities
+(renormalised to sum to 1 when `normalize_top_k`, as Mixtral does).
+
+Dispatch has static shapes, so the step compiles once: each expert has `capacity` slots per micro-batch, the
+token choices fill them first choices first, in token order within each rank of choice, and an expert's
+slots run as one batched SwiGLU over [E, capacity, hidden]. Dropless routing (capacity_factor null) gives
+every expert as many slots as there are tokens, so nothing is ever dropped, at the price of computing E/k
+times the active FFN FLOPs on slots that mostly hold nothing; a capacity factor bounds that work and drops
+the choices past an expert's capacity (their weight is lost; the token keeps its residual).
+
+Expert weights are stacked: `experts.gate_proj` [E, F, hidden], `experts.up_proj` [E, F, hidden],
+`experts.down_proj` [E, hidden, F], each expert's slice laid out like a dense SwiGLU's [out, in] weight.
+
+Routing statistics come back beside the output for the training objective and the metrics:
+  aux    Switch Transformer's load-balancing loss E * sum_e f_e * P_e, f_e the fraction of the k * N token
+         choices that picked expert e (before any drop) and P_e the mean router probability of e; 1 when
+         balanced, E when every token picks one expert;
+  z      ST-MoE's router z-loss, mean over tokens of logsumexp(router logits)^2;
+  load   [E] choices each expert was picked for (before drops), and `dropped`, the choices past capacity.
+"""
+
+from __future__ import annotations
+
+import mindspore as ms
+from mindspore import Tensor, mint, nn, ops
+
+from model_core.model.init import new_weight
+from params.schema import ModelParams
+
+
+class Router(nn.Cell):
+    """hidden [N, hidden] -> router logits [N, E] in fp32 (`weight` [E, hidden], Mixtral's `gate`)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, init_std: float):
+        super().__init__()
+        self.weight = new_weight((num_experts, hidden_size), init_std)
+
+    def construct(self, x: Tensor) -> Tensor:
+        return mint.matmul(x, self.weight.astype(x.dtype).T).astype(ms.float32)
+
+
+class Experts(nn.Cell):
+    """E SwiGLU experts applied slot-wise: [E, C, hidden] -> [E, C, hidden]."""
+
+    def __init__(self, params: ModelParams, output_std: float):
+        super().__init__()
+        experts, hidden, inner = params.moe.num_experts, params.hidden_size, params.expert_ffn_hidden_size
+        self.gate_proj = new_weight((experts, inner, hidden), params.init_std)
+        self.up_proj = new_weight((experts, inner, hidden), params.init_std)
+        self.down_proj = new_weight((experts, hidden, inner), output_std)
+
+    def construct(self, x: Tensor) -> Tensor:
+        gate = ops.bmm(x, mint.transpose(self.gate_proj.astype(x.dtype), 1, 2))  # [E, C, F]
+        up = ops.bmm(x, mint.transpose(self.up_proj.astype(x.dtype), 1, 2))
+        return ops.bmm(mint.nn.functional.silu(gate) * up, mint.transpose(self.down_proj.astype(x.dtype), 1, 2))
+
+
+class MoE(nn.Cell):
+    """x [B, T, hidden] -> (y [B, T, hidden], (aux, z, load [E], dropped)); see the module docstring."""
+
+    def __init__(self, params: ModelParams, output_std: float):
+        super().__init__()
+        self.params = params
+        self.num_experts, self.top_k = params.moe.num_experts, params.moe.experts_per_token
+        self.normalize_top_k = params.moe.normalize_top_k
+        self.router = Router(params.hidden_size, self.num_experts, params.init_std)
+        self.experts = Experts(params, output_std)
+
+    def construct(self, x: Tensor):
+        batch, seq, hidden = x.shape
+        tokens, experts, k = batch * seq, self.num_experts, self.top_k
+        slots = self.params.moe.capacity(tokens)
+        flat = x.reshape(tokens, hidden)
+        logits = self.router(flat)  # [N, E] fp32
+        probs = mint.softmax(logits, -1)
+        weights, chosen = ops.topk(probs, k)  # [N, k]
+        if self.normalize_top_k:
+            weights = weights / weights.sum(-1, keepdims=True)
+        # Choice j of token n sits at row j * N + n: first choices fill the slots before any second choice.
+        choice = chosen.T.reshape(-1)  # [kN]
+        picked = ops.one_hot(choice, experts, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))  # [kN, E]
+        position = ((ops.cumsum(picked, 0) - 1.0) * picked).sum(-1).astype(ms.int32)  # its place in its expert's queue
+        kept = position < slots
+        trash = experts * slots  # one extra slot that dropped choices point at; it is cut off below
+        slot = mint.where(kept, choice * slots + position, ops.ones_like(position) * trash)  # [kN]
+        token = ops.arange(k * tokens, dtype=ms.int32) % tokens
+        # Which token fills each slot; empty slots read token N, a row of zeros appended to the input.
+        filler = ops.tensor_scatter_update(ops.ones((trash + 1,), ms.int32) * tokens, slot.reshape(-1, 1), token)
+        padded = mint.cat([flat, mint.zeros((1, hidden), dtype=flat.dtype)])
+        dispatched = ops.gather(padded, filler[:trash], 0).reshape(experts, slots, hidden)
+        done = self.experts(dispatched).reshape(trash, hidden)
+        done = mint.cat([done, mint.zeros((1, hidden), dtype=done.dtype)])  # the trash slot reads zeros
+        gate = (weights.T.reshape(-1) * kept.astype(ms.float32)).astype(x.dtype)  # [kN]
+        combined = (ops.gather(done, slot, 0) * gate.reshape(-1, 1)).reshape(k, tokens, hidden).sum(0)
+        load = picked.sum(0)  # [E]
+        aux = experts * (load / (k * tokens) * probs.mean(0)).sum()
+        z = (ops.logsumexp(logits, -1) ** 2).mean()
+        dropped = (1.0 - kept.astype(ms.float32)).sum()
+        return combined.reshape(batch, seq, hidden), (aux, z, load, dropped)

@@ -1,0 +1,277 @@
+"""Mixture-of-experts blocks: the routed block against a per-token reference (dropless and capacity-bound, with
+exactly the documented drops), the load-balancing loss, training with routing metrics, the layouts refused
+for now, and Mixtral conversion against `transformers`."""
+
+from __future__ import annotations
+
+import math
+
+import mindspore as ms
+import numpy as np
+import pytest
+from conftest import SMALL_MODEL
+from mindspore import Tensor
+
+from model_core.data import prepare_dataset
+from model_core.model.llama import Llama
+from model_core.model.moe import MoE
+from model_core.parallel.layout import Layout, ParallelConfigError
+from model_core.train.trainer import Trainer
+from params import load_params
+from params.schema import ModelParams
+
+MOE = ["model.moe={num_experts: 4, experts_per_token: 2, every: 2}"]
+
+
+def moe_params(**moe) -> ModelParams:
+    return ModelParams(
+        vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=2, ffn_hidden_size=24, seq_len=8,
+        moe={"num_experts": 4, "experts_per_token": 2, **moe},
+    )
+
+
+def reference(block: MoE, x: np.ndarray, params: ModelParams) -> tuple[np.ndarray, int]:
+    """The block's output computed token by token in float64, and the number of choices it drops, by the rule
+    MoEParams documents: first choices before second ones, token order within each."""
+    moe = params.moe
+    flat = x.reshape(-1, x.shape[-1]).astype(np.float64)
+    router = block.router.weight.asnumpy().astype(np.float64)
+    gate, up, down = (getattr(block.experts, name).asnumpy().astype(np.float64) for name in ("gate_proj", "up_proj", "down_proj"))
+    logits = flat @ router.T
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    chosen = np.argsort(-probs, axis=-1, kind="stable")[:, : moe.experts_per_token]
+    weights = np.take_along_axis(probs, chosen, -1)
+    if moe.normalize_top_k:
+        weights /= weights.sum(-1, keepdims=True)
+    slots = params.moe.capacity(len(flat))
+    taken = np.zeros(moe.num_experts, int)
+    out, dropped = np.zeros_like(flat), 0
+    for rank in range(moe.experts_per_token):
+        for token in range(len(flat)):
+            expert = chosen[token, rank]
+            if taken[expert] == slots:
+                dropped += 1
+                continue
+            taken[expert] += 1
+            hidden = flat[token] @ gate[expert].T
+            hidden = hidden / (1 + np.exp(-hidden)) * (flat[token] @ up[expert].T)
+            out[token] += weights[token, rank] * (hidden @ down[expert].T)
+    return out.reshape(x.shape), dropped
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5])
+def test_the_routed_block_equals_a_per_token_reference_and_drops_what_the_rule_says(capacity_factor):
+    params = moe_params(capacity_factor=capacity_factor)
+    ms.set_seed(3)
+    block = MoE(params, output_std=0.02)
+    x = np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32)
+    out, (aux, z, load, dropped) = block(Tensor(x))
+    expected, expected_dropped = reference(block, x, params)
+    np.testing.assert_allclose(out.asnumpy(), expected, rtol=1e-5, atol=1e-7)
+    assert float(dropped.asnumpy()) == expected_dropped
+    assert load.asnumpy().sum() == 2 * 16  # every choice counted, dropped or not
+    if capacity_factor is None:
+        assert expected_dropped == 0
+    else:
+        assert params.moe.capacity(16) == math.ceil(0.5 * 16 * 2 / 4) == 4 and expected_dropped > 0
+
+
+def test_a_router_sending_every_token_to_one_expert_pays_more_balancing_loss_than_a_uniform_one():
+    params = moe_params(experts_per_token=1)
+    values = np.random.default_rng(1).standard_normal((2, 8, 16)).astype(np.float32)
+    values[..., 0] = 1.0
+    x = Tensor(values)
+    block = MoE(params, output_std=0.02)
+    block.router.weight.set_data(Tensor(np.zeros((4, 16), np.float32)))
+    _, (uniform, uniform_z, _, _) = block(x)
+    forced = np.zeros((4, 16), np.float32)
+    forced[2, 0] = 100.0  # every token's logit for expert 2 is 100, the others 0
+    block.router.weight.set_data(Tensor(forced))
+    _, (skewed, skewed_z, load, _) = block(x)
+    assert load.asnumpy().tolist() == [0, 0, 16, 0]
+    assert float(uniform.asnumpy()) == pytest.approx(1.0, abs=1e-6) and float(skewed.asnumpy()) > 3.9
+    assert float(uniform_z.asnumpy()) == pytest.approx(math.log(4) ** 2, rel=1e-5)
+    assert float(skewed_z.asnumpy()) > float(uniform_z.asnumpy())
+
+
+def test_dense_and_moe_blocks_mix_and_the_compiled_forward_equals_the_eager_one():
+    params = ModelParams(**{**moe_params().model_dump(), "num_layers": 4, "moe": {"num_experts": 4, "every": 2}})
+    assert params.moe_layers == (1, 3)
+    model = Llama(params)
+    assert [block.is_moe for block in model.layers] == [False, True, False, True]
+    tokens = Tensor(np.random.default_rng(2).integers(0, 64, (2, 8)), ms.int32)
+    logits, (aux, z, loads, dropped) = model.routed(tokens)
+    assert loads.shape == (2, 4) and float(dropped.asnumpy()) == 0
+    np.testing.assert_allclose(model.compiled_forward(tokens).asnumpy(), logits.asnumpy(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def dataset_dir(corpus_jsonl, tmp_path_factory):
+    out = tmp_path_factory.mktemp("moe-data")
+    params = load_params("tiny", [f"data.sources=[{{kind: jsonl, paths: ['{corpus_jsonl}']}}]", f"data.output_dir={out}", *SMALL_MODEL])
+    return prepare_dataset(params.data, params.tokenizer, params.model).output_dir
+
+
+def test_an_moe_model_trains_and_reports_its_routing(dataset_dir, tmp_path):
+    params = load_params("tiny", [
+        *SMALL_MODEL, *MOE, "train.steps=30", "train.log_interval=1", "train.eval_interval=1000",
+        "optimizer.warmup_steps=2", "optimizer.lr=3e-3", "parallel.micro_batches=2", f"train.output_dir={tmp_path}",
+    ])
+    records = []
+    result = Trainer(params, dataset_dir, tmp_path / "ckpt").run(on_metrics=records.append)
+    assert result.final_loss < result.initial_loss - 1.0
+    last = records[-1]
+    assert 0.99 < last["moe_aux_loss"] < 2.0 and last["moe_z_loss"] > 0 and last["moe_dropped_fraction"] == 0
+    assert {"moe_load_min_layer1", "moe_load_max_layer1", "moe_load_cv_layer1"} <= last.keys()
+    choices = 2 * last["tokens_seen"] / last["step"]  # two per token of a step, dropped or not
+    assert last["moe_load_min_layer1"] <= choices / 4 <= last["moe_load_max_layer1"] < choices
+
+
+@pytest.mark.parametrize(
+    ("setting", "value"),
+    [("parallel.tensor_parallel", 2), ("parallel.pipeline_parallel", 2), ("parallel.zero_stage", 2)],
+)
+def test_layouts_that_do_not_carry_routing_yet_are_refused_with_the_setting_named(setting, value):
+    extra = ["parallel.micro_batches=2"] if setting == "parallel.pipeline_parallel" else []
+    dp = ["parallel.data_parallel=2"] if setting == "parallel.zero_stage" else []
+    params = load_params("tiny", [*SMALL_MODEL, *MOE, f"{setting}={value}", *extra, *dp])
+    with pytest.raises(ParallelConfigError, match=rf"{setting}={value} with model.moe \(1 MoE blocks\)"):
+        Layout.from_params(params)
+
+
+# ------------------------------------------------------------------------------------- Mixtral conversion
+
+VOCAB, SEQ = 256, 16
+TOKENS = np.random.default_rng(7).integers(0, VOCAB, (2, SEQ)).astype(np.int32)
+
+
+def hf_mixtral(tie: bool = False, seed: int = 0):
+    """A small random MixtralForCausalLM (4 experts, top 2, GQA); norms randomised to take part too."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, rope_theta=500.0, rms_norm_eps=1e-5,
+        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=tie, sliding_window=None,
+    )
+    torch.manual_seed(seed)
+    model = transformers.MixtralForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, tensor in model.named_parameters():
+            if name.endswith("norm.weight"):
+                tensor.uniform_(0.5, 1.5)
+    return model
+
+
+def hf_logits(model) -> np.ndarray:
+    import torch
+
+    with torch.no_grad():
+        return model(torch.from_numpy(TOKENS.astype(np.int64))).logits.float().numpy()
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_a_converted_mixtral_matches_transformers_logits_and_round_trips_bit_for_bit(tmp_path, tie):
+    from model_core.convert import hf_to_ms, ms_to_hf, read_converted
+    from model_core.model.weights import load_weights
+
+    transformers = pytest.importorskip("transformers")
+    model = hf_mixtral(tie)
+    model.save_pretrained(tmp_path / "hf")
+    saved = set(load_file_names(tmp_path / "hf"))
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in saved  # the per-expert layout on disk
+    converted = hf_to_ms(tmp_path / "hf", tmp_path / "ours")
+    weights, params, vocab_size = read_converted(converted.path)
+    assert params.moe_layers == (0, 1) and params.moe.num_experts == 4 and params.moe.experts_per_token == 2
+    assert weights["layers.1.mlp.experts.down_proj"].shape == (4, 64, 96)
+    ours = Llama(params)
+    load_weights(ours, weights)
+    difference = np.abs(ours(Tensor(TOKENS)).asnumpy() - hf_logits(model)).max()
+    print(f"max |logit difference| against transformers' Mixtral ({'tied' if tie else 'untied'}, fp32): {difference:.2e}")
+    assert difference <= 1e-4
+
+    exported = ms_to_hf(converted.path, tmp_path / "back")
+    reloaded = transformers.MixtralForCausalLM.from_pretrained(exported.path).eval()
+    np.testing.assert_array_equal(hf_logits(reloaded), hf_logits(model))
+    original, again = model.state_dict(), reloaded.state_dict()
+    assert original.keys() == again.keys()
+    assert all(np.array_equal(original[name].numpy(), again[name].numpy()) for name in original)
+
+
+def load_file_names(directory) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), "np") as handle:
+        return list(handle.keys())
+
+
+def test_a_model_with_dense_blocks_has_no_mixtral_form_and_says_why():
+    from model_core.convert import ConversionError
+    from model_core.convert.mixtral import to_hf
+
+    params = ModelParams(**{**moe_params().model_dump(), "num_layers": 4, "moe": {"num_experts": 4, "every": 2}})
+    ms.set_seed(0)
+    weights = {name: param.asnumpy() for name, param in Llama(params).parameters_and_names()}
+    with pytest.raises(ConversionError, match=r"every layer; model.moe gives them in blocks \[1, 3\] of model.num_layers=4"):
+        to_hf(weights, params)
+
+
+# ------------------------------------------------------------------------------------------- layouts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 1])
+def test_dp2_trains_an_moe_model_equal_to_one_process(dataset_dir, tmp_path, zero):
+    """Each rank routes its own micro-batches, the same rows one process routes in its micro-batches, so the
+    routing losses, their gradients and the routing metrics summed over dp repeat the single process."""
+    from test_parallel_msrun import SHORT, assert_same_metrics, one_process, train_job
+
+    # A capacity bound that drops some choices, on both sides alike.
+    moe = ["model.moe={num_experts: 4, experts_per_token: 2, every: 2, capacity_factor: 1.5}", SHORT]
+    expected = one_process(dataset_dir, tmp_path / "one", *moe)
+    ranks = train_job(
+        tmp_path / "dp2", dataset_dir, *moe, "parallel.data_parallel=2", "parallel.micro_batches=2", f"parallel.zero_stage={zero}"
+    )
+    assert_same_metrics(ranks[0]["history"], expected)
+    for key in ("moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "moe_load_cv_layer1"):
+        np.testing.assert_allclose([r[key] for r in ranks[0]["history"]], [r[key] for r in expected], rtol=1e-5, err_msg=key)
+    assert max(r["moe_dropped_fraction"] for r in expected) > 0
+
+
+def test_mfu_counts_a_mixtral_8x7b_shaped_models_active_parameters():
+    """Mixtral 8x7B: 46.7B parameters, 12.9B of them active per token (2 of 8 experts, the router, attention,
+    norms, embedding and head)."""
+    from model_core.train.flops import non_embedding_parameters
+
+    mixtral = ModelParams(
+        vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=8, ffn_hidden_size=14336,
+        seq_len=4096, tie_embeddings=False, moe={"num_experts": 8, "experts_per_token": 2},
+    )
+    active = non_embedding_parameters(mixtral)
+    assert active == 32 * (2 * 4096 * 4096 + 2 * 4096 * 1024 + 8 * 4096 + 2 * 3 * 4096 * 14336 + 2 * 4096) + 4096
+    assert round((active + 2 * 32000 * 4096) / 1e9, 1) == 12.9
+
+
+def test_the_planner_counts_experts_and_offers_only_the_layouts_moe_trains_with():
+    from model_core.parallel.planner import parse_bytes, plan, stage_parameters
+
+    params = load_params("tiny_moe")
+    dense = load_params("tiny")
+    experts = 2 * (4 * 128 + 3 * 4 * 352 * 128 - 3 * 352 * 128)  # two MoE blocks: router + 4 experts, not 1 MLP
+    assert stage_parameters(params.model, 1, 1, 0) - stage_parameters(dense.model, 1, 1, 0) == experts
+    result = plan(params, devices=2, device_memory_bytes=parse_bytes("8GiB"))
+    layouts = {(e.candidate.dp, e.candidate.tp, e.candidate.pp, e.candidate.zero_stage) for e in result.estimates}
+    assert layouts == {(2, 1, 1, 0), (2, 1, 1, 1)}
+
+
+def test_recomputing_moe_blocks_changes_nothing(dataset_dir, tmp_path):
+    run = [*SMALL_MODEL, *MOE, "train.steps=4", "train.log_interval=1", "train.eval_interval=1000",
+           "optimizer.warmup_steps=2"]
+    histories = [
+        Trainer(load_params("tiny", [*run, f"recompute.mode={mode}", f"train.output_dir={tmp_path / mode}"]),
+                dataset_dir, tmp_path / mode / "ckpt").run().history
+        for mode in ("none", "all")
+    ]
+    for key in ("loss", "grad_norm", "moe_aux_loss", "moe_load_cv_layer1"):
+        np.testing.assert_allclose([r[key] for r in histories[1]], [r[key] for r in histories[0]], rtol=1e-6, err_msg=key)
