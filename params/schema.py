@@ -201,6 +201,14 @@ class MoEParams(StrictModel):
         0.0, ge=0.0, description="Weight of the router z-loss (mean squared logsumexp of the router logits, "
         "ST-MoE), averaged over the MoE blocks."
     )
+    shared_expert_ffn_hidden_size: int | None = Field(
+        None, ge=1, description="Inner width of a shared SwiGLU expert every token also goes through "
+        "(DeepSeek-MoE, Qwen2-MoE); null: none."
+    )
+    shared_expert_gate: bool = Field(
+        False, description="Scale the shared expert's output by sigmoid(w . x), a learned [1, hidden] gate "
+        "(Qwen2-MoE); false adds it as is (DeepSeek-MoE)."
+    )
     capacity_factor: float | None = Field(
         None, gt=0.0, description="null: dropless, every choice is computed. Otherwise each expert takes at "
         "most ceil(capacity_factor * tokens * experts_per_token / num_experts) of a micro-batch's choices, "

@@ -13,7 +13,7 @@ from conftest import SMALL_MODEL
 from mindspore import Tensor
 
 from model_core.data import prepare_dataset
-from model_core.model.llama import Llama
+from model_core.model.llama import Llama, SwiGLU
 from model_core.model.moe import MoE
 from model_core.parallel.layout import Layout, ParallelConfigError
 from model_core.train.trainer import Trainer
@@ -44,9 +44,16 @@ def reference(block: MoE, x: np.ndarray, params: ModelParams) -> tuple[np.ndarra
     weights = np.take_along_axis(probs, chosen, -1)
     if moe.normalize_top_k:
         weights /= weights.sum(-1, keepdims=True)
+    if moe.shared_expert_ffn_hidden_size is not None:
+        weights_of = {n: getattr(block.shared_expert, n).weight.asnumpy().astype(np.float64) for n in ("gate_proj", "up_proj", "down_proj")}
+        hidden = flat @ weights_of["gate_proj"].T
+        shared = (hidden / (1 + np.exp(-hidden)) * (flat @ weights_of["up_proj"].T)) @ weights_of["down_proj"].T
+        if moe.shared_expert_gate:
+            shared *= 1 / (1 + np.exp(-(flat @ block.shared_expert_gate.weight.asnumpy().astype(np.float64).T)))
     slots = params.moe.capacity(len(flat))
     taken = np.zeros(moe.num_experts, int)
-    out, dropped = np.zeros_like(flat), 0
+    out = shared if moe.shared_expert_ffn_hidden_size is not None else np.zeros_like(flat)
+    dropped = 0
     for rank in range(moe.experts_per_token):
         for token in range(len(flat)):
             expert = chosen[token, rank]
@@ -60,11 +67,15 @@ def reference(block: MoE, x: np.ndarray, params: ModelParams) -> tuple[np.ndarra
     return out.reshape(x.shape), dropped
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 0.5])
-def test_the_routed_block_equals_a_per_token_reference_and_drops_what_the_rule_says(capacity_factor):
-    params = moe_params(capacity_factor=capacity_factor)
+@pytest.mark.parametrize(
+    ("capacity_factor", "shared"), [(None, {}), (0.5, {}), (None, {"shared_expert_ffn_hidden_size": 20}),
+                                    (0.5, {"shared_expert_ffn_hidden_size": 20, "shared_expert_gate": True})],
+    ids=["dropless", "capacity", "dropless-shared", "capacity-gated-shared"],
+)
+def test_the_routed_block_equals_a_per_token_reference_and_drops_what_the_rule_says(capacity_factor, shared):
+    params = moe_params(capacity_factor=capacity_factor, **shared)
     ms.set_seed(3)
-    block = MoE(params, output_std=0.02)
+    block = MoE(params, output_std=0.02, dense=SwiGLU)
     x = np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32)
     out, (aux, z, load, dropped) = block(Tensor(x))
     expected, expected_dropped = reference(block, x, params)
@@ -113,9 +124,11 @@ def dataset_dir(corpus_jsonl, tmp_path_factory):
     return prepare_dataset(params.data, params.tokenizer, params.model).output_dir
 
 
-def test_an_moe_model_trains_and_reports_its_routing(dataset_dir, tmp_path):
+@pytest.mark.parametrize("moe", [MOE, ["model.moe={num_experts: 4, every: 2, shared_expert_ffn_hidden_size: 64, shared_expert_gate: true}"]],
+                         ids=["routed", "with-gated-shared-expert"])
+def test_an_moe_model_trains_and_reports_its_routing(dataset_dir, tmp_path, moe):
     params = load_params("tiny", [
-        *SMALL_MODEL, *MOE, "train.steps=30", "train.log_interval=1", "train.eval_interval=1000",
+        *SMALL_MODEL, *moe, "train.steps=30", "train.log_interval=1", "train.eval_interval=1000",
         "optimizer.warmup_steps=2", "optimizer.lr=3e-3", "parallel.micro_batches=2", f"train.output_dir={tmp_path}",
     ])
     records = []

@@ -130,13 +130,14 @@ def write_slots(cache: Tensor, new: Tensor, slots: tuple[Tensor, Tensor]) -> Ten
 
 
 class SwiGLU(nn.Cell):
-    """down(silu(gate(x)) * up(x))."""
+    """down(silu(gate(x)) * up(x)), `inner` wide (params.ffn_hidden_size by default)."""
 
-    def __init__(self, params: ModelParams, output_std: float):
+    def __init__(self, params: ModelParams, output_std: float, inner: int | None = None):
         super().__init__()
-        self.gate_proj = Linear(params.hidden_size, params.ffn_hidden_size, params.init_std)
-        self.up_proj = Linear(params.hidden_size, params.ffn_hidden_size, params.init_std)
-        self.down_proj = Linear(params.ffn_hidden_size, params.hidden_size, output_std)
+        inner = inner or params.ffn_hidden_size
+        self.gate_proj = Linear(params.hidden_size, inner, params.init_std)
+        self.up_proj = Linear(params.hidden_size, inner, params.init_std)
+        self.down_proj = Linear(inner, params.hidden_size, output_std)
         self.swiglu = SwiGLUFunction()
 
     def construct(self, x: Tensor) -> Tensor:
@@ -155,7 +156,7 @@ class Block(nn.Cell):
         self.input_layernorm = RMSNorm(params.hidden_size, params.norm_eps)
         self.self_attn = SelfAttention(params, output_std)
         self.post_attention_layernorm = RMSNorm(params.hidden_size, params.norm_eps)
-        self.mlp = MoE(params, output_std) if is_moe else SwiGLU(params, output_std)
+        self.mlp = MoE(params, output_std, SwiGLU) if is_moe else SwiGLU(params, output_std)
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)

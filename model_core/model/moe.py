@@ -11,6 +11,9 @@ every expert as many slots as there are tokens, so nothing is ever dropped, at t
 times the active FFN FLOPs on slots that mostly hold nothing; a capacity factor bounds that work and drops
 the choices past an expert's capacity (their weight is lost; the token keeps its residual).
 
+An optional shared expert (DeepSeek-MoE, Qwen2-MoE) is a plain SwiGLU every token goes through, added to the
+routed output, scaled by sigmoid(w . x) when `shared_expert_gate` (Qwen2-MoE's [1, hidden] gate).
+
 Expert weights are stacked: `experts.gate_proj` [E, F, hidden], `experts.up_proj` [E, F, hidden],
 `experts.down_proj` [E, hidden, F], each expert's slice laid out like a dense SwiGLU's [out, in] weight.
 
@@ -59,15 +62,25 @@ class Experts(nn.Cell):
 
 
 class MoE(nn.Cell):
-    """x [B, T, hidden] -> (y [B, T, hidden], (aux, z, load [E], dropped)); see the module docstring."""
+    """x [B, T, hidden] -> (y [B, T, hidden], (aux, z, load [E], dropped)); see the module docstring.
 
-    def __init__(self, params: ModelParams, output_std: float):
+    `dense` is the block class of a plain SwiGLU (the model's own, passed in to keep this module below it),
+    used for the shared expert when there is one."""
+
+    def __init__(self, params: ModelParams, output_std: float, dense: type | None = None):
         super().__init__()
+        moe = params.moe
         self.params = params
-        self.num_experts, self.top_k = params.moe.num_experts, params.moe.experts_per_token
-        self.normalize_top_k = params.moe.normalize_top_k
+        self.num_experts, self.top_k = moe.num_experts, moe.experts_per_token
+        self.normalize_top_k = moe.normalize_top_k
         self.router = Router(params.hidden_size, self.num_experts, params.init_std)
         self.experts = Experts(params, output_std)
+        self.has_shared_expert = moe.shared_expert_ffn_hidden_size is not None
+        self.has_shared_gate = self.has_shared_expert and moe.shared_expert_gate
+        if self.has_shared_expert:
+            self.shared_expert = dense(params, output_std, moe.shared_expert_ffn_hidden_size)
+        if self.has_shared_gate:
+            self.shared_expert_gate = Router(params.hidden_size, 1, params.init_std)
 
     def construct(self, x: Tensor):
         batch, seq, hidden = x.shape
@@ -95,6 +108,11 @@ class MoE(nn.Cell):
         done = mint.cat([done, mint.zeros((1, hidden), dtype=done.dtype)])  # the trash slot reads zeros
         gate = (weights.T.reshape(-1) * kept.astype(ms.float32)).astype(x.dtype)  # [kN]
         combined = (ops.gather(done, slot, 0) * gate.reshape(-1, 1)).reshape(k, tokens, hidden).sum(0)
+        if self.has_shared_expert:
+            shared = self.shared_expert(flat)
+            if self.has_shared_gate:
+                shared = shared * mint.sigmoid(self.shared_expert_gate(flat)).astype(shared.dtype)
+            combined = combined + shared
         load = picked.sum(0)  # [E]
         aux = experts * (load / (k * tokens) * probs.mean(0)).sum()
         z = (ops.logsumexp(logits, -1) ** 2).mean()

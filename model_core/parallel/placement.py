@@ -177,12 +177,20 @@ def _expert_shapes(model: ModelParams) -> dict[str, tuple[int, ...]]:
     the dense `DENSE_FFN`. Tensor and expert parallelism do not split them yet (the layout check refuses tp and
     pp with MoE blocks), so a rank holds them whole, or its ZeRO shard. LoRA leaves them alone."""
     experts, hidden, inner = model.moe.num_experts, model.hidden_size, model.expert_ffn_hidden_size
-    return {
+    shapes = {
         "mlp.router.weight": (experts, hidden),
         "mlp.experts.gate_proj": (experts, inner, hidden),
         "mlp.experts.up_proj": (experts, inner, hidden),
         "mlp.experts.down_proj": (experts, hidden, inner),
     }
+    shared = model.moe.shared_expert_ffn_hidden_size
+    if shared is not None:
+        shapes["mlp.shared_expert.gate_proj.weight"] = (shared, hidden)
+        shapes["mlp.shared_expert.up_proj.weight"] = (shared, hidden)
+        shapes["mlp.shared_expert.down_proj.weight"] = (hidden, shared)
+        if model.moe.shared_expert_gate:
+            shapes["mlp.shared_expert_gate.weight"] = (1, hidden)
+    return shapes
 
 
 def _layer_rows(

@@ -288,10 +288,11 @@ def layer_activation_bytes(params: PipelineParams, tp: int) -> int:
         return replicated + split
     # An MoE block keeps, in place of the dense 3 BTF: its expert slots' inputs and outputs (2 S H) and the
     # experts' gate, up and down inputs (3 S F), S = E x capacity slots, plus the router's fp32 logits and
-    # probabilities (2 BT E x 4). Averaged over the model's blocks, dense and MoE.
+    # probabilities (2 BT E x 4), and a shared expert's. Averaged over the model's blocks, dense and MoE.
     experts, inner = model.moe.num_experts, model.expert_ffn_hidden_size
     slots = experts * model.moe.capacity(tokens)
     moe = replicated + 4 * tokens * hidden * c + (2 * slots * hidden + 3 * slots * inner) * c + 2 * tokens * experts * 4
+    moe += 3 * tokens * (model.moe.shared_expert_ffn_hidden_size or 0) * c  # a shared expert's gate, up, down inputs
     blocks = len(model.moe_layers)
     return ((model.num_layers - blocks) * (replicated + split) + blocks * moe) // model.num_layers
 

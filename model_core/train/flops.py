@@ -6,8 +6,8 @@ Convention (PaLM, Chowdhery et al. 2022, appendix B): training FLOPs per token =
   plus the LM head, which is a real [hidden x vocab] matmul whether or not it is tied to the embedding.
   The embedding lookup is a gather, not a matmul, and is excluded; `include_embeddings=True` counts it as if
   it were one, which makes N the total parameter count of an untied model (the "6 x parameters" rule).
-  In a mixture-of-experts block N counts the active parameters only: the router [E x hidden] and the k
-  experts a token is sent to (Switch/Mixtral convention), not all E; the E/k-fold work a dropless
+  In a mixture-of-experts block N counts the active parameters only: the router [E x hidden], the k
+  experts a token is sent to and a shared expert if any (Switch/Mixtral convention), not all E; the E/k-fold work a dropless
   static-shape dispatch spends on empty slots is not model FLOPs.
 - 12 L H Q T: attention scores QK^T and the weighted sum AV over the full seq_len T, forward and backward,
   for L layers, H query heads of head dim Q. Like PaLM it does not halve for the causal mask, and it counts
@@ -64,6 +64,8 @@ def non_embedding_parameters(model: ModelParams) -> int:
     total = model.num_layers * (attention + mlp + norms) + hidden
     if model.moe is not None:  # an MoE block: the router and the k active experts in place of the dense MLP
         active = model.moe.num_experts * hidden + model.moe.experts_per_token * 3 * hidden * model.expert_ffn_hidden_size
+        if model.moe.shared_expert_ffn_hidden_size is not None:
+            active += 3 * hidden * model.moe.shared_expert_ffn_hidden_size + (hidden if model.moe.shared_expert_gate else 0)
         total += len(model.moe_layers) * (active - mlp)
     return total
 
