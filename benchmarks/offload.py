@@ -8,14 +8,15 @@ Every run trains the reference-size Llama (vocab 8000, hidden 512, 8 layers, 8 h
   zero3_offload     the same with `parallel.optimizer_offload=true` (each rank offloads its shard's moments).
 Peak RSS is each worker's own high-water mark (VmHWM) at the end of the run, summed over the workers of a job
 (msrun's scheduler process, the same in both ZeRO-3 jobs, is left out). Step seconds are the median over the steps
-after `--warmup` (the first compiles). `moment_mb` is the AdamW moments one process holds without offload (8 bytes
+after `--warmup` (the first compiles), and so are step CPU seconds (this process's user + system time a step, rank 0
+under ZeRO-3: less sensitive than wall time to other processes on a shared machine). `moment_mb` is the AdamW moments one process holds without offload (8 bytes
 a parameter; the two ZeRO-3 ranks hold half each, the same total). The target: offload lowers peak RSS by at least
 80% of moment_mb, at most 1.3x the step time.
 
-    flock /tmp/cpu.lock python benchmarks/offload.py [--steps 8] [--warmup 3]
+    flock /tmp/cpu.lock python benchmarks/offload.py [--steps 8] [--warmup 3] [--runs baseline,offload]
 
 The last line printed is one JSON object: `baseline_peak_rss_mb`, `offload_peak_rss_mb`, `moment_mb`,
-`baseline_step_s`, `offload_step_s`, the same four with a `zero3_` prefix, `saving_over_moments` and
+`baseline_step_s`, `offload_step_s`, the same four with a `zero3_` prefix, `*_step_cpu_s` beside each `*_step_s`, `saving_over_moments` and
 `zero3_saving_over_moments` ((baseline - offload) peak RSS / moment_mb), and the offloaded runs' bytes moved and
 staging seconds per step (`offload_bytes_per_step`, `offload_seconds_per_step`, and `zero3_` for rank 0).
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -53,6 +55,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the median (compilation)")
+    parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ", ".join(RUNS))
     parser.add_argument("--run-worker", help=argparse.SUPPRESS)  # internal: one process of one run
     parser.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -61,26 +64,27 @@ def main() -> None:
         run_worker(args.run_worker, dataset, Path(out), args.steps)
         return
     with tempfile.TemporaryDirectory(prefix="offload-bench-") as workdir:
-        reports = measure(Path(workdir), args.steps)
+        reports = measure(Path(workdir), args.steps, args.runs.split(","))
     summary = summarise(reports, args.warmup)
-    print(f"{'run':<16}{'peak RSS MB':>13}{'step s':>9}{'offload MB/step':>17}{'staging s':>11}")
-    for name in RUNS:
+    print(f"{'run':<16}{'peak RSS MB':>13}{'step s':>9}{'step CPU s':>12}{'offload MB/step':>17}{'staging s':>11}")
+    for name in reports:
         offloaded = reports[name][0]["last"].get("offload_bytes_per_step")
         staging = reports[name][0]["last"].get("offload_seconds_per_step")
         prefix = "zero3_" if name.startswith("zero3") else ""
         kind = "offload" if name.endswith("offload") else "baseline"
         print(f"{name:<16}{summary[f'{prefix}{kind}_peak_rss_mb']:>13,.1f}{summary[f'{prefix}{kind}_step_s']:>9.3f}"
+              f"{summary[f'{prefix}{kind}_step_cpu_s']:>12.3f}"
               f"{'' if offloaded is None else f'{offloaded / MB:.1f}':>17}{'' if staging is None else f'{staging:.3f}':>11}")
     print(json.dumps(summary))
 
 
-def measure(workdir: Path, steps: int) -> dict[str, list[dict]]:
+def measure(workdir: Path, steps: int, names: list[str]) -> dict[str, list[dict]]:
     from model_core.data import prepare_dataset
     from params import load_params
 
     params = load_params("tiny", [*MODEL, f"data.output_dir={workdir / 'data'}"])
     dataset = prepare_dataset(params.data, params.tokenizer, params.model).output_dir
-    return {name: run(name, dataset, workdir / name, steps) for name in RUNS}
+    return {name: run(name, dataset, workdir / name, steps) for name in names}
 
 
 def run(name: str, dataset: Path, out: Path, steps: int) -> list[dict]:
@@ -110,6 +114,7 @@ def summarise(reports: dict[str, list[dict]], warmup: int) -> dict:
             raise ValueError(f"{len(ranks[0]['history'])} steps leave none to time after {warmup} warm-up steps")
         summary[f"{prefix}{kind}_peak_rss_mb"] = round(sum(r["peak_rss_bytes"] for r in ranks) / MB, 1)
         summary[f"{prefix}{kind}_step_s"] = round(statistics.median(2048 / r["tokens_per_second"] for r in timed), 3)
+        summary[f"{prefix}{kind}_step_cpu_s"] = round(statistics.median(ranks[0]["step_cpu_seconds"][warmup:]), 3)
         if kind == "baseline":
             summary[f"{prefix}moment_mb"] = round(sum(r["moment_bytes"] for r in ranks) / MB, 1)
         else:
@@ -118,9 +123,13 @@ def summarise(reports: dict[str, list[dict]], warmup: int) -> dict:
                 statistics.median(r["offload_seconds_per_step"] for r in timed), 3
             )
     for prefix in ("", "zero3_"):
+        if f"{prefix}baseline_step_s" not in summary or f"{prefix}offload_step_s" not in summary:
+            continue
         saved = summary[f"{prefix}baseline_peak_rss_mb"] - summary[f"{prefix}offload_peak_rss_mb"]
         summary[f"{prefix}saving_over_moments"] = round(saved / summary[f"{prefix}moment_mb"], 3)
         summary[f"{prefix}step_ratio"] = round(summary[f"{prefix}offload_step_s"] / summary[f"{prefix}baseline_step_s"], 3)
+        cpu = summary[f"{prefix}offload_step_cpu_s"] / summary[f"{prefix}baseline_step_cpu_s"]
+        summary[f"{prefix}step_cpu_ratio"] = round(cpu, 3)
     return summary
 
 
@@ -142,9 +151,16 @@ def run_worker(name: str, dataset: str, out: Path, steps: int) -> None:
     trainer.evaluate = lambda: float("nan")
     optimizer = trainer.optimizer
     held = optimizer.moment_bytes() if hasattr(optimizer, "moment_bytes") else moment_bytes(optimizer)
-    history = trainer.run().history
-    report = {"history": history, "last": history[-1], "peak_rss_bytes": peak_rss_bytes(), "moment_bytes": held}
+    cpu_marks = [_cpu_seconds()]
+    history = trainer.run(on_metrics=lambda record: cpu_marks.append(_cpu_seconds())).history
+    report = {"history": history, "last": history[-1], "peak_rss_bytes": peak_rss_bytes(), "moment_bytes": held,
+              "step_cpu_seconds": [after - before for before, after in zip(cpu_marks, cpu_marks[1:])]}
     (out / f"rank{trainer.rank}.json").write_text(json.dumps(report))
+
+
+def _cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
 
 
 if __name__ == "__main__":
