@@ -175,7 +175,7 @@ def parallelize(
     that cannot run, naming both numbers."""
     dp_group, tp_group = comm.group(layout.dp_group(rank)), comm.group(layout.tp_group(rank))
     zero_stage = params.parallel.zero_stage if dp_group.size > 1 else 0
-    table = placement_table(params.model, layout, zero_stage, lora)
+    table = placement_table(params.model, layout, zero_stage, lora, params.parallel.optimizer_offload)
     shard = build_shard(
         params.model, table, rank, params.train.seed, params.precision.compute_dtype, initial_weights, dp_group
     )
@@ -201,7 +201,7 @@ def parallelize(
         accumulate = AccumulateGradients(model, loss=loss)
     names = {id(param): name for name, param in named_weights(model).items()}
     weight_names = [names[id(param)] for param in accumulate.weights]
-    if params.parallel.optimizer_offload:
+    if table.optimizer_offload:
         optimizer = offloaded_optimizer(
             accumulate.weights, accumulate.buffers, weight_names, params.optimizer, zero_stage, dp_group, zero3,
             shard_length=accumulate.shard_length if zero_stage == 2 else None,
