@@ -302,7 +302,7 @@ class Parallelized:
         self._zero()
 
     def close(self) -> None:
-        """Release what outlives nothing but the run: the optimizer offload file, when there is one."""
+        """Release the optimizer offload file, if there is one (no update can run after this)."""
         if self.offload is not None:
             self.offload.close()
 
