@@ -334,6 +334,13 @@ class ParallelParams(StrictModel):
         0,
         description="ZeRO sharding over the dp group: 0 none, 1 optimizer state, 2 + gradients, 3 + parameters.",
     )
+    optimizer_offload: bool = Field(
+        False,
+        description="Keep the AdamW moments (this rank's ZeRO shard of them) in a memory-mapped file under the "
+        "temp directory (TMPDIR: choose a local disk) and stream them through memory in 4 MiB buckets for the "
+        "update; the result and the checkpoints are bit-identical to the run without it. Saves the moments' "
+        "bytes (8 per trainable parameter, /dp under ZeRO) for a slower update; see README 'Offload'.",
+    )
 
     @property
     def world_size(self) -> int:

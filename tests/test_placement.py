@@ -70,15 +70,17 @@ def test_stages_hold_their_layers_and_a_tied_table_lives_on_both_ends():
 def test_rank_bytes_split_the_model_over_tp_pp_and_zero():
     whole = placement_table(PARAMS.model, Layout()).rank_bytes(0)
     elements = whole["parameters"] // 4
-    assert whole == {"parameters": 4 * elements, "gradients": 4 * elements, "optimizer": 8 * elements}
+    assert whole == {"parameters": 4 * elements, "gradients": 4 * elements, "optimizer": 8 * elements, "offloaded": 0}
     tp = placement_table(PARAMS.model, Layout(tp=2))
     norms = sum(row.size for row in tp if row.tp_axis is None)
     assert [tp.rank_bytes(r)["parameters"] for r in range(2)] == [4 * ((elements - norms) // 2 + norms)] * 2
     zero3 = placement_table(PARAMS.model, Layout(dp=2), zero_stage=3)
     shards = sum(math.ceil(row.size / 2) for row in zero3)
-    assert zero3.rank_bytes(1) == {"parameters": 4 * shards, "gradients": 4 * shards, "optimizer": 8 * shards}
+    assert zero3.rank_bytes(1) == {"parameters": 4 * shards, "gradients": 4 * shards, "optimizer": 8 * shards, "offloaded": 0}
     zero1 = placement_table(PARAMS.model, Layout(dp=2), zero_stage=1).rank_bytes(0)
     assert zero1["parameters"] == 4 * elements and zero1["optimizer"] == 8 * shards
+    offloaded = placement_table(PARAMS.model, Layout(dp=2), zero_stage=2, optimizer_offload=True).rank_bytes(0)
+    assert offloaded["optimizer"] == 0 and offloaded["offloaded"] == 8 * shards  # the moments on disk, not in memory
 
 
 # ------------------------------------------------------------------------- building a rank's shard

@@ -38,6 +38,7 @@ from model_core.parallel import comm
 from model_core.parallel.data_parallel import GradientAllReduce
 from model_core.parallel.gradient_norm import ParallelGradientNorm
 from model_core.parallel.layout import Layout
+from model_core.parallel.offload import OffloadedOptimizer, offloaded_optimizer
 from model_core.parallel.pipeline import MicroBatch, PipelineStage, SummedVocabParallelLoss, prune_to_stage
 from model_core.parallel.pipeline import SummedTokenLoss as StageTokenLoss
 from model_core.parallel.placement import PlacementTable, placement_table
@@ -167,13 +168,14 @@ def parallelize(
            holds of every weight made (drawn from the seed or read from `initial_weights`);
       7.   recompute marked on the chosen blocks this rank holds;
       8.   the step: the loss for this rank's logits, gradient accumulation (through the pipeline schedule
-           under pp; reduce-scattered per micro-batch under ZeRO-2), AdamW (moments sharded under ZeRO-1/2/3),
+           under pp; reduce-scattered per micro-batch under ZeRO-2), AdamW (moments sharded under ZeRO-1/2/3,
+           in a memory-mapped file with `parallel.optimizer_offload`),
            the dp gradient sum and the global gradient norm, each read from the placement table.
     Every layout supports every feature (LoRA included); `Layout.from_params` has already refused a layout
     that cannot run, naming both numbers."""
     dp_group, tp_group = comm.group(layout.dp_group(rank)), comm.group(layout.tp_group(rank))
     zero_stage = params.parallel.zero_stage if dp_group.size > 1 else 0
-    table = placement_table(params.model, layout, zero_stage, lora)
+    table = placement_table(params.model, layout, zero_stage, lora, params.parallel.optimizer_offload)
     shard = build_shard(
         params.model, table, rank, params.train.seed, params.precision.compute_dtype, initial_weights, dp_group
     )
@@ -200,7 +202,12 @@ def parallelize(
         accumulate = AccumulateGradients(model, loss=loss)
     names = {id(param): name for name, param in named_weights(model).items()}
     weight_names = [names[id(param)] for param in accumulate.weights]
-    if zero3 is not None:
+    if table.optimizer_offload:
+        optimizer = offloaded_optimizer(
+            accumulate.weights, accumulate.buffers, weight_names, params.optimizer, zero_stage, dp_group, zero3,
+            shard_length=accumulate.shard_length if zero_stage == 2 else None,
+        )
+    elif zero3 is not None:
         optimizer = Zero3AdamW(zero3, params.optimizer, weight_names)
     elif zero_stage >= 1:
         optimizer = ShardedAdamW(
@@ -259,7 +266,8 @@ class Parallelized:
         self.sum_gradients, self.sum_partial_gradients = sum_gradients, sum_partial_gradients
         self.micro_batches_per_pass = micro_batches_per_pass
         self.stage = layout.coordinates(rank).pp
-        self._apply = ApplyGradients(accumulate.buffers, optimizer)
+        self.offload = optimizer if isinstance(optimizer, OffloadedOptimizer) else None
+        self._apply = ApplyGradients(accumulate.buffers, optimizer) if self.offload is None else None
         self._zero = ZeroGradients(accumulate.buffers)
         self._routing: np.ndarray | None = None
 
@@ -295,7 +303,16 @@ class Parallelized:
 
     def apply(self, lr: Tensor, step: Tensor, grad_scale: Tensor) -> None:
         """One AdamW update from the buffers times `grad_scale`; the buffers are zeroed for the next step."""
-        self._apply(lr, step, grad_scale)
+        if self.offload is None:
+            self._apply(lr, step, grad_scale)
+            return
+        self.offload.step(lr, step, grad_scale)
+        self._zero()
+
+    def close(self) -> None:
+        """Release the optimizer offload file, if there is one (no update can run after this)."""
+        if self.offload is not None:
+            self.offload.close()
 
     def discard_gradients(self) -> None:
         self._zero()

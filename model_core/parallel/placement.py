@@ -20,6 +20,10 @@ communication. With LoRA only the adapters are trainable: the rest has no gradie
 Norm weights are replicated. Pipeline stage s holds its run of layers (`Layout.stage_sizes`); the first
 stage also the embedding, the last the final norm and the head, and with tied embeddings the last stage
 holds a copy of the embedding table too.
+
+A row's AdamW moments live where the row's ZeRO sharding puts them (every rank, or this rank's 1/dp), in memory
+or, with `optimizer_offload`, in the rank's offload file on local disk (`model_core/optim/offload.py`), which
+holds all of them or none.
 """
 
 from __future__ import annotations
@@ -95,6 +99,7 @@ class PlacementTable:
     zero_stage: int
     rows: tuple[Placement, ...]
     lora: LoraParams | None = None
+    optimizer_offload: bool = False  # every trainable row's moments in the offload file, not in memory
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {row.name: row for row in self.rows})
@@ -118,24 +123,28 @@ class PlacementTable:
 
     def rank_bytes(self, rank: int) -> dict[str, int]:
         """Bytes rank `rank` holds of parameters, fp32 gradient buffers of the trainable ones and their two fp32
-        Adam moments, from the table alone."""
+        Adam moments, from the table alone; with optimizer offload the moments count as `offloaded` (on disk),
+        not `optimizer` (the update's fixed staging bucket is not counted)."""
         at = self.layout.coordinates(rank)
         dp = self.layout.dp
-        held = {"parameters": 0, "gradients": 0, "optimizer": 0}
+        moments = "offloaded" if self.optimizer_offload else "optimizer"
+        held = {"parameters": 0, "gradients": 0, "optimizer": 0, "offloaded": 0}
         for row in self.on_stage(at.pp):
             elements = math.prod(row.block_shape(self.layout.tp))
             shard = math.ceil(elements / dp)
             held["parameters"] += (shard if self.zero_stage == 3 and row.zero_sharded else elements) * _BYTES[row.dtype]
             if row.trainable:
                 held["gradients"] += 4 * (shard if self.zero_stage >= 2 else elements)
-                held["optimizer"] += 2 * 4 * (shard if self.zero_stage >= 1 else elements)
+                held[moments] += 2 * 4 * (shard if self.zero_stage >= 1 else elements)
         return held
 
 
 def placement_table(
-    model: ModelParams, layout: Layout, zero_stage: int = 0, lora: LoraParams | None = None
+    model: ModelParams, layout: Layout, zero_stage: int = 0, lora: LoraParams | None = None,
+    optimizer_offload: bool = False,
 ) -> PlacementTable:
-    """The table of a model with these params under `layout`; `lora` adds its adapters when enabled."""
+    """The table of a model with these params under `layout`; `lora` adds its adapters when enabled;
+    `optimizer_offload` puts the moments in the offload file."""
     sizes = layout.stage_sizes(model.num_layers)
     last = len(sizes) - 1
     zero = zero_stage > 0 and layout.dp > 1
@@ -169,7 +178,7 @@ def placement_table(
     rows.append(row("norm.weight", (hidden,), None, (last,)))
     if not model.tie_embeddings:
         rows.append(row("lm_head.weight", (model.vocab_size, hidden), 0, (last,)))
-    return PlacementTable(layout, zero_stage if layout.dp > 1 else 0, tuple(rows), lora)
+    return PlacementTable(layout, zero_stage if layout.dp > 1 else 0, tuple(rows), lora, optimizer_offload)
 
 
 def _expert_shapes(model: ModelParams) -> dict[str, tuple[int, ...]]:

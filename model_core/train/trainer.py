@@ -199,6 +199,14 @@ class Trainer:
     # --------------------------------------------------------------------------------------------- run
 
     def run(self, on_metrics: MetricsCallback | None = None, resume: str | Path = "none") -> TrainResult:
+        """Train to `self.steps`. With optimizer offload its file is released when the run ends, normally or by an
+        exception (a later run needs a new Trainer, which resumes from the checkpoints)."""
+        try:
+            return self._run(on_metrics, resume)
+        finally:
+            self.parallel.close()
+
+    def _run(self, on_metrics: MetricsCallback | None, resume: str | Path) -> TrainResult:
         resumed_from = self.resume(resume)
         history: list[dict[str, float]] = []
         train = self.params.train
@@ -299,6 +307,10 @@ class Trainer:
         if utilisation is not None:
             record["mfu"] = utilisation
         record.update(self.last_routing)
+        offload = self.parallel.offload
+        if offload is not None:  # of the last update: moments read from and written to the file, and the staging time
+            record["offload_bytes_per_step"] = offload.last_bytes
+            record["offload_seconds_per_step"] = offload.last_seconds
         if self.parallel.pipeline is not None:  # of the step's last pipeline pass
             record["pipeline_bubble"] = self.parallel.pipeline.last_timing.bubble()  # over all stages
             record["pipeline_sent_bytes"] = self.parallel.pipeline.last_timing.sent_bytes  # by this rank

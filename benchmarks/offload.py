@@ -1,0 +1,167 @@
+"""Optimizer offload against none, side by side: peak RSS and step time of one process, and of dp2 under ZeRO-3.
+
+Every run trains the reference-size Llama (vocab 8000, hidden 512, 8 layers, 8 heads, FFN 1376, seq 256, tied;
+29.4M parameters, fp32) on the same global batch of 8 sequences (2048 tokens) with the real `Trainer`:
+  baseline          one process, 2 threads;
+  offload           the same with `parallel.optimizer_offload=true`;
+  zero3_baseline    two msrun workers of 1 thread, dp2, ZeRO-3, 4 sequences each;
+  zero3_offload     the same with `parallel.optimizer_offload=true` (each rank offloads its shard's moments).
+Peak RSS is each worker's own high-water mark (VmHWM) at the end of the run, summed over the workers of a job
+(msrun's scheduler process, the same in both ZeRO-3 jobs, is left out). Step seconds are the median over the steps
+after `--warmup` (the first compiles), and so are step CPU seconds (this process's user + system time a step, rank 0
+under ZeRO-3: less sensitive than wall time to other processes on a shared machine). `moment_mb` is the AdamW moments one process holds without offload (8 bytes
+a parameter; the two ZeRO-3 ranks hold half each, the same total). The target: offload lowers peak RSS by at least
+80% of moment_mb, at most 1.3x the step time.
+
+    flock /tmp/cpu.lock python benchmarks/offload.py [--steps 8] [--warmup 3] [--runs baseline,offload]
+
+The last line printed is one JSON object: `baseline_peak_rss_mb`, `offload_peak_rss_mb`, `moment_mb`,
+`baseline_step_s`, `offload_step_s`, the same four with a `zero3_` prefix, `*_step_cpu_s` beside each `*_step_s`, `saving_over_moments` and
+`zero3_saving_over_moments` ((baseline - offload) peak RSS / moment_mb), and the offloaded runs' bytes moved and
+staging seconds per step (`offload_bytes_per_step`, `offload_seconds_per_step`, and `zero3_` for rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MODEL = [
+    "model.vocab_size=8000", "model.hidden_size=512", "model.num_layers=8", "model.num_heads=8",
+    "model.num_kv_heads=8", "model.ffn_hidden_size=1376", "model.seq_len=256", "model.tie_embeddings=true",
+]
+ZERO3 = ["train.micro_batch_size=4", "parallel.data_parallel=2", "parallel.zero_stage=3"]
+OFFLOAD = ["parallel.optimizer_offload=true"]
+# run -> (workers, threads per worker, params overrides); every one trains on 8 sequences a step
+RUNS = {
+    "baseline": (1, 2, ["train.micro_batch_size=8"]),
+    "offload": (1, 2, ["train.micro_batch_size=8", *OFFLOAD]),
+    "zero3_baseline": (2, 1, ZERO3),
+    "zero3_offload": (2, 1, [*ZERO3, *OFFLOAD]),
+}
+MB = 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
+    parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the median (compilation)")
+    parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ", ".join(RUNS))
+    parser.add_argument("--run-worker", help=argparse.SUPPRESS)  # internal: one process of one run
+    parser.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run_worker:
+        dataset, out = args.paths
+        run_worker(args.run_worker, dataset, Path(out), args.steps)
+        return
+    with tempfile.TemporaryDirectory(prefix="offload-bench-") as workdir:
+        reports = measure(Path(workdir), args.steps, args.runs.split(","))
+    summary = summarise(reports, args.warmup)
+    print(f"{'run':<16}{'peak RSS MB':>13}{'step s':>9}{'step CPU s':>12}{'offload MB/step':>17}{'staging s':>11}")
+    for name in reports:
+        offloaded = reports[name][0]["last"].get("offload_bytes_per_step")
+        staging = reports[name][0]["last"].get("offload_seconds_per_step")
+        prefix = "zero3_" if name.startswith("zero3") else ""
+        kind = "offload" if name.endswith("offload") else "baseline"
+        print(f"{name:<16}{summary[f'{prefix}{kind}_peak_rss_mb']:>13,.1f}{summary[f'{prefix}{kind}_step_s']:>9.3f}"
+              f"{summary[f'{prefix}{kind}_step_cpu_s']:>12.3f}"
+              f"{'' if offloaded is None else f'{offloaded / MB:.1f}':>17}{'' if staging is None else f'{staging:.3f}':>11}")
+    print(json.dumps(summary))
+
+
+def measure(workdir: Path, steps: int, names: list[str]) -> dict[str, list[dict]]:
+    from model_core.data import prepare_dataset
+    from params import load_params
+
+    params = load_params("tiny", [*MODEL, f"data.output_dir={workdir / 'data'}"])
+    dataset = prepare_dataset(params.data, params.tokenizer, params.model).output_dir
+    return {name: run(name, dataset, workdir / name, steps) for name in names}
+
+
+def run(name: str, dataset: Path, out: Path, steps: int) -> list[dict]:
+    """Every worker's report of one run, in rank order."""
+    workers = RUNS[name][0]
+    out.mkdir(parents=True)
+    command = [str(Path(__file__)), "--run-worker", name, "--steps", str(steps), str(dataset), str(out)]
+    if workers == 1:
+        subprocess.run([sys.executable, *command], check=True, cwd=REPO)
+    else:
+        from model_core.parallel.launch import launch
+
+        with open(out / "launch.log", "w") as echo:
+            launch(command, workers, out / "logs", echo=echo)
+    reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(workers)]
+    print(f"{name}: peak RSS {[round(r['peak_rss_bytes'] / MB) for r in reports]} MB", file=sys.stderr, flush=True)
+    return reports
+
+
+def summarise(reports: dict[str, list[dict]], warmup: int) -> dict:
+    summary = {}
+    for name, ranks in reports.items():
+        prefix = "zero3_" if name.startswith("zero3") else ""
+        kind = "offload" if name.endswith("offload") else "baseline"
+        timed = ranks[0]["history"][warmup:]
+        if not timed:
+            raise ValueError(f"{len(ranks[0]['history'])} steps leave none to time after {warmup} warm-up steps")
+        summary[f"{prefix}{kind}_peak_rss_mb"] = round(sum(r["peak_rss_bytes"] for r in ranks) / MB, 1)
+        summary[f"{prefix}{kind}_step_s"] = round(statistics.median(2048 / r["tokens_per_second"] for r in timed), 3)
+        summary[f"{prefix}{kind}_step_cpu_s"] = round(statistics.median(ranks[0]["step_cpu_seconds"][warmup:]), 3)
+        if kind == "baseline":
+            summary[f"{prefix}moment_mb"] = round(sum(r["moment_bytes"] for r in ranks) / MB, 1)
+        else:
+            summary[f"{prefix}offload_bytes_per_step"] = ranks[0]["last"]["offload_bytes_per_step"]
+            summary[f"{prefix}offload_seconds_per_step"] = round(
+                statistics.median(r["offload_seconds_per_step"] for r in timed), 3
+            )
+    for prefix in ("", "zero3_"):
+        if f"{prefix}baseline_step_s" not in summary or f"{prefix}offload_step_s" not in summary:
+            continue
+        saved = summary[f"{prefix}baseline_peak_rss_mb"] - summary[f"{prefix}offload_peak_rss_mb"]
+        summary[f"{prefix}saving_over_moments"] = round(saved / summary[f"{prefix}moment_mb"], 3)
+        summary[f"{prefix}step_ratio"] = round(summary[f"{prefix}offload_step_s"] / summary[f"{prefix}baseline_step_s"], 3)
+        cpu = summary[f"{prefix}offload_step_cpu_s"] / summary[f"{prefix}baseline_step_cpu_s"]
+        summary[f"{prefix}step_cpu_ratio"] = round(cpu, 3)
+    return summary
+
+
+def run_worker(name: str, dataset: str, out: Path, steps: int) -> None:
+    import mindspore as ms
+
+    from model_core.parallel.zero import moment_bytes
+    from model_core.train.system import peak_rss_bytes
+    from model_core.train.trainer import Trainer
+    from params import load_params
+
+    _, threads, overrides = RUNS[name]
+    ms.device_context.cpu.op_tuning.threads_num(threads)
+    params = load_params("tiny", [*MODEL, *overrides, f"train.steps={steps}", "train.log_interval=1",
+                                  "train.eval_interval=100000", "train.checkpoint_interval=100000"])
+    trainer = Trainer(params, dataset, out / "checkpoints")
+    # The final checkpoint and validation are not part of a step (and the checkpoint's barriers are collectives).
+    trainer.save = lambda: None
+    trainer.evaluate = lambda: float("nan")
+    optimizer = trainer.optimizer
+    held = optimizer.moment_bytes() if hasattr(optimizer, "moment_bytes") else moment_bytes(optimizer)
+    cpu_marks = [_cpu_seconds()]
+    history = trainer.run(on_metrics=lambda record: cpu_marks.append(_cpu_seconds())).history
+    report = {"history": history, "last": history[-1], "peak_rss_bytes": peak_rss_bytes(), "moment_bytes": held,
+              "step_cpu_seconds": [after - before for before, after in zip(cpu_marks, cpu_marks[1:])]}
+    (out / f"rank{trainer.rank}.json").write_text(json.dumps(report))
+
+
+def _cpu_seconds() -> float:
+    times = os.times()
+    return times.user + times.system
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""Optimizer offload: AdamW whose moments live in a memory-mapped file and pass through memory in buckets.
+
+The moments m and v of every element this rank updates are laid out, in order, in two arrays of a file on local
+disk (created under the temp directory, `TMPDIR`, and unlinked at once, so nothing is left behind whatever way the
+process ends: the disk space returns when the mapping is dropped, at `close()` or exit). An update walks the file
+in buckets of `bucket_elements`: for each bucket it stages the weights' pieces (decayed where AdamW decays them),
+the gradients' pieces times the gradient scale, and the bucket's m and v into three fixed staging Parameters,
+runs the same fused `ops.Adam` as `model_core.optim.adamw.AdamW`, writes the weights' pieces back in place and
+m and v back to the file, and drops the file's pages from this process (`MADV_DONTNEED`; the kernel keeps them in
+its page cache and writes them back). Every operation is element-wise and the same kernel as the unoffloaded
+update, so the result is that update's, bit for bit; only the bucket is ever resident.
+
+What is updated is a list of `Slot`s: a range of one weight (flattened) and the matching range of its gradient
+buffer. One slot per whole weight is plain AdamW (or ZeRO-3, whose weights are the shards); ZeRO-1/2 give one slot
+per piece of this rank's shard of the flattened weights, and then gather the updated shards themselves. On the CPU
+backend, where host memory is the device, the file is the off-device store (ZeRO-Infinity's NVMe offload).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import mindspore as ms
+import numpy as np
+from mindspore import Parameter, Tensor, ops
+
+from params.schema import OptimizerParams
+
+# 1M fp32 elements: three 4 MiB staging Parameters and their transient copies stay under ~30 MB, a small part of
+# the reference model's 235 MB of moments, while ~30 buckets a step keep the per-bucket dispatch cost small.
+BUCKET_ELEMENTS = 2**20
+# The CPU Adam kernel cuts its input into chunks of size / 2^k (k <= 5 on a 2-thread pool, searched by timing) and
+# runs each chunk's last (chunk mod 8) elements through a scalar loop that rounds differently (a double sqrt) from
+# its 8-wide loop. A bucket of a multiple of 8 x 2^5 elements is all 8-wide, as is the unoffloaded update of every
+# weight whose size is such a multiple (all of the reference model's), so the two agree bit for bit.
+BUCKET_ALIGNMENT = 256
+FILE_PREFIX = "llmflow-offload-"
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Elements [start, end) of `weight` (flattened) take AdamW's update from elements [gradient_start,
+    gradient_start + end - start) of `gradient` (flattened); `name` keys the weight in the optimizer state."""
+
+    name: str
+    weight: Parameter
+    start: int
+    end: int
+    gradient: Parameter
+    gradient_start: int
+    decays: bool
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """Elements [offset, offset + length) of slot `slot`, at element `at` of its bucket."""
+
+    slot: int
+    offset: int
+    length: int
+    at: int
+
+
+def buckets_of(sizes: Sequence[int], bucket_elements: int) -> list[list[_Piece]]:
+    """Slots of these sizes laid end to end and cut into buckets of `bucket_elements`."""
+    buckets: list[list[_Piece]] = [[]]
+    filled = 0
+    for index, size in enumerate(sizes):
+        offset = 0
+        while offset < size:
+            if filled == bucket_elements:
+                buckets.append([])
+                filled = 0
+            length = min(size - offset, bucket_elements - filled)
+            buckets[-1].append(_Piece(index, offset, length, filled))
+            offset += length
+            filled += length
+    return buckets
+
+
+class MomentFile:
+    """m and v, `elements` fp32 each, in one unlinked, memory-mapped file under `directory` (the temp directory)."""
+
+    def __init__(self, elements: int, directory: str | None = None) -> None:
+        self.elements = elements
+        self.nbytes = 2 * 4 * elements
+        with tempfile.NamedTemporaryFile(prefix=FILE_PREFIX, dir=directory, delete=False) as handle:
+            try:
+                handle.truncate(self.nbytes)
+                self._map = mmap.mmap(handle.fileno(), self.nbytes)
+            finally:
+                os.unlink(handle.name)  # the mapping keeps the file; its name and its space go with the mapping
+        self._view = np.frombuffer(self._map, np.float32)
+        self.m, self.v = self._view[:elements], self._view[elements:]
+
+    def release(self, moment: np.ndarray, start: int, length: int) -> None:
+        """Drop elements [start, start + length) of `moment` (self.m or self.v) from this process's memory; their
+        values stay in the file. Only whole pages inside the range are dropped."""
+        first = (self.elements if moment is self.v else 0) + start
+        begin = -(-first * 4 // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (first + length) * 4 // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > begin:
+            self._map.madvise(mmap.MADV_DONTNEED, begin, end - begin)
+
+    @property
+    def closed(self) -> bool:
+        return self._map.closed
+
+    def close(self) -> None:
+        if self._map.closed:
+            return
+        self.m = self.v = self._view = None
+        self._map.close()
+
+
+class OffloadedAdamW:
+    """PyTorch-exact AdamW over `slots` with its moments in a `MomentFile`; see the module docstring.
+
+    `step(lr, step, grad_scale)` applies one update from the gradient buffers times grad_scale (lr, step and
+    grad_scale as for `ApplyGradients`), then calls `after_update` (ZeRO-1/2 all-gather their shards there).
+    `local_state`/`load_local_state` move the moments of the slots as flat arrays keyed (prefix, slot index);
+    `model_core.parallel.offload` turns them into whole tensors by parameter path as checkpoints hold them.
+    `last_bytes` and `last_seconds`: bytes moved between the file and memory in the last update, and the time spent
+    staging and unstaging (everything the unoffloaded update does not do).
+    """
+
+    def __init__(
+        self,
+        slots: Sequence[Slot],
+        optimizer: OptimizerParams,
+        bucket_elements: int | None = None,
+        directory: str | None = None,
+        after_update: Callable[[], object] | None = None,
+    ) -> None:
+        self.slots = tuple(slots)
+        self.beta1, self.beta2 = float(optimizer.beta1), float(optimizer.beta2)
+        self.eps, self.weight_decay = float(optimizer.eps), float(optimizer.weight_decay)
+        self._beta1 = Tensor(self.beta1, ms.float32)
+        self._beta2 = Tensor(self.beta2, ms.float32)
+        total = sum(slot.size for slot in self.slots)
+        wanted = min(bucket_elements or BUCKET_ELEMENTS, total)
+        self.bucket_elements = -(-wanted // BUCKET_ALIGNMENT) * BUCKET_ALIGNMENT
+        self.buckets = buckets_of([slot.size for slot in self.slots], self.bucket_elements)
+        # Each bucket has a whole bucket's room in the file, so every bucket starts on a page boundary.
+        self.file = MomentFile(len(self.buckets) * self.bucket_elements, directory)
+        self._offsets = np.cumsum([0, *(slot.size for slot in self.slots)])  # a slot's first element, end to end
+        zeros = np.zeros(self.bucket_elements, np.float32)
+        self._weights = Parameter(Tensor(zeros), name="offload.weights", requires_grad=False)
+        self._m = Parameter(Tensor(zeros), name="offload.adam_m", requires_grad=False)
+        self._v = Parameter(Tensor(zeros), name="offload.adam_v", requires_grad=False)
+        self._fused_update = ops.Adam()
+        self.after_update = after_update
+        self.last_bytes = 0
+        self.last_seconds = 0.0
+
+    def resident_bytes(self) -> int:
+        """Bytes of moments held in memory between updates: the staging m and v (the rest is in the file)."""
+        return self._m.asnumpy().nbytes + self._v.asnumpy().nbytes
+
+    def _check_open(self) -> None:
+        if self.file.closed:
+            raise RuntimeError(
+                "the optimizer offload file was released when the run ended; make a new Trainer (it resumes from "
+                "the run's checkpoint) to train on"
+            )
+
+    def step(self, lr: Tensor, step: Tensor, grad_scale: Tensor) -> None:
+        self._check_open()
+        # The scalars exactly as AdamW.construct computes them.
+        t = step.astype(ms.float32)
+        beta1_power = ops.pow(self._beta1, t)
+        beta2_power = ops.pow(self._beta2, t)
+        eps_t = self.eps * ops.sqrt(1.0 - beta2_power)
+        keep = 1.0 - lr * self.weight_decay
+        staging = 0.0
+        for index, bucket in enumerate(self.buckets):
+            begin = time.perf_counter()
+            gradients = self._stage(index, bucket, keep, grad_scale)
+            staging += time.perf_counter() - begin
+            self._fused_update(
+                self._weights, self._m, self._v, beta1_power, beta2_power, lr, self._beta1, self._beta2, eps_t, gradients,
+            )
+            begin = time.perf_counter()
+            self._unstage(index, bucket)
+            staging += time.perf_counter() - begin
+        if self.after_update is not None:
+            self.after_update()
+        self.last_bytes = 2 * self.file.nbytes  # m and v read in and written back
+        self.last_seconds = staging
+
+    def _stage(self, index: int, bucket: list[_Piece], keep: Tensor, grad_scale: Tensor) -> Tensor:
+        weights, gradients = [], []
+        for piece in bucket:
+            slot = self.slots[piece.slot]
+            start = slot.start + piece.offset
+            weight = slot.weight.reshape(-1)[start : start + piece.length]
+            weights.append(weight * keep if slot.decays else weight)
+            start = slot.gradient_start + piece.offset
+            gradients.append(slot.gradient.reshape(-1)[start : start + piece.length] * grad_scale)
+        padding = self.bucket_elements - sum(piece.length for piece in bucket)
+        if padding:  # zero gradients and moments leave zero weights where they are
+            weights.append(ops.zeros((padding,), ms.float32))
+            gradients.append(ops.zeros((padding,), ms.float32))
+        ops.assign(self._weights, _joined(weights))
+        first = index * self.bucket_elements
+        for staged, moment in ((self._m, self.file.m), (self._v, self.file.v)):
+            ops.assign(staged, Tensor(moment[first : first + self.bucket_elements]))
+        return _joined(gradients)
+
+    def _unstage(self, index: int, bucket: list[_Piece]) -> None:
+        for piece in bucket:
+            slot = self.slots[piece.slot]
+            write_flat(slot.weight, slot.start + piece.offset, self._weights[piece.at : piece.at + piece.length])
+        first = index * self.bucket_elements
+        for staged, moment in ((self._m, self.file.m), (self._v, self.file.v)):
+            moment[first : first + self.bucket_elements] = staged.asnumpy()
+            self.file.release(moment, first, self.bucket_elements)
+
+    def _slot_moment(self, moment: np.ndarray, slot: int) -> np.ndarray:
+        """A copy of slot `slot`'s elements of `moment`, gathered from the buckets it spans."""
+        parts = []
+        for index, bucket in enumerate(self.buckets):
+            for piece in bucket:
+                if piece.slot == slot:
+                    first = index * self.bucket_elements + piece.at
+                    parts.append(moment[first : first + piece.length])
+        return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+    def local_state(self) -> dict[tuple[str, int], np.ndarray]:
+        """{("adam_m" | "adam_v", slot index): that slot's moment, flat}, copied out of the file."""
+        self._check_open()
+        return {
+            (prefix, slot): self._slot_moment(moment, slot)
+            for prefix, moment in (("adam_m", self.file.m), ("adam_v", self.file.v))
+            for slot in range(len(self.slots))
+        }
+
+    def load_local_state(self, state: Mapping[tuple[str, int], np.ndarray]) -> None:
+        """Write every slot's moments (flat, of the slot's size) into the file."""
+        self._check_open()
+        for prefix, moment in (("adam_m", self.file.m), ("adam_v", self.file.v)):
+            for index, bucket in enumerate(self.buckets):
+                for piece in bucket:
+                    first = index * self.bucket_elements + piece.at
+                    values = np.asarray(state[(prefix, piece.slot)], np.float32).reshape(-1)
+                    moment[first : first + piece.length] = values[piece.offset : piece.offset + piece.length]
+                self.file.release(moment, index * self.bucket_elements, self.bucket_elements)
+
+    def close(self) -> None:
+        """Drop the file (its space returns to the disk). The optimizer cannot update after this."""
+        self.file.close()
+
+
+def _joined(parts: list[Tensor]) -> Tensor:
+    return parts[0] if len(parts) == 1 else ops.cat(parts)
+
+
+def write_flat(weight: Parameter, start: int, values: Tensor) -> None:
+    """Elements [start, start + len(values)) of `weight` flattened = values, in place (slice assignment on the
+    Parameter: a vector directly, a matrix as a partial first row, whole rows and a partial last row)."""
+    length = int(values.shape[0])
+    if weight.ndim == 1:
+        weight[start : start + length] = values
+        return
+    if weight.ndim != 2:
+        raise ValueError(f"{weight.name}: offload updates vectors and matrices, not shape {tuple(weight.shape)}")
+    columns = int(weight.shape[1])
+    row, column = divmod(start, columns)
+    last_row, last_column = divmod(start + length, columns)
+    if row == last_row:
+        weight[row, column:last_column] = values
+        return
+    done = 0
+    if column:
+        weight[row, column:] = values[: columns - column]
+        done, row = columns - column, row + 1
+    if last_row > row:
+        rows = (last_row - row) * columns
+        weight[row:last_row] = values[done : done + rows].reshape(last_row - row, columns)
+        done += rows
+    if last_column:
+        weight[last_row, :last_column] = values[done:]
+
+
+def offload_mappings() -> list[str]:
+    """This process's mappings of offload files (for tests and leak checks): lines of /proc/self/maps."""
+    with open("/proc/self/maps") as maps:
+        return [line.strip() for line in maps if FILE_PREFIX in line]
