@@ -13,6 +13,7 @@ from conftest import SMALL_MODEL
 from mindspore import Tensor
 
 from model_core.data import prepare_dataset
+from model_core.eval.evaluate import load_model
 from model_core.model.llama import Llama, SwiGLU
 from model_core.model.moe import MoE
 from model_core.parallel.layout import Layout, ParallelConfigError
@@ -132,13 +133,18 @@ def test_an_moe_model_trains_and_reports_its_routing(dataset_dir, tmp_path, moe)
         "optimizer.warmup_steps=2", "optimizer.lr=3e-3", "parallel.micro_batches=2", f"train.output_dir={tmp_path}",
     ])
     records = []
-    result = Trainer(params, dataset_dir, tmp_path / "ckpt").run(on_metrics=records.append)
+    trainer = Trainer(params, dataset_dir, tmp_path / "ckpt")
+    result = trainer.run(on_metrics=records.append)
     assert result.final_loss < result.initial_loss - 1.0
     last = records[-1]
     assert 0.99 < last["moe_aux_loss"] < 2.0 and last["moe_z_loss"] > 0 and last["moe_dropped_fraction"] == 0
     assert {"moe_load_min_layer1", "moe_load_max_layer1", "moe_load_cv_layer1"} <= last.keys()
     choices = 2 * last["tokens_seen"] / last["step"]  # two per token of a step, dropped or not
     assert last["moe_load_min_layer1"] <= choices / 4 <= last["moe_load_max_layer1"] < choices
+    # The checkpoint loads back as the model the evaluate stage scores, checked against the run's params.
+    loaded = load_model(result.checkpoint, model=params.model)
+    tokens = Tensor(np.random.default_rng(4).integers(0, 512, (2, 32)), ms.int32)
+    np.testing.assert_allclose(loaded(tokens).asnumpy(), trainer.model(tokens).asnumpy(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(

@@ -114,9 +114,10 @@ def _model_params(checkpoint: Path, given: ModelParams | None) -> ModelParams:
         return given
     else:
         raise FileNotFoundError(f"{checkpoint} records no model ({PARAMS} or {STATE}); pass the model params")
+    held = recorded.model_dump()
     for key, value in (given.model_dump() if given is not None else {}).items():
-        if getattr(recorded, key) != value:
-            raise ValueError(f"checkpoint {checkpoint} holds a model with model.{key}={getattr(recorded, key)}, not {value}")
+        if held[key] != value:
+            raise ValueError(f"checkpoint {checkpoint} holds a model with model.{key}={held[key]}, not {value}")
     return recorded
 
 
