@@ -293,14 +293,28 @@ def _cmd_eval(args: argparse.Namespace) -> int:
 def _cmd_plan(args: argparse.Namespace) -> int:
     from model_core.parallel.planner import format_plan_table, parse_bytes, plan
 
+    if args.explain_oom:
+        return _explain_oom(args.explain_oom, args.metrics)
+    if args.devices is None or args.device_memory is None:
+        raise ValueError("--devices and --device-memory are required (or --explain-oom LOG to read a failed run)")
     params = _params(args)
     reserve = parse_bytes(args.runtime_reserve) if args.runtime_reserve else None
+    bandwidth = parse_bytes(args.offload_bandwidth) if args.offload_bandwidth else None
     result = plan(
         params, args.devices, parse_bytes(args.device_memory), devices_per_node=args.devices_per_node,
-        device_kind=args.device_kind, runtime_bytes=reserve,
+        device_kind=args.device_kind, runtime_bytes=reserve, offload_bandwidth=bandwidth,
     )
     print(format_plan_table(result))
     return 0 if result.recommended is not None else 1
+
+
+def _explain_oom(log: str, metrics: str | None) -> int:
+    """Say where a failed run ran out of memory and what to change; exit 1 when the log shows no such failure."""
+    from model_core.parallel.oom import explain_oom, read_metrics
+
+    diagnosis = explain_oom(Path(log).read_text(errors="replace"), read_metrics(metrics) if metrics else None)
+    print(diagnosis)
+    return 0 if diagnosis.phase is not None else 1
 
 
 def _cmd_ckpt_reshard(args: argparse.Namespace) -> int:
@@ -518,8 +532,8 @@ def build_parser() -> argparse.ArgumentParser:
         "See docs/planner.md.",
     )
     _add_params_arguments(planner)
-    planner.add_argument("--devices", type=int, required=True, help="number of devices (ranks)")
-    planner.add_argument("--device-memory", required=True, metavar="BYTES", help="memory per device, e.g. 64GiB, 80GB")
+    planner.add_argument("--devices", type=int, help="number of devices (ranks); required unless --explain-oom")
+    planner.add_argument("--device-memory", metavar="BYTES", help="memory per device, e.g. 64GiB, 80GB")
     planner.add_argument("--devices-per-node", type=int, default=8, help="devices per node; tp stays inside one")
     planner.add_argument(
         "--device-kind", choices=["accelerator", "cpu"], default="accelerator",
@@ -529,6 +543,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--runtime-reserve", metavar="BYTES", help="memory the device runtime keeps for itself (default: 0 on "
         "accelerators, the measured MindSpore baseline on cpu)",
     )
+    planner.add_argument(
+        "--offload-bandwidth", metavar="BYTES", help="bytes per second offloaded optimizer state moves at (default: "
+        "25GB, PCIe 4.0 x16, for accelerators; 2GB, a local NVMe drive, for cpu)",
+    )
+    planner.add_argument(
+        "--explain-oom", metavar="LOG", help="instead of planning: read a failed run's log (a worker log or the "
+        "console output) and say in which phase memory ran out and what to change",
+    )
+    planner.add_argument("--metrics", metavar="JSONL", help="with --explain-oom: the run's --metrics-jsonl file")
     planner.set_defaults(handler=_cmd_plan)
 
     ckpt = commands.add_parser("ckpt", help="checkpoint tools", description="Checkpoint tools.")

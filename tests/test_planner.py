@@ -328,3 +328,29 @@ def test_cli_plan_prints_the_table_and_fails_when_nothing_fits(capsys):
     assert "nothing fits" in capsys.readouterr().out
     assert main(["plan", "--devices", "2", "--device-memory", "12XB"]) == 1
     assert "cannot read '12XB' as a size" in capsys.readouterr().err
+
+
+def test_offload_is_advised_only_within_twenty_percent_of_the_device_and_says_what_it_moves():
+    """The same 7B layouts as above at two device sizes: just under the smallest layout without offload (only
+    offload fits, within the gap rule: advised, with its traffic), and where offload alone would fit but the
+    layout without it is far over (not advised; the plan says to change the layout)."""
+    params = load_params("llama2_7b_dp8", ["train.micro_batch_size=1", "model.seq_len=512"])
+    everything = plan(params, devices=8, device_memory_bytes=10**15)
+    plain = min(e.memory.total for e in everything.estimates if not e.candidate.offload)
+    offloaded = [e for e in everything.estimates if e.candidate.offload]
+    assert offloaded and all(e.candidate.zero_stage >= 2 for e in offloaded)
+
+    near = plan(params, devices=8, device_memory_bytes=int(plain / 1.1))
+    chosen = near.recommended
+    assert chosen is not None and chosen.candidate.offload
+    assert chosen.memory.total <= near.device_memory_bytes < chosen.without_offload
+    assert 0 < chosen.offload_gap(near.device_memory_bytes) <= 0.2
+    held = math.ceil(stage_parameters(params.model, chosen.candidate.tp, chosen.candidate.pp, chosen.stage) / 8)
+    assert chosen.offload_bytes_per_step == 2 * 8 * held  # the shard's moments, read and written back
+    table = format_plan_table(near)
+    assert "offload=optimizer" in table and "offload moves" in table and "at 25 GB/s" in table
+
+    smallest = min(e.memory.total for e in offloaded)
+    far = plan(params, devices=8, device_memory_bytes=smallest)
+    assert far.recommended is None and any(e.fits for e in far.estimates)
+    assert "change the layout instead" in format_plan_table(far)

@@ -32,6 +32,14 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
     runtime        the device kind's process baseline and its compiled graph's cost per layer (and per
                    recomputed layer; a pipeline stage's forward-only graph is charged like one)
 
+Optimizer offload (`parallel.optimizer_offload`, `model_core/optim/offload.py`) is one more candidate for
+layouts with ZeRO-2 or 3: the moments leave the device for host memory (on the CPU backend a memory-mapped
+file on local disk), and the update streams them through 3 staging buckets of 4 MiB; ZeRO-1/2 then keep no fp32
+copy of their shard either. Each step reads and writes them, 2 x 8P/dp bytes, timed at the stated offload
+bandwidth. Offload comes after every layout that fits without it, and is recommended only when the same
+layout without it needs at most `OFFLOAD_GAP` (20%) more than the device has: a larger gap means the layout
+is wrong (more tensor or pipeline parallelism, more devices), which is what the plan then says.
+
 A rank peaks either in the backward (activations, fresh gradients, gradient buckets) or in the update (no
 activations, but ZeRO's all-gather); the estimate is the larger of the two, on the busiest stage. A device
 kind scales the counted activations by what it was measured to hold: the CPU constants are fitted to peak
@@ -51,7 +59,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from model_core.parallel.layout import Layout
@@ -67,6 +75,11 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RECOMPUTE_MODES = ("none", "all")
+OFFLOAD_GAP = 0.20  # offload is advised only when the layout without it is at most this much over the device
+OFFLOAD_STAGING_BYTES = 3 * 4 * 2**20  # model_core/optim/offload.py: three 4 MiB staging buckets
+# Stated bandwidths the offload traffic is timed at: host <-> device over PCIe 4.0 x16 (~25 GB/s of its 32), and
+# a local NVMe drive (~2 GB/s) where host memory is the device (the CPU backend offloads to disk).
+OFFLOAD_BANDWIDTH = {"accelerator": 25e9, "cpu": 2e9}
 
 
 def parse_bytes(text: str) -> int:
@@ -138,16 +151,18 @@ class Candidate:
     pp: int
     zero_stage: int
     recompute: str
+    offload: bool = False  # the optimizer's moments off the device
 
     def preference(self) -> tuple[int, ...]:
-        """Smaller is preferred: no ZeRO beyond stage 1, then fewer pipeline stages, then less tensor
-        parallelism, then no recompute; with dp > 1, ZeRO-1 before ZeRO-0."""
+        """Smaller is preferred: no offload, then no ZeRO beyond stage 1, then fewer pipeline stages, then less
+        tensor parallelism, then no recompute; with dp > 1, ZeRO-1 before ZeRO-0."""
         beyond_one = max(self.zero_stage - 1, 0)
         unsharded_dp = int(self.dp > 1 and self.zero_stage == 0)
-        return (beyond_one, self.pp, self.tp, RECOMPUTE_MODES.index(self.recompute), unsharded_dp)
+        return (int(self.offload), beyond_one, self.pp, self.tp, RECOMPUTE_MODES.index(self.recompute), unsharded_dp)
 
     def __str__(self) -> str:
-        return f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero_stage} recompute={self.recompute}"
+        offload = " offload=optimizer" if self.offload else ""
+        return f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero_stage} recompute={self.recompute}{offload}"
 
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "runtime")
@@ -178,6 +193,12 @@ class Estimate:
     stage: int
     memory: Memory
     fits: bool
+    offload_bytes_per_step: int = 0  # moments read and written per step (offload candidates)
+    without_offload: int = 0  # bytes the same layout needs without offload (offload candidates)
+
+    def offload_gap(self, device_memory_bytes: int) -> float:
+        """How far over the device the layout is without offload, as a fraction of the device (0 when it fits)."""
+        return max(self.without_offload / device_memory_bytes - 1.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -200,10 +221,37 @@ class Plan:
     estimates: tuple[Estimate, ...]  # in order of preference
     excluded: tuple[Excluded, ...]
 
+    offload_bandwidth: float = OFFLOAD_BANDWIDTH["accelerator"]
+
+    def advisable(self, e: Estimate) -> bool:
+        """It fits, and if it offloads, the layout without offload is within `OFFLOAD_GAP` of the device."""
+        return e.fits and (not e.candidate.offload or e.offload_gap(self.device_memory_bytes) <= OFFLOAD_GAP)
+
     @property
     def recommended(self) -> Estimate | None:
-        """The most preferred estimate that fits."""
-        return next((e for e in self.estimates if e.fits), None)
+        """The most preferred estimate that fits (offload only within the gap rule)."""
+        return next((e for e in self.estimates if self.advisable(e)), None)
+
+    @property
+    def offload_note(self) -> str | None:
+        """What offload costs when it is recommended, or why it is not when it alone would fit."""
+        chosen = self.recommended
+        if chosen is not None and chosen.candidate.offload:
+            seconds = chosen.offload_bytes_per_step / self.offload_bandwidth
+            return (
+                f"offload moves {_gib(chosen.offload_bytes_per_step)} GiB of optimizer state per step "
+                f"({seconds:.2f} s at {self.offload_bandwidth / 1e9:.0f} GB/s); without it this layout needs "
+                f"{_gib(chosen.without_offload)} GiB, {chosen.offload_gap(self.device_memory_bytes):.0%} over"
+            )
+        fitting = [e for e in self.estimates if e.fits and e.candidate.offload]
+        if chosen is None and fitting:
+            closest = min(fitting, key=lambda e: e.without_offload)
+            return (
+                f"{closest.candidate} would fit, but without offload it needs {_gib(closest.without_offload)} GiB, "
+                f"{closest.offload_gap(self.device_memory_bytes):.0%} over the device (offload pays off within "
+                f"{OFFLOAD_GAP:.0%}): change the layout instead (more tensor or pipeline parallelism, more devices)"
+            )
+        return None
 
     @property
     def smallest(self) -> Estimate | None:
@@ -261,11 +309,13 @@ def degrees(devices: int) -> list[tuple[int, int, int]]:
 
 def candidates(dp: int, tp: int, pp: int, model: ModelParams | None = None) -> list[Candidate]:
     """ZeRO stages 0-3 where there is a dp group to shard over (only 0 for dp=1), each with and without recompute;
-    0 and 1 for a model with MoE blocks (the stages they train with so far)."""
+    0 and 1 for a model with MoE blocks (the stages they train with so far); and with ZeRO-2/3 each also with
+    optimizer offload."""
     stages = range(4) if dp > 1 else (0,)
     if model is not None and model.moe_layers:
         stages = [stage for stage in stages if stage < 2]
-    return [Candidate(dp, tp, pp, stage, mode) for stage in stages for mode in RECOMPUTE_MODES]
+    plain = [Candidate(dp, tp, pp, stage, mode) for stage in stages for mode in RECOMPUTE_MODES]
+    return plain + [replace(c, offload=True) for c in plain if c.zero_stage >= 2]
 
 
 # ----------------------------------------------------------------------------------------- estimates
@@ -340,7 +390,8 @@ def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind:
         "gradients": 2 * 4 * (shard if zero >= 2 else held),
         # AdamW's two moments of what this rank updates; ZeRO-1/2 also keep an fp32 copy of their shard to update
         # (the weights stay whole), while under ZeRO-3 the shard is the weight itself.
-        "optimizer": 8 * shard + (4 * shard if zero in (1, 2) else 0) if zero >= 1 else 8 * held,
+        "optimizer": OFFLOAD_STAGING_BYTES if candidate.offload
+        else 8 * shard + (4 * shard if zero in (1, 2) else 0) if zero >= 1 else 8 * held,
         "runtime": runtime + kind.runtime_bytes_per_layer * layers + recompute_graph,
     }
     backward = Memory(
@@ -380,7 +431,12 @@ def estimate(
     per_stage = [stage_memory(params, candidate, stage, kind, runtime) for stage in range(candidate.pp)]
     stage = max(range(candidate.pp), key=lambda s: per_stage[s].total)
     memory = per_stage[stage]
-    return Estimate(candidate, stage, memory, memory.total <= device_memory_bytes)
+    if not candidate.offload:
+        return Estimate(candidate, stage, memory, memory.total <= device_memory_bytes)
+    held = stage_parameters(params.model, candidate.tp, candidate.pp, stage)
+    without = estimate(params, replace(candidate, offload=False), device_memory_bytes, kind, runtime)
+    traffic = 2 * 8 * math.ceil(held / candidate.dp)  # the moments of this rank's shard, read and written back
+    return Estimate(candidate, stage, memory, memory.total <= device_memory_bytes, traffic, without.memory.total)
 
 
 # -------------------------------------------------------------------------------------------- plan
@@ -393,10 +449,12 @@ def plan(
     devices_per_node: int = 8,
     device_kind: str = "accelerator",
     runtime_bytes: int | None = None,
+    offload_bandwidth: float | None = None,
 ) -> Plan:
     """Every valid layout of `devices` for this model, estimated, in order of preference, and the first that
     fits. device_kind: "accelerator" (counted tensors) or "cpu" (fitted to measured RSS); runtime_bytes: the
-    device runtime's own reserve, None for the kind's (0 for accelerators, the measured baseline on CPU)."""
+    device runtime's own reserve, None for the kind's (0 for accelerators, the measured baseline on CPU);
+    offload_bandwidth: bytes/s the offloaded optimizer state moves at, None for the kind's stated one."""
     if devices < 1 or device_memory_bytes < 1 or devices_per_node < 1:
         raise ValueError(
             f"devices={devices}, device_memory_bytes={device_memory_bytes} and devices_per_node={devices_per_node} "
@@ -414,7 +472,8 @@ def plan(
             continue
         estimates.extend(estimate(params, c, device_memory_bytes, kind, runtime) for c in candidates(dp, tp, pp, params.model))
     estimates.sort(key=lambda e: e.candidate.preference())
-    return Plan(devices, device_memory_bytes, devices_per_node, kind, runtime, tuple(estimates), tuple(excluded))
+    bandwidth = OFFLOAD_BANDWIDTH[kind.name] if offload_bandwidth is None else offload_bandwidth
+    return Plan(devices, device_memory_bytes, devices_per_node, kind, runtime, tuple(estimates), tuple(excluded), bandwidth)
 
 
 def _gib(nbytes: int) -> str:
@@ -455,4 +514,6 @@ def format_plan_table(plan: Plan) -> str:
     ]
     lines += [f"excluded dp{e.dp} tp{e.tp} pp{e.pp}: {e.reason}" for e in plan.excluded]
     lines.append(plan.summary)
+    if plan.offload_note is not None:
+        lines.append(plan.offload_note)
     return "\n".join(lines)
