@@ -308,6 +308,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return 0 if result.recommended is not None else 1
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from tasks.compare import compare, render, write_loss_overlay
+    from tasks.tracking import tracking_uri
+
+    uri = args.tracking_uri or tracking_uri(_params(args))
+    comparison = compare(uri, args.run_ids, args.experiment, args.last)
+    print(render(comparison, uri, args.format))
+    if args.format != "json":
+        written = write_loss_overlay(comparison, args.plot)
+        print(f"pretraining loss curves: {written}" if written else "no pretraining loss history to plot")
+    return 0
+
+
 def _explain_oom(log: str, metrics: str | None) -> int:
     """Say where a failed run ran out of memory and what to change; exit 1 when the log shows no such failure."""
     from model_core.parallel.oom import explain_oom, read_metrics
@@ -522,6 +535,24 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--adapters", required=True, type=Path, help="the adapters directory (adapters.safetensors)")
     merge.add_argument("--output", required=True, type=Path, help="new directory for the merged checkpoint")
     merge.set_defaults(handler=_cmd_lora_merge)
+
+    comparer = commands.add_parser(
+        "compare",
+        help="pipeline runs side by side: the params that differ, headline metrics, loss curves, MLflow links",
+        description="Compare pipeline runs recorded in MLflow: the params that differ between them, their "
+        "headline metrics (final and best loss, validation loss, perplexities, tokens/s, MFU, wall time), an "
+        "overlay of their pretraining loss curves, and where to open each in MLflow's UI.",
+    )
+    _add_params_arguments(comparer)
+    comparer.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="parent (pipeline) run ids to compare")
+    comparer.add_argument("--experiment", help="compare the last finished pipeline runs of this experiment")
+    comparer.add_argument("--last", type=int, default=2, metavar="N", help="with --experiment: how many (default 2)")
+    comparer.add_argument("--format", choices=["table", "markdown", "json"], default="table")
+    comparer.add_argument("--plot", default="compare-loss.png", metavar="PNG", help="where the loss overlay goes")
+    comparer.add_argument(
+        "--tracking-uri", help="the MLflow store (default: MLFLOW_TRACKING_URI, else tracking.uri of --params)"
+    )
+    comparer.set_defaults(handler=_cmd_compare)
 
     planner = commands.add_parser(
         "plan",

@@ -536,6 +536,11 @@ class TrackingParams(StrictModel):
     artifact_location: str | None = Field(
         None, description="Artifact root for a newly created experiment; null lets MLflow choose (./mlruns)."
     )
+    log_optimizer_state: bool = Field(
+        False, description="Upload the AdamW moments with each training stage's final checkpoint (twice the "
+        "model's size: ~80 GB at 7B); by default MLflow gets the weights and the small state files only, and "
+        "the full checkpoint stays in train.output_dir."
+    )
 
 
 # ------------------------------------------------------------------------------------------- pipeline

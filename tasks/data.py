@@ -72,7 +72,7 @@ def prepare_and_record(params: PipelineParams, tracking: Tracking) -> DataResult
                 result = prepare_dataset(params.data, params.tokenizer, params.model, progress, mapper)
         finally:
             progress.close()
-        metrics = numeric_leaves(result.manifest, skip={"shards"})
+        metrics = numeric_leaves(result.manifest, skip=MANIFEST_SETTINGS)
         metrics["seconds"] = time.perf_counter() - started
         run.log_metrics(metrics)
         run.set_tags({"llmflow.dataset_dir": str(result.output_dir)})
@@ -100,6 +100,11 @@ def _log_artifacts(run: StageRun, result: PrepResult) -> None:
     run.log_artifact(result.tokenizer_path, "tokenizer")
 
 
+# Manifest sections that record settings (already the stage's params) or per-shard detail, not measurements:
+# left out of the stage's metrics, where only what prep counted and measured belongs.
+MANIFEST_SETTINGS = frozenset({"shards", "params", "format_version", "near_dedup", "tokenizer", "vocab_size", "seq_len"})
+
+
 def numeric_leaves(tree: object, prefix: str = "", skip: frozenset[str] | set[str] = frozenset()) -> dict[str, float]:
     """Flatten the numbers of a nested dict into `a.b.c` -> float (booleans and strings are left out)."""
     found: dict[str, float] = {}
@@ -115,7 +120,7 @@ def numeric_leaves(tree: object, prefix: str = "", skip: frozenset[str] | set[st
 
 def summary_markdown(result: PrepResult) -> str:
     """A Prefect artifact: the manifest's numbers as a table, one row each."""
-    numbers = numeric_leaves(result.manifest, skip={"shards"})
+    numbers = numeric_leaves(result.manifest, skip=MANIFEST_SETTINGS)
     rows = "\n".join(f"| {name} | {value:,.6g} |" for name, value in numbers.items())
     state = "reused an existing dataset" if result.reused else "prepared a new dataset"
     return f"# Data prep\n\n{state}: `{result.output_dir}`\n\n| quantity | value |\n|---|---|\n{rows}\n"

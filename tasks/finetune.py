@@ -18,7 +18,7 @@ from model_core.train.checkpoint import latest_valid
 from model_core.train.finetune import ADAPTERS_DIR, FinetuneResult, finetune, read_summary
 from model_core.train.runs import finetune_directory
 from params import PipelineParams, to_yaml
-from tasks.data import DataResult, numeric_leaves
+from tasks.data import MANIFEST_SETTINGS, DataResult, numeric_leaves
 from tasks.plots import loss_curve_png
 from tasks.retry import retry_on_transient_io
 from tasks.tracking import MetricsBatcher, Tracking, record_reuse, stage_run
@@ -57,7 +57,7 @@ def finetune_stage(
                 "stage.checkpoint_dir": directory,
             }
         )
-        run.log_metrics(numeric_leaves(instructions.manifest, "data.", skip={"shards"}))
+        run.log_metrics(numeric_leaves(instructions.manifest, "data.", skip=MANIFEST_SETTINGS))
         run.log_artifact(instructions.manifest_path, "data")
         reused = _finished(directory, params.lora.steps)
         record_reuse(run, "finetune", directory if reused is not None else None)

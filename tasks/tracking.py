@@ -33,6 +33,7 @@ class Tracking:
     uri: str
     experiment_id: str
     parent_run_id: str
+    flow_run_name: str = "local"  # the parent run's name; stage runs are named `<flow run>/<stage>` after it
 
 
 def tracking_uri(params: PipelineParams) -> str:
@@ -50,15 +51,22 @@ def git_commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
+# MLflow 3's UI opens an experiment in its GenAI view unless this tag says it holds model training runs.
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+
+
 def _experiment_id(client: MlflowClient, params: PipelineParams) -> str:
     name = params.tracking.experiment
     experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    try:
-        return client.create_experiment(name, artifact_location=params.tracking.artifact_location)
-    except MlflowException:  # created concurrently by another run
-        return client.get_experiment_by_name(name).experiment_id
+    if experiment is None:
+        try:
+            client.create_experiment(name, artifact_location=params.tracking.artifact_location)
+        except MlflowException:  # created concurrently by another run
+            pass
+        experiment = client.get_experiment_by_name(name)
+    if EXPERIMENT_KIND[0] not in experiment.tags:  # a kind the user chose in the UI is left alone
+        client.set_experiment_tag(experiment.experiment_id, *EXPERIMENT_KIND)
+    return experiment.experiment_id
 
 
 def open_pipeline_run(
@@ -77,7 +85,7 @@ def open_pipeline_run(
         "llmflow.preset": params.name,
     }
     run = client.create_run(experiment_id, run_name=flow_run_name, tags=tags)
-    tracking = Tracking(uri=uri, experiment_id=experiment_id, parent_run_id=run.info.run_id)
+    tracking = Tracking(uri=uri, experiment_id=experiment_id, parent_run_id=run.info.run_id, flow_run_name=flow_run_name)
     stage = StageRun(client, run.info.run_id)
     stage.log_params(flatten(params))
     stage.log_text(to_yaml(params), "params.yaml")
@@ -144,26 +152,29 @@ def record_reuse(run: StageRun, stage: str, reused_from: str | Path | None) -> N
 
 
 class MetricsBatcher:
-    """A trainer metrics callback that sends records to MLflow in batches (one call per `every` records).
+    """A trainer metrics callback that sends records to MLflow in batches: one call per `every` records, or
+    sooner once `seconds` have passed since the last, so a slow run still shows its progress in MLflow.
 
     Each record is a flat dict with a `step`; everything else in it becomes a metric at that step.
     """
 
-    def __init__(self, run: StageRun, every: int = 50) -> None:
+    def __init__(self, run: StageRun, every: int = 50, seconds: float = 30.0) -> None:
         self.run = run
-        self.every = every
+        self.every, self.seconds = every, seconds
         self.pending: list[tuple[int, dict[str, float]]] = []
+        self.last_flush = time.monotonic()
 
     def __call__(self, record: dict[str, float]) -> None:
         values = {name: value for name, value in record.items() if name != "step"}
         self.pending.append((int(record["step"]), values))
-        if len(self.pending) >= self.every:
+        if len(self.pending) >= self.every or time.monotonic() - self.last_flush >= self.seconds:
             self.flush()
 
     def flush(self) -> None:
         if self.pending:
             self.run.log_metric_records(self.pending)
             self.pending = []
+        self.last_flush = time.monotonic()
 
     def __enter__(self) -> MetricsBatcher:
         return self
@@ -174,10 +185,11 @@ class MetricsBatcher:
 
 @contextmanager
 def stage_run(tracking: Tracking, stage: str) -> Iterator[StageRun]:
-    """A child run of the pipeline run; FAILED if the stage raises, FINISHED otherwise."""
+    """A child run of the pipeline run, named `<flow run>/<stage>` (so runs of several pipelines read apart in
+    MLflow's run table) and tagged `llmflow.stage`; FAILED if the stage raises, FINISHED otherwise."""
     client = MlflowClient(tracking_uri=tracking.uri)
     tags = {"mlflow.parentRunId": tracking.parent_run_id, "llmflow.stage": stage}
-    run = client.create_run(tracking.experiment_id, run_name=stage, tags=tags)
+    run = client.create_run(tracking.experiment_id, run_name=f"{tracking.flow_run_name}/{stage}", tags=tags)
     try:
         yield StageRun(client, run.info.run_id)
     except BaseException:
@@ -188,7 +200,8 @@ def stage_run(tracking: Tracking, stage: str) -> Iterator[StageRun]:
 
 @contextmanager
 def pipeline_run(params: PipelineParams) -> Iterator[Tracking]:
-    """The parent run of the current Prefect flow run, closed FINISHED or FAILED with the flow."""
+    """The parent run of the current Prefect flow run, closed FINISHED or FAILED with the flow, with the
+    headline metrics of the stages that ran copied onto it (`log_headline_metrics`)."""
     from prefect.runtime import deployment, flow_run
 
     tracking = open_pipeline_run(params, flow_run.name or "local", flow_run.id or "none", deployment.name)
@@ -197,4 +210,47 @@ def pipeline_run(params: PipelineParams) -> Iterator[Tracking]:
         yield tracking
         succeeded = True
     finally:
+        log_headline_metrics(tracking)
         close_pipeline_run(tracking, succeeded)
+
+
+# A training stage's summary: its logged summary metrics and, from its per-step history, these.
+TRAINING_STAGES = ("smoke", "pretrain", "finetune")
+HISTORY_HEADLINES = {  # headline name -> (history metric, how its values are summarised)
+    "best_loss": ("loss", min),
+    "validation_loss": ("validation_loss", lambda values: values[-1]),
+    "tokens_per_second": ("tokens_per_second", lambda values: sorted(values)[len(values) // 2]),
+    "mfu": ("mfu", lambda values: sorted(values)[len(values) // 2]),
+}
+
+
+def stage_headlines(client: MlflowClient, run) -> dict[str, float]:
+    """One stage run's headline metrics, named `<stage>.<metric>`: a training stage's final loss, best loss,
+    last validation loss, median tokens/s and MFU and wall seconds; every metric of the evaluate stage."""
+    stage = run.data.tags.get("llmflow.stage", run.info.run_name)
+    if stage == "evaluate":
+        return {f"evaluate.{name}": value for name, value in run.data.metrics.items()}
+    if stage not in TRAINING_STAGES:
+        return {}
+    found = {f"{stage}.final_loss": run.data.metrics["final_loss"]} if "final_loss" in run.data.metrics else {}
+    for headline, (metric, summary) in HISTORY_HEADLINES.items():
+        values = [point.value for point in sorted(client.get_metric_history(run.info.run_id, metric), key=lambda m: m.step)]
+        if values:
+            found[f"{stage}.{headline}"] = summary(values)
+    if run.info.end_time and run.data.tags.get("llmflow.reused") != "true":
+        found[f"{stage}.wall_seconds"] = (run.info.end_time - run.info.start_time) / 1000
+    return found
+
+
+def log_headline_metrics(tracking: Tracking) -> None:
+    """Copy every finished stage's headline metrics onto the pipeline's parent run, where MLflow's run table and
+    Compare view put them beside the params a person varied."""
+    client = MlflowClient(tracking_uri=tracking.uri)
+    children = client.search_runs(
+        [tracking.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{tracking.parent_run_id}'"
+    )
+    headlines: dict[str, float] = {}
+    for child in children:
+        headlines.update(stage_headlines(client, child))
+    if headlines:
+        StageRun(client, tracking.parent_run_id).log_metrics(headlines)

@@ -87,10 +87,18 @@ def train_stage(
         step=result.steps,
     )
     if result.checkpoint is not None and finished is None:
-        run.log_artifacts(result.checkpoint, f"checkpoint/{result.checkpoint.name}")
+        log_checkpoint(run, result.checkpoint, params.tracking.log_optimizer_state)
     if result.history:
         run.log_bytes(loss_curve_png(result.history, title=f"{params.name} {stage}"), "loss_curve.png")
     return result
+
+
+def log_checkpoint(run: StageRun, checkpoint: Path, optimizer_state: bool) -> None:
+    """Upload a checkpoint to the stage run under `checkpoint/<step>/`: its weights and small state files, and
+    its optimizer files (`optimizer*.safetensors`) only when asked."""
+    for path in sorted(checkpoint.iterdir()):
+        if path.is_file() and (optimizer_state or not path.name.startswith("optimizer")):
+            run.log_artifact(path, f"checkpoint/{checkpoint.name}")
 
 
 def _schedule_start(planned: TrainingRun) -> int:

@@ -105,7 +105,7 @@ def test_deployment_run_completes_and_is_tracked(corpus_jsonl, tmp_path):
         parents = [run for run in runs if "mlflow.parentRunId" not in run.data.tags]
         assert len(parents) == 1 and parents[0].info.status == "FINISHED"
         assert parents[0].data.tags["prefect.deployment"] == "nightly"
-        stages = [run.info.run_name for run in runs if "mlflow.parentRunId" in run.data.tags]
+        stages = [run.data.tags["llmflow.stage"] for run in runs if "mlflow.parentRunId" in run.data.tags]
         assert stages == ["data_prep", "smoke", "pretrain", "evaluate"]
         assert all(run.info.status == "FINISHED" for run in runs)
 

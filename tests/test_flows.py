@@ -34,7 +34,7 @@ def test_pretrain_flow_records_parent_and_stage_runs(corpus_jsonl, tmp_path, mlf
     assert result.pretrain.steps == params.train.steps and result.pretrain.checkpoint.is_dir()
     client = MlflowClient(mlflow_uri)
     (parent,), children = _runs(client, "flow-records")
-    assert [run.info.run_name for run in children] == ["data_prep", "smoke", "pretrain", "finetune", "evaluate"]
+    assert [run.data.tags["llmflow.stage"] for run in children] == ["data_prep", "smoke", "pretrain", "finetune", "evaluate"]
     assert parent.info.run_id == result.mlflow_run_id
     assert {run.info.status for run in (parent, *children)} == {"FINISHED"}
     assert {run.data.tags["mlflow.parentRunId"] for run in children} == {parent.info.run_id}
@@ -42,6 +42,7 @@ def test_pretrain_flow_records_parent_and_stage_runs(corpus_jsonl, tmp_path, mlf
     assert tags["llmflow.params_hash"] == params_hash(params)
     assert tags["prefect.deployment"] == "none"
     assert len(tags["prefect.flow_run_id"]) == 36 and parent.info.run_name == tags["prefect.flow_run_name"]
+    assert [run.info.run_name for run in children][:2] == [f"{parent.info.run_name}/data_prep", f"{parent.info.run_name}/smoke"]
     assert len(tags["mlflow.source.git.commit"]) in (40, len("unknown"))
     assert parent.data.params["model.vocab_size"] == "512"
     assert parent.data.params["train.steps"] == str(params.train.steps)
@@ -51,6 +52,9 @@ def test_pretrain_flow_records_parent_and_stage_runs(corpus_jsonl, tmp_path, mlf
     assert data_run.data.params["model.seq_len"] == "128"
     assert data_run.data.metrics["seconds"] > 0
     assert any(name.endswith("tokens") and value > 0 for name, value in data_run.data.metrics.items())
+    settings = [name for name in data_run.data.metrics if name.startswith(("params.", "tokenizer.", "near_dedup."))]
+    assert settings == [] and data_run.data.params["data.min_chars"] == str(params.data.min_chars)  # params, not metrics
+    assert parent.data.metrics["pretrain.final_loss"] == pretrain_run.data.metrics["final_loss"]  # the headline
     artifacts = {item.path for item in client.list_artifacts(data_run.info.run_id, "data")}
     artifacts |= {item.path for item in client.list_artifacts(data_run.info.run_id, "tokenizer")}
     assert "data/manifest.json" in artifacts
@@ -64,7 +68,8 @@ def test_pretrain_flow_records_parent_and_stage_runs(corpus_jsonl, tmp_path, mlf
         names = {item.path for item in client.list_artifacts(run.info.run_id)}
         assert {"loss_curve.png", "checkpoint"} <= names
         checkpoint_files = {item.path.rsplit("/", 1)[-1] for item in client.list_artifacts(run.info.run_id, f"checkpoint/step-{steps:08d}")}
-        assert {"model.safetensors", "optimizer.safetensors", "state.json", "manifest.json"} <= checkpoint_files
+        assert {"model.safetensors", "state.json", "manifest.json"} <= checkpoint_files
+        assert "optimizer.safetensors" not in checkpoint_files  # weights only unless tracking.log_optimizer_state
 
     assert [m.step for m in client.get_metric_history(finetune_run.info.run_id, "loss")] == [5, 10]
     assert 0 < finetune_run.data.metrics["trainable_share"] < 1
@@ -87,7 +92,7 @@ def test_smoke_failure_stops_before_pretraining(corpus_jsonl, tmp_path, mlflow_u
     with pytest.raises(ValueError, match="smoke run failed: loss went from .* smoke.min_loss_drop=50.0"):
         pretrain_flow(params)
     (parent,), children = _runs(MlflowClient(mlflow_uri), "flow-smoke-fails")
-    assert [run.info.run_name for run in children] == ["data_prep", "smoke"]
+    assert [run.data.tags["llmflow.stage"] for run in children] == ["data_prep", "smoke"]
     assert parent.info.status == "FAILED" and children[1].info.status == "FAILED"
     assert children[1].data.tags["llmflow.smoke_passed"] == "false"
 
@@ -147,7 +152,7 @@ def test_hugging_face_source_adds_a_convert_stage_that_pretraining_starts_from(c
     result = pretrain_flow(load_params("tiny", overrides))
     assert result.converted is not None and result.smoke is None
     (parent,), children = _runs(MlflowClient(mlflow_uri), "flow-convert")
-    assert [run.info.run_name for run in children] == ["data_prep", "convert", "pretrain", "evaluate"]
+    assert [run.data.tags["llmflow.stage"] for run in children] == ["data_prep", "convert", "pretrain", "evaluate"]
     assert children[2].data.params["stage.initial_weights"] == str(result.converted.checkpoint_dir)
 
 
@@ -173,7 +178,7 @@ def test_pretrain_flow_with_lora_under_dp2_fine_tunes_on_ranks_too(corpus_jsonl,
     assert (result.finetune.adapters_dir.parent / "logs").is_dir()  # the fine-tune ran as msrun ranks
     client = MlflowClient(mlflow_uri)
     _, children = _runs(client, "flow-lora-dp2")
-    assert [run.info.run_name for run in children] == ["data_prep", "pretrain", "finetune", "evaluate"]
+    assert [run.data.tags["llmflow.stage"] for run in children] == ["data_prep", "pretrain", "finetune", "evaluate"]
     assert [m.step for m in client.get_metric_history(children[2].info.run_id, "loss")] == [2, 4]
 
 
@@ -191,7 +196,7 @@ def test_pretrain_stage_runs_sharded_under_msrun_and_streams_rank_0_metrics(corp
     assert (checkpoint.parent / "logs").is_dir()
     client = MlflowClient(mlflow_uri)
     _, children = _runs(client, f"flow-{layout}")
-    assert [run.info.run_name for run in children] == ["data_prep", "pretrain", "evaluate"]
+    assert [run.data.tags["llmflow.stage"] for run in children] == ["data_prep", "pretrain", "evaluate"]
     pretrain_run = children[1]
     assert [m.step for m in client.get_metric_history(pretrain_run.info.run_id, "loss")] == [5, 10]
     assert pretrain_run.data.metrics["final_loss"] == result.pretrain.final_loss < result.pretrain.initial_loss

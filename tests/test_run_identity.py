@@ -17,12 +17,13 @@ from model_core.train.runs import RUN_RECORD, pretraining_run
 from model_core.train.trainer import Trainer
 from params import load_params
 from params.identity import stage_key, training_inputs
+from tasks.compare import compare, render
 
 
 def _children(client: MlflowClient, experiment: str, parent_run_id: str) -> dict[str, object]:
     experiment_id = client.get_experiment_by_name(experiment).experiment_id
     runs = client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent_run_id}'")
-    return {run.info.run_name: run for run in runs}
+    return {run.data.tags["llmflow.stage"]: run for run in runs}
 
 
 def test_pretraining_key_ignores_later_stages_cadence_and_layout():
@@ -42,16 +43,16 @@ def test_pretraining_key_ignores_later_stages_cadence_and_layout():
 
 
 @pytest.mark.usefixtures("prefect_harness")
-def test_a_rerun_is_a_no_op_and_a_lora_change_reuses_pretraining(corpus_jsonl, tmp_path, mlflow_uri, caplog):
+def test_a_rerun_is_a_no_op_and_a_lora_change_reuses_pretraining(corpus_jsonl, tmp_path, mlflow_uri, capfd):
     from flows.pretrain import pretrain_flow
 
     overrides = small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "identity")
     sets = [*overrides, "model.seq_len=128", "lora.enabled=true", "lora.steps=2", "train.steps=10", "smoke.steps=20",
             "smoke.min_loss_drop=0.1"]
     first = pretrain_flow(load_params("tiny", sets))
-    caplog.clear()
+    capfd.readouterr()
     again = pretrain_flow(load_params("tiny", sets))
-    console = caplog.text  # a task's prints go to its Prefect run logger, and from there to the console
+    console = "".join(capfd.readouterr())  # a task's prints go to its Prefect run logger, and from there to the console
     more_lora = pretrain_flow(load_params("tiny", [*sets, "lora.steps=3"]))
 
     client = MlflowClient(mlflow_uri)
@@ -78,6 +79,25 @@ def test_a_rerun_is_a_no_op_and_a_lora_change_reuses_pretraining(corpus_jsonl, t
     # The base model's report is reused, the fine-tuned one is new.
     assert more_lora.evaluation.report_dirs["base"] == first.evaluation.report_dirs["base"]
     assert more_lora.evaluation.report_dirs["finetuned"] != first.evaluation.report_dirs["finetuned"]
+
+    # Comparing the first run with the lora change: the varied param and both runs' headline metrics, which sit
+    # on the parent runs, in an experiment MLflow opens in its model-training view.
+    assert client.get_experiment_by_name("identity").tags["mlflow.experimentKind"] == "custom_model_development"
+    parent = client.get_run(first.mlflow_run_id).data.metrics
+    assert parent["pretrain.final_loss"] == pytest.approx(first.pretrain.final_loss)
+    assert {"pretrain.best_loss", "pretrain.tokens_per_second", "pretrain.wall_seconds", "finetune.final_loss",
+            "evaluate.base.pretraining.perplexity"} <= parent.keys()
+    comparison = compare(mlflow_uri, [first.mlflow_run_id, more_lora.mlflow_run_id])
+    assert comparison.differing == ["lora.steps"]
+    assert [row["params"]["lora.steps"] for row in comparison.runs] == ["2", "3"]
+    finetuned = [row["metrics"]["finetune.final_loss"] for row in comparison.runs]
+    assert finetuned == [pytest.approx(first.finetune.final_loss), pytest.approx(more_lora.finetune.final_loss)]
+    markdown = render(comparison, mlflow_uri, "markdown")
+    assert markdown.startswith("| run | lora.steps | pretrain.final_loss |") and "#/experiments/" in markdown
+    assert main(["compare", first.mlflow_run_id, more_lora.mlflow_run_id, "--tracking-uri", mlflow_uri,
+                 "--plot", str(tmp_path / "loss.png")]) == 0
+    assert (tmp_path / "loss.png").read_bytes().startswith(b"\x89PNG")
+    assert main(["compare", "--tracking-uri", mlflow_uri, "--experiment", "no-such-experiment"]) == 1
 
 
 def _cli_sets(*sets: str) -> list[str]:

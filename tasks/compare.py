@@ -1,0 +1,139 @@
+"""`llmflow compare`: pipeline runs side by side, read back from MLflow: the params that differ between them,
+their headline metrics (copied onto each parent run by `tasks.tracking.log_headline_metrics`), their
+pretraining loss curves on one plot, and where to open each run in MLflow's UI."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mlflow.tracking import MlflowClient
+
+from tasks.plots import overlay_png
+
+# Headline columns shown first when present, in this order; the evaluate stage's perplexities follow.
+HEADLINES = (
+    "pretrain.final_loss", "pretrain.best_loss", "pretrain.validation_loss", "pretrain.tokens_per_second",
+    "pretrain.mfu", "pretrain.wall_seconds", "finetune.final_loss", "finetune.wall_seconds",
+)
+
+
+class CompareError(ValueError):
+    """Runs that cannot be compared: unknown ids, an unknown experiment, nothing found."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    runs: list[dict]  # per run: id, name, experiment id, status, params, metrics
+    differing: list[str]  # param names whose values differ between the runs
+    headlines: list[str]  # metric columns
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # run name -> pretraining loss
+
+
+def compare(
+    uri: str, run_ids: list[str] | None = None, experiment: str | None = None, last: int = 2
+) -> Comparison:
+    """The pipeline runs `run_ids`, or the `last` finished pipeline runs of `experiment`, compared."""
+    client = MlflowClient(tracking_uri=uri)
+    runs = _runs(client, run_ids, experiment, last)
+    params = [run.data.params for run in runs]
+    names = sorted({name for values in params for name in values})
+    differing = [name for name in names if len({values.get(name) for values in params}) > 1]
+    metrics = {name for run in runs for name in run.data.metrics}
+    headlines = [name for name in HEADLINES if name in metrics]
+    headlines += sorted(name for name in metrics if name.startswith("evaluate.") and name.endswith(".perplexity"))
+    rows = [
+        {
+            "id": run.info.run_id, "name": run.info.run_name, "experiment_id": run.info.experiment_id,
+            "status": run.info.status, "params": {name: run.data.params.get(name) for name in differing},
+            "metrics": {name: run.data.metrics.get(name) for name in headlines},
+        }
+        for run in runs
+    ]
+    return Comparison(rows, differing, headlines, {run.info.run_name: _pretraining_curve(client, run) for run in runs})
+
+
+def _runs(client: MlflowClient, run_ids: list[str] | None, experiment: str | None, last: int) -> list:
+    if run_ids:
+        found = []
+        for run_id in run_ids:
+            try:
+                found.append(client.get_run(run_id))
+            except Exception as error:  # MLflow raises its own exception types for a missing run
+                raise CompareError(f"no MLflow run {run_id} at this tracking URI ({error.__class__.__name__})") from error
+        return found
+    if experiment is None:
+        raise CompareError("give run ids, or --experiment NAME (with --last N)")
+    known = client.get_experiment_by_name(experiment)
+    if known is None:
+        raise CompareError(f"no MLflow experiment named {experiment!r} at this tracking URI")
+    parents = client.search_runs(
+        [known.experiment_id], filter_string="attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
+        max_results=200,
+    )
+    parents = [run for run in parents if "mlflow.parentRunId" not in run.data.tags][:last]
+    if len(parents) < 2:
+        raise CompareError(f"experiment {experiment!r} has {len(parents)} finished pipeline run(s); comparing needs 2")
+    return parents[::-1]  # oldest first
+
+
+def _pretraining_curve(client: MlflowClient, parent) -> list[tuple[int, float]]:
+    children = client.search_runs(
+        [parent.info.experiment_id],
+        filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.`llmflow.stage` = 'pretrain'",
+    )
+    if not children:
+        return []
+    history = client.get_metric_history(children[0].info.run_id, "loss")
+    return sorted((point.step, point.value) for point in history)
+
+
+def run_link(uri: str, row: dict) -> str:
+    """Where the run opens in MLflow's UI: a URL under an http(s) tracking server, else the UI's path, to open
+    under `mlflow ui --backend-store-uri URI`."""
+    path = f"#/experiments/{row['experiment_id']}/runs/{row['id']}"
+    return f"{uri.rstrip('/')}/{path}" if uri.startswith(("http://", "https://")) else path
+
+
+def render(comparison: Comparison, uri: str, form: str = "table") -> str:
+    """The comparison as a fixed-width table, a Markdown table, or JSON."""
+    if form == "json":
+        rows = [{**row, "link": run_link(uri, row)} for row in comparison.runs]
+        return json.dumps({"differing_params": comparison.differing, "headline_metrics": comparison.headlines,
+                           "runs": rows}, indent=2)
+    header = ["run", *comparison.differing, *comparison.headlines]
+    body = [
+        [row["name"], *(str(row["params"][name]) for name in comparison.differing),
+         *(_number(row["metrics"][name]) for name in comparison.headlines)]
+        for row in comparison.runs
+    ]
+    links = [f"{row['name']}: {run_link(uri, row)}" for row in comparison.runs]
+    if not comparison.differing:
+        links.insert(0, "(no params differ between these runs)")
+    if form == "markdown":
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        lines += ["| " + " | ".join(cells) + " |" for cells in body]
+        return "\n".join([*lines, "", *(f"- {link}" for link in links)])
+    widths = [max(len(cells[i]) for cells in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(cells, widths)) for cells in [header, *body]]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    return "\n".join([*lines, "", *links])
+
+
+def _number(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.0f}"
+
+
+def write_loss_overlay(comparison: Comparison, path: str | Path) -> Path | None:
+    """The runs' pretraining loss curves on one plot (runs without per-step history are left out)."""
+    curves = {name: points for name, points in comparison.curves.items() if points}
+    if not curves:
+        return None
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_bytes(overlay_png(curves, "pretraining loss"))
+    partial.replace(path)
+    return path
