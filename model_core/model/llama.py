@@ -220,10 +220,7 @@ class Llama(nn.Cell):
         """`tokens`: [B, T] ids, or on a pipeline stage after the first the previous stage's [B, T, hidden]."""
         if self.has_moe:
             return self.routed(tokens, position_ids, segment_ids)[0]
-        seq = tokens.shape[1]
-        cos, sin = self._rotary_angles(seq, position_ids)
-        mask = self._attention_mask(seq, segment_ids)
-        x = self.embed_tokens(tokens).astype(self.compute_dtype) if self.takes_tokens else tokens  # [B, T, hidden]
+        x, cos, sin, mask = self._inputs(tokens, position_ids, segment_ids)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
         if not self.returns_logits:
@@ -233,10 +230,7 @@ class Llama(nn.Cell):
     def routed(self, tokens: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None):
         """`construct` of a model with MoE blocks, and their routing statistics: (output, (aux, z, load, dropped))
         with aux and z averaged over the MoE blocks, load [MoE blocks, E] and dropped summed over them."""
-        seq = tokens.shape[1]
-        cos, sin = self._rotary_angles(seq, position_ids)
-        mask = self._attention_mask(seq, segment_ids)
-        x = self.embed_tokens(tokens).astype(self.compute_dtype) if self.takes_tokens else tokens  # [B, T, hidden]
+        x, cos, sin, mask = self._inputs(tokens, position_ids, segment_ids)
         aux, z, dropped, loads = 0.0, 0.0, 0.0, ()
         for layer in self.layers:
             if layer.is_moe:
@@ -248,6 +242,15 @@ class Llama(nn.Cell):
         if not self.returns_logits:
             return x, routing
         return self._logits(x), routing
+
+    def _inputs(self, tokens: Tensor, position_ids: Tensor | None, segment_ids: Tensor | None):
+        """The first block's input [B, T, hidden] (embedded tokens, or a previous stage's hidden states), RoPE's
+        cos and sin and the attention mask."""
+        seq = tokens.shape[1]
+        cos, sin = self._rotary_angles(seq, position_ids)
+        mask = self._attention_mask(seq, segment_ids)
+        x = self.embed_tokens(tokens).astype(self.compute_dtype) if self.takes_tokens else tokens
+        return x, cos, sin, mask
 
     def _logits(self, x: Tensor) -> Tensor:
         """Final norm, head and, with a padded vocabulary, the padding rows' logits pushed out of the softmax."""
