@@ -5,6 +5,7 @@ overwrites a run silently, and every CLI error is one line."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 
 import pytest
@@ -42,17 +43,33 @@ def test_pretraining_key_ignores_later_stages_cadence_and_layout():
         assert key(change) != key(), change
 
 
+class _Recorder(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 @pytest.mark.usefixtures("prefect_harness")
-def test_a_rerun_is_a_no_op_and_a_lora_change_reuses_pretraining(corpus_jsonl, tmp_path, mlflow_uri, capfd):
+def test_a_rerun_is_a_no_op_and_a_lora_change_reuses_pretraining(corpus_jsonl, tmp_path, mlflow_uri):
     from flows.pretrain import pretrain_flow
 
     overrides = small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "identity")
     sets = [*overrides, "model.seq_len=128", "lora.enabled=true", "lora.steps=2", "train.steps=10", "smoke.steps=20",
             "smoke.min_loss_drop=0.1"]
     first = pretrain_flow(load_params("tiny", sets))
-    capfd.readouterr()
-    again = pretrain_flow(load_params("tiny", sets))
-    console = "".join(capfd.readouterr())  # a task's prints go to its Prefect run logger, and from there to the console
+    # A task's prints go to its Prefect run logger and from there to the console. The records are caught at that
+    # logger: Prefect binds its console handler and configures logging once per process, so neither the console
+    # stream nor pytest's root-level capture sees them reliably across test orders.
+    said = _Recorder()
+    logging.getLogger("prefect.task_runs").addHandler(said)
+    try:
+        again = pretrain_flow(load_params("tiny", sets))
+    finally:
+        logging.getLogger("prefect.task_runs").removeHandler(said)
+    console = "\n".join(said.messages)
     more_lora = pretrain_flow(load_params("tiny", [*sets, "lora.steps=3"]))
 
     client = MlflowClient(mlflow_uri)
