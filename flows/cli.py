@@ -28,6 +28,21 @@ if TYPE_CHECKING:
 def _quiet_prefect_defaults() -> None:
     # Prefect's temporary local API otherwise prints a harmless analytics traceback.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Its 20 s default for the temporary API to start is missed on a busy machine, failing the run before it begins.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
+    if not os.environ.get("LLMFLOW_DEBUG"):
+        import logging
+
+        for name in ("prefect.task_runs", "prefect.flow_runs"):
+            logging.getLogger(name).addFilter(_without_traceback)
+
+
+def _without_traceback(record) -> bool:
+    """A failed task or flow run is logged by Prefect's engine with its traceback, once per enclosing run; the
+    failure's own message is in the record's text and in llmflow's last line, so the traceback is kept only
+    for LLMFLOW_DEBUG=1."""
+    record.exc_info, record.exc_text = None, None
+    return True
 
 
 def _add_params_arguments(parser: argparse.ArgumentParser) -> None:
@@ -218,12 +233,13 @@ def _latest_pretrained(params: PipelineParams, dataset_dir: Path) -> Path:
 
 def _cmd_finetune(args: argparse.Namespace) -> int:
     from model_core.data import prepare_instructions
+    from model_core.model.lora import CONFIG
     from model_core.parallel import comm
     from model_core.parallel.launch import launch
     from model_core.parallel.layout import Layout
     from model_core.train.callbacks import fan_out, jsonl_writer
-    from model_core.train.finetune import finetune
-    from model_core.train.runs import finetune_directory
+    from model_core.train.finetune import ADAPTERS_DIR, finetune
+    from model_core.train.runs import TrainingRun, finetune_directory
     from tasks.progress import TrainingProgress
 
     params = _params(args)
@@ -234,14 +250,24 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
         params.lora, params.data, dataset.tokenizer_path, params.model, params.tokenizer,
         min_validation_rows=params.train.micro_batch_size,
     )
-    checkpoints = args.checkpoint_dir or finetune_directory(params, base, instructions.output_dir)
+    checkpoints = Path(args.checkpoint_dir or finetune_directory(params, base, instructions.output_dir))
+    resume = args.resume or "none"
+    if not comm.launched_by_msrun():  # a launcher decides for its ranks, which run with its choice
+        planned = TrainingRun.at(checkpoints, params.lora.steps)
+        if (checkpoints / ADAPTERS_DIR / CONFIG).exists() or planned.finished() is None:
+            resume = _resume_choice(planned, args.resume)
+        elif args.resume is None:  # complete but without adapters: the write after the last step did not happen
+            resume = "auto"
+        if resume is None:
+            print(f"adapters: {checkpoints / ADAPTERS_DIR}")
+            return 0
     if params.parallel.world_size > 1 and not comm.launched_by_msrun():
-        launch(["-m", "flows.cli", *args.raw_args], params.parallel.world_size, Path(checkpoints) / "logs")
+        launch(["-m", "flows.cli", *args.raw_args, "--resume", resume], params.parallel.world_size, checkpoints / "logs")
         return 0
     bar = TrainingProgress(params.lora.steps, description="finetune")
     jsonl = jsonl_writer(args.metrics_jsonl) if args.metrics_jsonl else None
     try:
-        result = finetune(params, instructions.output_dir, base, checkpoints, on_metrics=fan_out(bar, jsonl), resume=args.resume)
+        result = finetune(params, instructions.output_dir, base, checkpoints, on_metrics=fan_out(bar, jsonl), resume=resume)
     finally:
         bar.close()
     summary, trained = result.summary, result.train
@@ -270,6 +296,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     from model_core.data import prepare_instructions
     from model_core.eval.evaluate import evaluate_checkpoint
     from model_core.eval.report import write_report
+    from model_core.train.runs import eval_directory
 
     params = _params(args)
     dataset = _prepared_pretraining_data(params)
@@ -279,8 +306,7 @@ def _cmd_eval(args: argparse.Namespace) -> int:
     )
     held_out = {"pretraining": dataset.output_dir, "instructions": instructions.output_dir}
     report = evaluate_checkpoint(params, args.checkpoint, dataset.tokenizer_path, held_out, args.adapters)
-    suffix = "-lora" if args.adapters else ""
-    output = args.output or Path(params.train.output_dir) / "eval" / f"{args.checkpoint.resolve().name}{suffix}"
+    output = args.output or eval_directory(params, args.checkpoint, args.adapters, held_out)
     json_path, markdown_path = write_report(report, output)
     for name, scores in report.held_out.items():
         print(f"{name}: loss {scores.mean_loss:.4f}, perplexity {scores.perplexity:.2f} over {scores.tokens:,} tokens")
@@ -504,7 +530,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_params_arguments(tune)
     tune.add_argument("--base", type=Path, help="base checkpoint directory (default: the newest of `llmflow train`)")
-    tune.add_argument("--resume", default="auto", metavar="auto|none|DIR", help="default auto: continue an interrupted fine-tune")
+    tune.add_argument(
+        "--resume",
+        metavar="auto|none|DIR",
+        help="needed when the fine-tuning directory already holds checkpoints. auto: continue an interrupted "
+        "fine-tune (nothing to do when its adapters are written); none: delete its checkpoints and start again",
+    )
     tune.add_argument("--metrics-jsonl", metavar="PATH", help="append every logged metrics record to PATH as JSON lines")
     tune.add_argument("--checkpoint-dir", metavar="DIR", help="where fine-tuning checkpoints and adapters/ go")
     tune.set_defaults(handler=_cmd_finetune)
@@ -519,7 +550,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_params_arguments(evaluate)
     evaluate.add_argument("--checkpoint", required=True, type=Path, help="checkpoint directory (model.safetensors)")
     evaluate.add_argument("--adapters", type=Path, help="LoRA adapters directory trained on that checkpoint")
-    evaluate.add_argument("--output", type=Path, help="report directory (default: train.output_dir/eval/<checkpoint>)")
+    evaluate.add_argument(
+        "--output",
+        type=Path,
+        help="report directory (default: train.output_dir/eval-<key>, keyed by the checkpoint, the adapters, the "
+        "eval params and the held-out sets, so reports of different runs never overwrite each other)",
+    )
     evaluate.set_defaults(handler=_cmd_eval)
 
     lora = commands.add_parser("lora", help="LoRA adapter tools", description="LoRA adapter tools.")

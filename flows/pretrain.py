@@ -1,7 +1,7 @@
 """pretrain-flow: the whole pipeline, stage after stage, tracked as one MLflow parent run.
 
     data prep -> weight conversion (when convert.hf_source is set) -> smoke run -> pretraining
-    -> LoRA fine-tune (when lora.enabled) -> evaluation (base vs fine-tuned)
+    -> LoRA fine-tune (when lora.enabled) -> evaluation (base vs fine-tuned) -> a table of the stages
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from tasks.convert import ConvertResult, convert_hf
 from tasks.data import DataResult, prepare_data
 from tasks.evaluate import EvaluateStageResult, evaluate_stage
 from tasks.finetune import FinetuneStageResult, finetune_stage
+from tasks.summary import stage_table
 from tasks.tracking import pipeline_run
 from tasks.train import TrainStageResult, pretrain, smoke_run
 
@@ -38,6 +39,7 @@ def pretrain_flow(params: PipelineParams = PipelineParams()) -> PipelineResult: 
         trained = pretrain(params, data, tracking, start_from)
         tuned = finetune_stage(params, data, trained.checkpoint, tracking) if params.lora.enabled else None
         evaluation = evaluate_stage(params, data, trained.checkpoint, tuned, tracking)
+        print("pipeline summary:\n" + stage_table(data, converted, smoke, trained, tuned, evaluation))
         return PipelineResult(
             mlflow_run_id=tracking.parent_run_id,
             data=data,

@@ -11,6 +11,7 @@ from pathlib import Path
 from mlflow.tracking import MlflowClient
 
 from tasks.plots import overlay_png
+from tasks.tables import fixed_width, markdown
 
 # Headline columns shown first when present, in this order; the evaluate stage's perplexities follow.
 HEADLINES = (
@@ -112,13 +113,8 @@ def render(comparison: Comparison, uri: str, form: str = "table") -> str:
     if not comparison.differing:
         links.insert(0, "(no params differ between these runs)")
     if form == "markdown":
-        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-        lines += ["| " + " | ".join(cells) + " |" for cells in body]
-        return "\n".join([*lines, "", *(f"- {link}" for link in links)])
-    widths = [max(len(cells[i]) for cells in [header, *body]) for i in range(len(header))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(cells, widths)) for cells in [header, *body]]
-    lines.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join([*lines, "", *links])
+        return "\n".join([markdown([header, *body]), "", *(f"- {link}" for link in links)])
+    return "\n".join([fixed_width([header, *body]), "", *links])
 
 
 def _number(value: float | None) -> str:

@@ -4,6 +4,7 @@ adapters and a loss curve in MLflow."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from prefect import task
@@ -13,13 +14,14 @@ from pydantic import BaseModel
 from model_core.data import prepare_instructions
 from model_core.model.lora import CONFIG, base_sha256
 from model_core.parallel.launch import launch
-from model_core.train.callbacks import MetricsCallback, follow_jsonl
+from model_core.train.callbacks import MetricsCallback, fan_out, follow_jsonl
 from model_core.train.checkpoint import latest_valid
 from model_core.train.finetune import ADAPTERS_DIR, FinetuneResult, finetune, read_summary
 from model_core.train.runs import finetune_directory
 from params import PipelineParams, to_yaml
 from tasks.data import MANIFEST_SETTINGS, DataResult, numeric_leaves
 from tasks.plots import loss_curve_png
+from tasks.progress import IntervalLog, StageFigures
 from tasks.retry import retry_on_transient_io
 from tasks.tracking import MetricsBatcher, Tracking, record_reuse, stage_run
 from tasks.train import result_of_checkpoint
@@ -36,6 +38,7 @@ class FinetuneStageResult(BaseModel):
     final_loss: float
     trainable_parameters: int
     trainable_share: float
+    figures: StageFigures = StageFigures()
 
 
 @task(name="finetune", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_on_transient_io)
@@ -44,6 +47,7 @@ def finetune_stage(
 ) -> FinetuneStageResult:
     """LoRA on `base_checkpoint` with the pretraining tokenizer; `resume auto` continues an interrupted run, and
     a finished one (same base, instructions and lora params) is reused."""
+    started = time.monotonic()
     with stage_run(tracking, "finetune") as run:
         instructions = prepare_instructions(
             params.lora, params.data, data.tokenizer_path, params.model, params.tokenizer,
@@ -64,7 +68,8 @@ def finetune_stage(
         if reused is not None:
             result = reused
         else:
-            with MetricsBatcher(run) as metrics:
+            with MetricsBatcher(run) as batcher:
+                metrics = fan_out(batcher, IntervalLog("finetune", params.lora.steps))
                 if params.parallel.world_size > 1:  # the ranks under msrun, as pretraining runs them
                     result = _finetune_on_ranks(params, base_checkpoint, directory, metrics)
                 else:
@@ -95,6 +100,7 @@ def finetune_stage(
         final_loss=trained.final_loss,
         trainable_parameters=summary.trainable_parameters,
         trainable_share=summary.trainable_share,
+        figures=StageFigures.of(trained.history, time.monotonic() - started, reused=reused is not None),
     )
 
 

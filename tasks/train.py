@@ -8,6 +8,7 @@ non-finite step) or the flow stops before the expensive pretraining run.
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 from prefect import task
@@ -16,13 +17,14 @@ from pydantic import BaseModel
 
 from model_core.parallel.launch import launch_training
 from model_core.train import runs
-from model_core.train.callbacks import MetricsCallback, follow_jsonl
+from model_core.train.callbacks import MetricsCallback, fan_out, follow_jsonl
 from model_core.train.checkpoint import Checkpoint, list_checkpoints, verify
 from model_core.train.runs import TrainingRun
 from model_core.train.trainer import Trainer, TrainResult
 from params import PipelineParams, to_yaml
 from tasks.data import DataResult
 from tasks.plots import loss_curve_png
+from tasks.progress import IntervalLog, StageFigures
 from tasks.retry import retry_on_transient_io
 from tasks.tracking import MetricsBatcher, StageRun, Tracking, record_reuse, stage_run
 
@@ -38,6 +40,7 @@ class TrainStageResult(BaseModel):
     final_loss: float
     skipped_steps: int
     nonfinite_steps: int
+    figures: StageFigures = StageFigures()
 
 
 def train_stage(
@@ -48,9 +51,11 @@ def train_stage(
     planned: TrainingRun,
     resume: str,
     initial_weights: Path | None = None,
-) -> TrainResult:
-    """Train and record: batched per-step metrics, a summary, the final checkpoint and a loss curve. A run
-    whose final checkpoint is already there is reused: its summary is recorded, nothing is trained."""
+) -> TrainStageResult:
+    """Train and record: batched per-step metrics, a line per log interval, a summary, the final checkpoint and a
+    loss curve. A run whose final checkpoint is already there is reused: its summary is recorded, nothing is
+    trained."""
+    started = time.monotonic()
     steps = planned.final_step - _schedule_start(planned)
     run.log_params(
         {
@@ -67,7 +72,8 @@ def train_stage(
         result = result_of_checkpoint(finished, [])
     else:
         planned.write_record()
-        with MetricsBatcher(run) as metrics:
+        with MetricsBatcher(run) as batcher:
+            metrics = fan_out(batcher, IntervalLog(stage, planned.final_step))
             if params.parallel.world_size > 1:
                 result = _train_on_ranks(params, planned, steps, resume, initial_weights, metrics)
             else:
@@ -90,7 +96,15 @@ def train_stage(
         log_checkpoint(run, result.checkpoint, params.tracking.log_optimizer_state)
     if result.history:
         run.log_bytes(loss_curve_png(result.history, title=f"{params.name} {stage}"), "loss_curve.png")
-    return result
+    return TrainStageResult(
+        checkpoint=result.checkpoint,
+        steps=result.steps,
+        initial_loss=result.initial_loss,
+        final_loss=result.final_loss,
+        skipped_steps=result.skipped_steps,
+        nonfinite_steps=result.nonfinite_steps,
+        figures=StageFigures.of(result.history, time.monotonic() - started, reused=finished is not None),
+    )
 
 
 def log_checkpoint(run: StageRun, checkpoint: Path, optimizer_state: bool) -> None:
@@ -154,17 +168,6 @@ def result_of_checkpoint(found: Checkpoint, history: list[dict[str, float]]) -> 
     )
 
 
-def _summary(result: TrainResult) -> TrainStageResult:
-    return TrainStageResult(
-        checkpoint=result.checkpoint,
-        steps=result.steps,
-        initial_loss=result.initial_loss,
-        final_loss=result.final_loss,
-        skipped_steps=result.skipped_steps,
-        nonfinite_steps=result.nonfinite_steps,
-    )
-
-
 @task(name="smoke-run", cache_policy=NO_CACHE)
 def smoke_run(params: PipelineParams, data: DataResult, tracking: Tracking) -> TrainStageResult:
     """Always from a random initialisation: it checks that this model, data and optimizer can learn."""
@@ -179,7 +182,7 @@ def smoke_run(params: PipelineParams, data: DataResult, tracking: Tracking) -> T
                 f"(drop {drop:.4f}, smoke.min_loss_drop={params.smoke.min_loss_drop}) with "
                 f"{result.nonfinite_steps} non-finite steps over {result.steps} steps; pretraining not started"
             )
-    return _summary(result)
+    return result
 
 
 @task(name="pretrain", cache_policy=NO_CACHE, retries=1, retry_condition_fn=retry_on_transient_io)
@@ -191,5 +194,4 @@ def pretrain(
     continues from this run's newest valid checkpoint (a retry), and a finished run is reused (a rerun)."""
     with stage_run(tracking, "pretrain") as run:
         planned = runs.pretraining_run(params, data.dataset_dir, initial_weights)
-        result = train_stage(params, data, run, "pretrain", planned, "auto", initial_weights)
-    return _summary(result)
+        return train_stage(params, data, run, "pretrain", planned, "auto", initial_weights)

@@ -5,6 +5,7 @@ through the CLI."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -96,9 +97,17 @@ def test_cli_finetune_eval_merge_and_a_wrong_base(pretrained, tmp_path, capsys):
     assert "trainable parameters of" in out and "fine-tuned 40 steps" in out
     adapters = tmp_path / "ft" / "adapters"
     assert (adapters / "adapters.safetensors").is_file()
+    again = ["finetune", *cli, "--base", str(checkpoint), "--checkpoint-dir", str(tmp_path / "ft")]
+    assert main(again) == 1
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "already holds this run" in error and "--resume auto" in error
+    assert main([*again, "--resume", "auto"]) == 0
+    assert "nothing to do" in capsys.readouterr().out
 
-    assert main(["eval", *cli, "--checkpoint", str(checkpoint), "--adapters", str(adapters), "--output", str(tmp_path / "e")]) == 0
-    report = json.loads((tmp_path / "e" / "eval_report.json").read_text())
+    assert main(["eval", *cli, "--checkpoint", str(checkpoint), "--adapters", str(adapters)]) == 0
+    report_dir = Path(capsys.readouterr().out.rsplit("report: ", 1)[1].split(" and ")[0]).parent
+    assert report_dir.parent == Path(params.train.output_dir) and report_dir.name.startswith("eval-")
+    report = json.loads((report_dir / "eval_report.json").read_text())
     assert set(report["held_out"]) == {"pretraining", "instructions"}
     assert len(report["generations"]) == len(params.eval.prompts)
 
