@@ -321,6 +321,25 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from params.sweep import load_sweep
+
+    sweep = load_sweep(args.sweep_file)
+    if args.dry_run:
+        print(f"sweep {sweep.name}: {sweep.method}, ranked by {sweep.metric} ({sweep.goal}); base {sweep.params}")
+        for trial in sweep.trial_list():
+            print(f"trial {trial.number}: {trial.label()}")
+        return 0
+    if args.deployment_params:  # the --params value of `prefect deployment run 'sweep-flow/...'`
+        print(json.dumps({"sweep": sweep.model_dump(mode="json")}))
+        return 0
+    from flows.sweep import sweep_flow
+
+    record = sweep_flow(sweep)
+    print(f"sweep finished: MLflow run {record.sweep_run_id}; best trial {record.best.number} ({record.best.label})")
+    return 0
+
+
 def _explain_oom(log: str, metrics: str | None) -> int:
     """Say where a failed run ran out of memory and what to change; exit 1 when the log shows no such failure."""
     from model_core.parallel.oom import explain_oom, read_metrics
@@ -553,6 +572,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--tracking-uri", help="the MLflow store (default: MLFLOW_TRACKING_URI, else tracking.uri of --params)"
     )
     comparer.set_defaults(handler=_cmd_compare)
+
+    sweeper = commands.add_parser(
+        "sweep",
+        help="run sweep-flow: one pipeline run per trial of a sweep file, the best trial tagged",
+        description="Run pretrain-flow once per trial of SWEEP_FILE (a grid or random search over params fields; "
+        "params/sweeps/lr_tiny.yaml is an example), each stopped early by the smoke gate when it cannot learn, "
+        "all under one MLflow sweep run with the comparison table; the trial best by the sweep's metric is tagged "
+        "llmflow.best_trial=true.",
+    )
+    sweeper.add_argument("sweep_file", metavar="SWEEP_FILE", help="the sweep YAML file")
+    shown = sweeper.add_mutually_exclusive_group()
+    shown.add_argument("--dry-run", action="store_true", help="list the trials and stop")
+    shown.add_argument(
+        "--deployment-params", action="store_true",
+        help="print the sweep as JSON for `prefect deployment run 'sweep-flow/lr-sweep' --params` and stop",
+    )
+    sweeper.set_defaults(handler=_cmd_sweep)
 
     planner = commands.add_parser(
         "plan",
