@@ -297,6 +297,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return _explain_oom(args.explain_oom, args.metrics)
     if args.write and args.try_steps is None:
         raise ValueError("--write PATH goes with --try STEPS (it writes the fastest layout the trials measured)")
+    if args.try_steps is not None and args.try_steps < 2:
+        raise ValueError(f"--try {args.try_steps}: a trial needs at least 2 steps (the first compiles; speed is measured after it)")
     params = _params(args)
     devices, memory = args.devices, args.device_memory
     if args.try_steps is not None:  # the trials run here: this machine's devices, its memory shared by its ranks
@@ -627,7 +629,10 @@ def build_parser() -> argparse.ArgumentParser:
         "See docs/planner.md.",
     )
     _add_params_arguments(planner)
-    planner.add_argument("--devices", type=int, help="number of devices (ranks); required unless --explain-oom (with --try: default the params' world size)")
+    planner.add_argument(
+        "--devices", type=int,
+        help="number of devices (ranks); required unless --explain-oom (with --try: default the params' world size)",
+    )
     planner.add_argument("--device-memory", metavar="BYTES", help="memory per device, e.g. 64GiB, 80GB")
     planner.add_argument("--devices-per-node", type=int, default=8, help="devices per node; tp stays inside one")
     planner.add_argument(

@@ -70,11 +70,9 @@ def candidates_to_try(plan: Plan) -> list[Estimate]:
 
 
 def run_trials(params: PipelineParams, plan: Plan, steps: int, workdir: Path, echo: TextIO) -> list[LayoutTrial]:
-    """Each candidate of `candidates_to_try` trained for `steps` steps under msrun in `workdir/<layout>`; the
+    """Each candidate of `candidates_to_try` trained for `steps` (at least 2) steps under msrun in `workdir/<layout>`; the
     prepared dataset must already be there (the ranks reuse it). A failed trial (out of memory, a dead rank)
     is kept with its reason, and the others still run."""
-    if steps < 2:
-        raise ValueError(f"--try {steps}: a trial needs at least 2 steps (the first compiles; speed is measured after it)")
     trials = []
     for found in candidates_to_try(plan):
         try:
