@@ -22,6 +22,7 @@ from model_core.parallel.launch import LaunchError
 from params import ParamsError, PipelineParams, load_params, preset_names, to_yaml
 
 if TYPE_CHECKING:
+    from model_core.parallel.planner import Plan
     from model_core.train.runs import TrainingRun
 
 
@@ -320,7 +321,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     return _try_layouts(params, result, args.try_steps, args.write)
 
 
-def _try_layouts(params: PipelineParams, planned, steps: int, write: str | None) -> int:
+def _try_layouts(params: PipelineParams, planned: Plan, steps: int, write: str | None) -> int:
     """`plan --try`: a short run of each fitting layout, the table, and the fastest written to `write`."""
     from model_core.parallel.trials import fastest, format_trials_table, run_trials, write_params
 

@@ -68,7 +68,7 @@ class Trial(BaseModel):
     params: PipelineParams
 
     def label(self) -> str:
-        return ", ".join(f"{name}={_short(value)}" for name, value in self.assignment.items())
+        return _label(self.assignment)
 
 
 class SweepParams(BaseModel):
@@ -129,9 +129,8 @@ class SweepParams(BaseModel):
             try:
                 params = load_params(self.params, [*base, *sets])
             except ParamsError as error:
-                label = ", ".join(f"{name}={_short(value)}" for name, value in assignment.items())
                 reason = str(error).replace("--set ", "")  # the values come from the sweep, not the command line
-                raise ParamsError(f"sweep {self.name!r} trial {number} ({label}): {reason}") from None
+                raise ParamsError(f"sweep {self.name!r} trial {number} ({_label(assignment)}): {reason}") from None
             trials.append(Trial(number=number, assignment=assignment, params=params))
         return trials
 
@@ -140,8 +139,9 @@ def _override(name: str, value: Any) -> str:
     return f"{name}={json.dumps(value)}"  # JSON is YAML, which is how load_params reads a --set value
 
 
-def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+def _label(assignment: dict[str, Any]) -> str:
+    """`optimizer.lr=0.003, train.seed=2`: floats to 4 significant digits (random draws have many more)."""
+    return ", ".join(f"{name}={f'{value:.4g}' if isinstance(value, float) else value}" for name, value in assignment.items())
 
 
 def load_sweep(path: str | Path) -> SweepParams:

@@ -32,9 +32,9 @@ class TrialOutcome(BaseModel):
     metric: float | None = None
 
     def describe(self, metric: str) -> str:
-        result = f"{metric} {self.metric:.4f}" if self.metric is not None else self.status
         if self.status != "finished":
-            result = f"{self.status}: {self.reason}"
+            return f"trial {self.number} ({self.label}): {self.status}: {self.reason}"
+        result = f"{metric} {self.metric:.4f}" if self.metric is not None else f"finished without {metric}"
         return f"trial {self.number} ({self.label}): {result}"
 
 

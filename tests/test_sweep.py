@@ -10,6 +10,7 @@ from conftest import small_pipeline_overrides
 from mlflow.tracking import MlflowClient
 
 from flows.cli import main
+from tasks.compare import compare
 
 BAD_SWEEPS = [
     ("name: s\nspace:\n  optimizer.lrr: [1.0e-3]\n", "bad.yaml:3: space.optimizer.lrr: unknown params field 'lrr'"),
@@ -90,4 +91,8 @@ def test_a_learning_rate_sweep_tags_the_best_trial(corpus_jsonl, tmp_path, mlflo
     assert sweep_run.data.metrics["trials_stopped"] == 1
     artifacts = {a.path for a in client.list_artifacts(record.sweep_run_id)}
     assert {"comparison.md", "comparison.json", "sweep.yaml", "loss_curves.png"} <= artifacts
-    assert "optimizer.lr" in record.table.splitlines()[0] and record.table in console
+    header = record.table.splitlines()[0].split()
+    assert header[:3] == ["run", "status", "optimizer.lr"] and record.table in console
+    # `llmflow compare --experiment` takes the finished trials for pipeline runs, not the sweep's own run.
+    latest = compare(mlflow_uri, experiment="sweep", last=3)
+    assert [row["id"] for row in latest.runs] == [t.run_id for t in record.trials if t.status == "finished"]

@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-import yaml
-
 from model_core.parallel.launch import LaunchError, launch_training
 from model_core.parallel.planner import GIB, Estimate, Plan
+from params.loading import to_yaml
 from params.schema import PipelineParams
 
 
@@ -94,7 +93,7 @@ def _measure(layout: PipelineParams, found: Estimate, steps: int, directory: Pat
                "keep_checkpoints": 1, "output_dir": str(directory)}
     short = layout.model_copy(update={"train": layout.train.model_copy(update=cadence)})
     params_file = directory / "params.yaml"
-    params_file.write_text(yaml.safe_dump(short.model_dump(mode="json"), sort_keys=False))
+    params_file.write_text(to_yaml(short))
     metrics = directory / "metrics.jsonl"
     arguments = ["--params", str(params_file), "--checkpoint-dir", str(directory / "checkpoints"),
                  "--resume", "none", "--metrics-jsonl", str(metrics)]
@@ -152,6 +151,6 @@ def write_params(params: PipelineParams, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(yaml.safe_dump(params.model_dump(mode="json"), sort_keys=False))
+    partial.write_text(to_yaml(params))
     partial.replace(path)
     return path
