@@ -22,6 +22,7 @@ from model_core.parallel.launch import LaunchError
 from params import ParamsError, PipelineParams, load_params, preset_names, to_yaml
 
 if TYPE_CHECKING:
+    from model_core.parallel.planner import Plan
     from model_core.train.runs import TrainingRun
 
 
@@ -321,17 +322,47 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     if args.explain_oom:
         return _explain_oom(args.explain_oom, args.metrics)
-    if args.devices is None or args.device_memory is None:
-        raise ValueError("--devices and --device-memory are required (or --explain-oom LOG to read a failed run)")
+    if args.write and args.try_steps is None:
+        raise ValueError("--write PATH goes with --try STEPS (it writes the fastest layout the trials measured)")
+    if args.try_steps is not None and args.try_steps < 2:
+        raise ValueError(f"--try {args.try_steps}: a trial needs at least 2 steps (the first compiles; speed is measured after it)")
     params = _params(args)
+    devices, memory = args.devices, args.device_memory
+    if args.try_steps is not None:  # the trials run here: this machine's devices, its memory shared by its ranks
+        import psutil
+
+        devices = devices or params.parallel.world_size
+        memory = memory or str(psutil.virtual_memory().total // devices)
+    if devices is None or memory is None:
+        raise ValueError("--devices and --device-memory are required (or --explain-oom LOG to read a failed run)")
     reserve = parse_bytes(args.runtime_reserve) if args.runtime_reserve else None
     bandwidth = parse_bytes(args.offload_bandwidth) if args.offload_bandwidth else None
     result = plan(
-        params, args.devices, parse_bytes(args.device_memory), devices_per_node=args.devices_per_node,
+        params, devices, parse_bytes(memory), devices_per_node=args.devices_per_node,
         device_kind=args.device_kind, runtime_bytes=reserve, offload_bandwidth=bandwidth,
     )
     print(format_plan_table(result))
-    return 0 if result.recommended is not None else 1
+    if args.try_steps is None:
+        return 0 if result.recommended is not None else 1
+    return _try_layouts(params, result, args.try_steps, args.write)
+
+
+def _try_layouts(params: PipelineParams, planned: Plan, steps: int, write: str | None) -> int:
+    """`plan --try`: a short run of each fitting layout, the table, and the fastest written to `write`."""
+    from model_core.parallel.trials import fastest, format_trials_table, run_trials, write_params
+
+    _prepared_pretraining_data(params)  # once here; every trial's ranks reuse it
+    workdir = Path(params.train.output_dir) / "layout-trials"
+    trials = run_trials(params, planned, steps, workdir, sys.stdout)
+    print(format_trials_table(trials, steps))
+    best = fastest(trials)
+    if best is None:
+        raise ValueError(f"no layout trial ran to the end; their logs are under {workdir}")
+    if write:
+        print(f"fastest: {best.estimate.candidate}; wrote its params to {write_params(best.params, write)}")
+    else:
+        print(f"fastest: {best.estimate.candidate} (--write PATH saves its params)")
+    return 0
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
@@ -344,6 +375,25 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     if args.format != "json":
         written = write_loss_overlay(comparison, args.plot)
         print(f"pretraining loss curves: {written}" if written else "no pretraining loss history to plot")
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    from params.sweep import load_sweep
+
+    sweep = load_sweep(args.sweep_file)
+    if args.dry_run:
+        print(f"sweep {sweep.name}: {sweep.method}, ranked by {sweep.metric} ({sweep.goal}); base {sweep.params}")
+        for trial in sweep.trial_list():
+            print(f"trial {trial.number}: {trial.label()}")
+        return 0
+    if args.deployment_params:  # the --params value of `prefect deployment run 'sweep-flow/...'`
+        print(json.dumps({"sweep": sweep.model_dump(mode="json")}))
+        return 0
+    from flows.sweep import sweep_flow
+
+    record = sweep_flow(sweep)
+    print(f"sweep finished: MLflow run {record.sweep_run_id}; best trial {record.best.number} ({record.best.label})")
     return 0
 
 
@@ -590,6 +640,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     comparer.set_defaults(handler=_cmd_compare)
 
+    sweeper = commands.add_parser(
+        "sweep",
+        help="run sweep-flow: one pipeline run per trial of a sweep file, the best trial tagged",
+        description="Run pretrain-flow once per trial of SWEEP_FILE (a grid or random search over params fields; "
+        "params/sweeps/lr_tiny.yaml is an example), each stopped early by the smoke gate when it cannot learn, "
+        "all under one MLflow sweep run with the comparison table; the trial best by the sweep's metric is tagged "
+        "llmflow.best_trial=true.",
+    )
+    sweeper.add_argument("sweep_file", metavar="SWEEP_FILE", help="the sweep YAML file")
+    shown = sweeper.add_mutually_exclusive_group()
+    shown.add_argument("--dry-run", action="store_true", help="list the trials and stop")
+    shown.add_argument(
+        "--deployment-params", action="store_true",
+        help="print the sweep as JSON for `prefect deployment run 'sweep-flow/lr-sweep' --params` and stop",
+    )
+    sweeper.set_defaults(handler=_cmd_sweep)
+
     planner = commands.add_parser(
         "plan",
         help="estimate per-rank memory of every valid layout and recommend one",
@@ -599,7 +666,10 @@ def build_parser() -> argparse.ArgumentParser:
         "See docs/planner.md.",
     )
     _add_params_arguments(planner)
-    planner.add_argument("--devices", type=int, help="number of devices (ranks); required unless --explain-oom")
+    planner.add_argument(
+        "--devices", type=int,
+        help="number of devices (ranks); required unless --explain-oom (with --try: default the params' world size)",
+    )
     planner.add_argument("--device-memory", metavar="BYTES", help="memory per device, e.g. 64GiB, 80GB")
     planner.add_argument("--devices-per-node", type=int, default=8, help="devices per node; tp stays inside one")
     planner.add_argument(
@@ -619,6 +689,13 @@ def build_parser() -> argparse.ArgumentParser:
         "console output) and say in which phase memory ran out and what to change",
     )
     planner.add_argument("--metrics", metavar="JSONL", help="with --explain-oom: the run's --metrics-jsonl file")
+    planner.add_argument(
+        "--try", dest="try_steps", type=int, metavar="STEPS",
+        help="run each (dp, tp, pp) that fits for STEPS steps under msrun on this machine (--devices defaults to the "
+        "params' world size, --device-memory to this machine's memory over the devices) and print their measured "
+        "tokens/s and peak memory; see README 'Layout trials'",
+    )
+    planner.add_argument("--write", metavar="PATH", help="with --try: write the params of the fastest layout to PATH")
     planner.set_defaults(handler=_cmd_plan)
 
     ckpt = commands.add_parser("ckpt", help="checkpoint tools", description="Checkpoint tools.")

@@ -73,10 +73,19 @@ def _runs(client: MlflowClient, run_ids: list[str] | None, experiment: str | Non
         [known.experiment_id], filter_string="attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
         max_results=200,
     )
-    parents = [run for run in parents if "mlflow.parentRunId" not in run.data.tags][:last]
+    parents = [run for run in parents if _is_pipeline_run(run)][:last]
     if len(parents) < 2:
         raise CompareError(f"experiment {experiment!r} has {len(parents)} finished pipeline run(s); comparing needs 2")
     return parents[::-1]  # oldest first
+
+
+def _is_pipeline_run(run) -> bool:
+    """A pipeline's parent run: not a stage run, and not a sweep's run (a sweep's trials are pipeline runs nested
+    under it)."""
+    tags = run.data.tags
+    if "llmflow.stage" in tags or tags.get("llmflow.kind") == "sweep":
+        return False
+    return "mlflow.parentRunId" not in tags or "llmflow.sweep_run_id" in tags
 
 
 def _pretraining_curve(client: MlflowClient, parent) -> list[tuple[int, float]]:
@@ -103,9 +112,10 @@ def render(comparison: Comparison, uri: str, form: str = "table") -> str:
         rows = [{**row, "link": run_link(uri, row)} for row in comparison.runs]
         return json.dumps({"differing_params": comparison.differing, "headline_metrics": comparison.headlines,
                            "runs": rows}, indent=2)
-    header = ["run", *comparison.differing, *comparison.headlines]
+    statuses = any(row["status"] != "FINISHED" for row in comparison.runs)  # e.g. a sweep's stopped trials
+    header = ["run", *(["status"] if statuses else []), *comparison.differing, *comparison.headlines]
     body = [
-        [row["name"], *(str(row["params"][name]) for name in comparison.differing),
+        [row["name"], *([row["status"]] if statuses else []), *(str(row["params"][name]) for name in comparison.differing),
          *(_number(row["metrics"][name]) for name in comparison.headlines)]
         for row in comparison.runs
     ]

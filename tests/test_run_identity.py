@@ -220,6 +220,9 @@ def test_cli_errors_are_one_line_without_a_traceback(tmp_path, capsys, monkeypat
         (["params", "show", "--set", "model.hidden_sise=3"], 2, "model.hidden_sise: unknown field"),
         (["train", "--resume"], 2, "expected one argument"),
         (["nosuchcommand"], 2, "invalid choice"),
+        (["sweep", missing], 2, "does not exist"),
+        (["plan", "--write", str(tmp_path / "p.yaml")], 1, "--write PATH goes with --try"),
+        (["plan", "--try", "1"], 1, "at least 2 steps"),
     ]
     for argv, status, said in cases:
         try:

@@ -1,0 +1,42 @@
+"""`llmflow plan --try`: a short msrun of each layout that fits two devices (dp2 and tp2 of a tiny model; pp2 is
+excluded for want of micro-batches), both rows in the table, and the measured faster one written as params."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import SMALL_MODEL
+
+from flows.cli import main
+from params import load_params
+
+pytestmark = pytest.mark.slow
+
+
+def test_plan_try_writes_the_faster_layout(corpus_jsonl, tmp_path, capsys):
+    sets = [
+        f"data.sources=[{{kind: jsonl, paths: ['{corpus_jsonl}']}}]", f"data.output_dir={tmp_path / 'data'}",
+        f"train.output_dir={tmp_path / 'train'}", *SMALL_MODEL, "train.micro_batch_size=2", "train.grad_accum_steps=2",
+    ]
+    written = tmp_path / "fastest.yaml"
+    argv = ["plan", "--try", "3", "--devices", "2", "--device-kind", "cpu", "--write", str(written)]
+    assert main([*argv, *(arg for item in sets for arg in ("--set", item))]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("layout trials:"):]
+    rows = {
+        match["layout"]: (float(match["speed"]), int(match["accum"]))
+        for match in re.finditer(r"^\*?\s+(?P<layout>dp\d tp\d pp\d zero\d recompute=\w+)\s+(?P<accum>\d+)\s+[\d.]+\s+"
+                                 r"(?P<speed>[\d.]+)\s+[\d.]+$", table, re.MULTILINE)
+    }
+    assert sorted(rows) == ["dp1 tp2 pp1 zero0 recompute=none", "dp2 tp1 pp1 zero1 recompute=none"], table
+    faster = max(rows, key=lambda layout: rows[layout][0])
+    chosen = load_params(written)
+    dp, tp, pp, zero = (int(n) for n in re.findall(r"\d+", faster))
+    parallel = chosen.parallel
+    assert (parallel.data_parallel, parallel.tensor_parallel, parallel.pipeline_parallel, parallel.zero_stage) == (dp, tp, pp, zero)
+    # The same run, laid out differently: micro-batch and global batch as given, everything else untouched.
+    assert chosen.train.grad_accum_steps == rows[faster][1] and chosen.global_batch_size == 4
+    given = load_params("tiny", sets)
+    assert chosen.train.steps == given.train.steps and chosen.model == given.model
+    assert f"fastest: {faster}; wrote its params to {written}" in out
