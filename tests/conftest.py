@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -52,6 +55,33 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@contextmanager
+def prefect_run_logs() -> Iterator[list[str]]:
+    """The messages flow and task runs log while the block runs: what a person sees on the console, prints of
+    `log_prints` flows and tasks included. Read at the loggers, because Prefect configures logging and binds its
+    console handler to a stream once per process, so neither pytest's stream capture nor its root-level log
+    capture sees these reliably in every test order."""
+    messages: list[str] = []
+    recorder = _Recorder(messages)
+    loggers = [logging.getLogger(name) for name in ("prefect.task_runs", "prefect.flow_runs")]
+    for logger in loggers:
+        logger.addHandler(recorder)
+    try:
+        yield messages
+    finally:
+        for logger in loggers:
+            logger.removeHandler(recorder)
+
+
+class _Recorder(logging.Handler):
+    def __init__(self, messages: list[str]):
+        super().__init__()
+        self.messages = messages
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 SMALL_MODEL = [

@@ -5,11 +5,10 @@ overwrites a run silently, and every CLI error is one line."""
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 
 import pytest
-from conftest import SMALL_MODEL, docstring_documents, small_pipeline_overrides
+from conftest import SMALL_MODEL, docstring_documents, prefect_run_logs, small_pipeline_overrides
 from mlflow.tracking import MlflowClient
 
 from flows.cli import main
@@ -43,15 +42,6 @@ def test_pretraining_key_ignores_later_stages_cadence_and_layout():
         assert key(change) != key(), change
 
 
-class _Recorder(logging.Handler):
-    def __init__(self):
-        super().__init__()
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 @pytest.mark.usefixtures("prefect_harness")
 def test_a_rerun_is_a_no_op_and_a_lora_change_reuses_pretraining(corpus_jsonl, tmp_path, mlflow_uri):
     from flows.pretrain import pretrain_flow
@@ -60,19 +50,9 @@ def test_a_rerun_is_a_no_op_and_a_lora_change_reuses_pretraining(corpus_jsonl, t
     sets = [*overrides, "model.seq_len=128", "lora.enabled=true", "lora.steps=2", "train.steps=10", "smoke.steps=20",
             "smoke.min_loss_drop=0.1"]
     first = pretrain_flow(load_params("tiny", sets))
-    # A task's prints go to its Prefect run logger and from there to the console. The records are caught at that
-    # logger: Prefect binds its console handler and configures logging once per process, so neither the console
-    # stream nor pytest's root-level capture sees them reliably across test orders.
-    said = _Recorder()
-    loggers = [logging.getLogger(name) for name in ("prefect.task_runs", "prefect.flow_runs")]
-    for logger in loggers:
-        logger.addHandler(said)
-    try:
+    with prefect_run_logs() as said:  # a task's prints and the flow's summary, as the console shows them
         again = pretrain_flow(load_params("tiny", sets))
-    finally:
-        for logger in loggers:
-            logger.removeHandler(said)
-    console = "\n".join(said.messages)
+    console = "\n".join(said)
     summary = console[console.index("pipeline summary:"):].splitlines()
     for name in ("data prep", "smoke", "pretrain", "finetune"):
         assert any(line.startswith(f"{name} ") and " reused " in line for line in summary), (name, summary)

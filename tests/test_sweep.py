@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from conftest import small_pipeline_overrides
+from conftest import prefect_run_logs, small_pipeline_overrides
 from mlflow.tracking import MlflowClient
 
 from flows.cli import main
@@ -55,7 +55,7 @@ def test_random_sweeps_are_seeded_and_draw_inside_their_ranges(tmp_path, capsys)
 
 
 @pytest.mark.usefixtures("prefect_harness")
-def test_a_learning_rate_sweep_tags_the_best_trial(corpus_jsonl, tmp_path, mlflow_uri, capfd):
+def test_a_learning_rate_sweep_tags_the_best_trial(corpus_jsonl, tmp_path, mlflow_uri):
     from flows.sweep import sweep_flow
     from params.sweep import load_sweep
 
@@ -69,9 +69,11 @@ def test_a_learning_rate_sweep_tags_the_best_trial(corpus_jsonl, tmp_path, mlflo
         # 1e-6 cannot lower the loss by 0.2 in 10 steps: the smoke gate stops it.
         "space": {"optimizer.lr": [1e-6, 3e-3, 1e-2]},
         "metric": "pretrain.validation_loss",
+        "max_concurrency": 2,  # two trials at once, each in a worker process of its own
     }))
-    record = sweep_flow(load_sweep(sweep_file))
-    console = "".join(capfd.readouterr())
+    with prefect_run_logs() as said:
+        record = sweep_flow(load_sweep(sweep_file))
+    console = "\n".join(said)
 
     assert [t.status for t in record.trials] == ["stopped", "finished", "finished"]
     assert "smoke run failed" in record.trials[0].reason
