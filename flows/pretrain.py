@@ -1,6 +1,7 @@
 """pretrain-flow: the whole pipeline, stage after stage, tracked as one MLflow parent run.
 
-    data prep -> weight conversion (when convert.hf_source is set) -> smoke run -> pretraining
+    data prep -> weight conversion (when convert.hf_source is set) -> smoke run
+    -> layout trials (when parallel.layout_trial_steps is set) -> pretraining
     -> LoRA fine-tune (when lora.enabled) -> evaluation (base vs fine-tuned) -> a table of the stages
 """
 
@@ -14,6 +15,7 @@ from tasks.convert import ConvertResult, convert_hf
 from tasks.data import DataResult, prepare_data
 from tasks.evaluate import EvaluateStageResult, evaluate_stage
 from tasks.finetune import FinetuneStageResult, finetune_stage
+from tasks.layout import choose_layout
 from tasks.summary import stage_table
 from tasks.tracking import pipeline_run
 from tasks.train import TrainStageResult, pretrain, smoke_run
@@ -35,6 +37,8 @@ def pretrain_flow(params: PipelineParams = PipelineParams()) -> PipelineResult: 
         data = prepare_data(params, tracking)
         converted = convert_hf(params, tracking) if params.convert.hf_source else None
         smoke = smoke_run(params, data, tracking) if params.smoke.enabled else None
+        if params.parallel.layout_trial_steps is not None:
+            params = choose_layout(params, data, tracking)
         start_from = converted.checkpoint_dir if converted else None
         trained = pretrain(params, data, tracking, start_from)
         tuned = finetune_stage(params, data, trained.checkpoint, tracking) if params.lora.enabled else None

@@ -325,6 +325,13 @@ class ParallelParams(StrictModel):
         ">= pipeline_parallel. With pp=1 they act as extra gradient accumulation.",
     )
     pipeline_schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="Pipeline schedule.")
+    layout_trial_steps: int | None = Field(
+        None,
+        ge=2,
+        description="In pretrain-flow, before pretraining: train each layout of this world size that the planner "
+        "finds fitting for this many steps and pretrain with the fastest (`llmflow plan --try` by hand). The layout "
+        "is not part of a run's identity, so the chosen one trains the same run. null: the layout as given.",
+    )
     pipeline_layers: list[int] | None = Field(
         None,
         description="Layers of each pipeline stage, first to last (e.g. [5, 3]: the last stage also runs the head "

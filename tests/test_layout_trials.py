@@ -1,12 +1,14 @@
-"""`llmflow plan --try`: a short msrun of each layout that fits two devices (dp2 and tp2 of a tiny model; pp2 is
-excluded for want of micro-batches), both rows in the table, and the measured faster one written as params."""
+"""Layout trials: `llmflow plan --try` runs a short msrun of each layout that fits two devices (dp2 and tp2 of a
+tiny model; pp2 is excluded for want of micro-batches), prints both rows and writes the measured faster one as
+params; pretrain-flow's layout-trials stage pretrains with the faster one."""
 
 from __future__ import annotations
 
 import re
 
 import pytest
-from conftest import SMALL_MODEL
+from conftest import SMALL_MODEL, prefect_run_logs, small_pipeline_overrides
+from mlflow.tracking import MlflowClient
 
 from flows.cli import main
 from params import load_params
@@ -40,3 +42,32 @@ def test_plan_try_writes_the_faster_layout(corpus_jsonl, tmp_path, capsys):
     given = load_params("tiny", sets)
     assert chosen.train.steps == given.train.steps and chosen.model == given.model
     assert f"fastest: {faster}; wrote its params to {written}" in out
+
+
+@pytest.mark.usefixtures("prefect_harness")
+def test_pretrain_flow_trains_with_the_layout_its_trials_found_fastest(corpus_jsonl, tmp_path, mlflow_uri):
+    from flows.pretrain import pretrain_flow
+
+    overrides = small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "layout-stage")
+    params = load_params("tiny", [
+        *overrides, "smoke.enabled=false", "parallel.data_parallel=2", "parallel.layout_trial_steps=3", "train.steps=4",
+        "train.micro_batch_size=2", "train.grad_accum_steps=2", "train.eval_interval=4", "train.checkpoint_interval=4",
+    ])
+    with prefect_run_logs() as said:
+        result = pretrain_flow(params)
+    table = next(message for message in said if message.startswith("layout trials:"))
+    speeds = {match["layout"]: float(match["speed"]) for match in re.finditer(
+        r"^\*?\s+(?P<layout>dp\d tp\d pp\d zero\d recompute=\w+)\s+\d+\s+[\d.]+\s+(?P<speed>[\d.]+)\s+[\d.]+$", table, re.MULTILINE)}
+    assert len(speeds) == 2, table
+    faster = max(speeds, key=speeds.get)
+
+    client = MlflowClient(mlflow_uri)
+    experiment = client.get_experiment_by_name("layout-stage").experiment_id
+    stages = {run.data.tags.get("llmflow.stage"): run for run in client.search_runs([experiment])}
+    assert stages["layout_trials"].data.params["chosen.layout"] == faster
+    # Pretraining ran under msrun with the chosen layout: the params its ranks read say so.
+    ranks_params = load_params(next(result.pretrain.checkpoint.parent.glob("params-*-steps.yaml")))
+    dp, tp, pp, zero = (int(n) for n in re.findall(r"\d+", faster))
+    chosen = ranks_params.parallel
+    assert (chosen.data_parallel, chosen.tensor_parallel, chosen.pipeline_parallel, chosen.zero_stage) == (dp, tp, pp, zero)
+    assert result.pretrain.steps == 4
