@@ -1,5 +1,5 @@
 """Expert parallelism over msrun workers against one process on the same global batch: the all-to-all and its
-gradient on two workers; dp2 x ep2 (two workers) and dp2 x ep2 x tp2 (four) train 10 steps with the losses and
+gradient on two workers; dp2 x ep2 with ZeRO-1 (two workers) and dp2 x ep2 x tp2 (four) train 10 steps with the losses and
 gradient norms of one process; the ep2 checkpoint holds the whole expert stacks and loads into one process."""
 
 from __future__ import annotations
@@ -46,8 +46,10 @@ def test_all_to_all_and_its_gradient_match_numpy_on_two_workers(tmp_path):
         assert all(results.values()), results
 
 
-def test_dp2_ep2_trains_equal_to_one_process_and_checkpoints_whole_experts(dataset_dir, single_process, tmp_path):
-    ranks = train_job(tmp_path, dataset_dir, *MOE, *EP2)
+def test_dp2_ep2_zero1_trains_equal_to_one_process_and_checkpoints_whole_experts(dataset_dir, single_process, tmp_path):
+    """ZeRO-1 shards the dense weights' moments over dp; each expert block is held by one rank (expert-dp of 1),
+    which keeps all of its moments. The checkpoint gathers both into whole tensors."""
+    ranks = train_job(tmp_path, dataset_dir, *MOE, *EP2, "parallel.zero_stage=1")
     for rank in ranks:
         assert_same_metrics(rank["history"], single_process["history"])
         assert rank["history"][-1]["moe_dropped_fraction"] == 0
@@ -61,6 +63,10 @@ def test_dp2_ep2_trains_equal_to_one_process_and_checkpoints_whole_experts(datas
         assert np.linalg.norm(weights[name] - value) <= 1e-5 * np.linalg.norm(value), name
     np.testing.assert_array_equal(weights[stack], np.concatenate([held[0][stack], held[1][stack]]))
     assert moments[f"adam_m.{stack}"].shape == weights[stack].shape
+    experts = sum(v.size for name, v in weights.items() if ".mlp.experts." in name)
+    dense = sum(v.size for v in weights.values()) - experts
+    for rank in ranks:  # 8 bytes of moments per element: dense / dp, experts / ep, up to one element of padding
+        assert abs(rank["moment_bytes"] - 8 * (dense / 2 + experts / 2)) <= 8, rank["moment_bytes"]
     one_params = load_params("tiny", [*RUN, *MOE, "parallel.micro_batches=4", f"train.output_dir={tmp_path / 'one'}"])
     one = Trainer(one_params, dataset_dir, tmp_path / "one")
     one.resume(saved.path)  # the whole expert stacks load into one process
@@ -73,3 +79,4 @@ def test_dp2_ep2_tp2_on_four_workers_trains_equal_to_one_process(dataset_dir, si
     ranks = train_job(tmp_path, dataset_dir, *MOE, *EP2, "parallel.tensor_parallel=2", workers=4)
     for rank in ranks:
         assert_same_metrics(rank["history"], single_process["history"])
+
