@@ -28,11 +28,13 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
-from mindspore import Tensor, mint, nn
+from mindspore import Parameter, Tensor, mint, nn
 
 from model_core.model.moe import Experts, swiglu_experts
+from model_core.optim.adamw import AdamW
 from model_core.parallel.comm import AllToAll, Group
-from model_core.parallel.zero import moment_bytes
+from model_core.parallel.zero import ShardedAdamW, moment_bytes
+from params.schema import OptimizerParams
 
 
 class ExpertParallelExperts(nn.Cell):
@@ -118,3 +120,22 @@ class ExpertParallelOptimizer(nn.Cell):
         mine = expert_block(state, self.expert_moments, self.ep_group)
         self.dense.load_state_dict({k: v for k, v in mine.items() if k not in self.expert_moments})
         self.experts.load_state_dict({k: v for k, v in mine.items() if k in self.expert_moments})
+
+
+def expert_parallel_optimizer(
+    weights: Sequence[Parameter], names: Sequence[str], experts: set[int], optimizer: OptimizerParams, zero_stage: int,
+    dp_group: Group, expert_dp_group: Group, ep_group: Group,
+) -> ExpertParallelOptimizer:
+    """AdamW over `weights` whose positions `experts` are expert shards: the rest's moments ZeRO-1 sharded over
+    `dp_group`, the experts' over `expert_dp_group` (when `zero_stage` >= 1 and the group has several ranks)."""
+    dense, shards = [i for i in range(len(names)) if i not in experts], sorted(experts)
+
+    def adamw(positions: list[int], group: Group) -> AdamW | ShardedAdamW:
+        chosen, chosen_names = [weights[i] for i in positions], [names[i] for i in positions]
+        if zero_stage >= 1 and group.size > 1:
+            return ShardedAdamW(chosen, optimizer, chosen_names, group)
+        return AdamW.from_params(chosen, optimizer, chosen_names)
+
+    return ExpertParallelOptimizer(
+        adamw(dense, dp_group), adamw(shards, expert_dp_group), dense, shards, [names[i] for i in shards], ep_group
+    )

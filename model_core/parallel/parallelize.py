@@ -10,8 +10,8 @@ order (torchtitan's: describe the whole model, cut it, then make only what is ke
   4. adapters    LoRA wraps the targeted projections, its A and B placeholders too, the rest frozen;
   5. ZeRO-3      every weight's cells swapped for ones that gather it from a flat shard over dp;
   6. weights     every placeholder becomes what this rank holds of the weight, as the table places it: its
-                 tp block or its ep block of an expert stack (then, under ZeRO-3, its dp shard of that block), read from the initial weights on
-                 disk one block at a time (`storage.read_block`), or drawn from the weight's own (seed, path)
+                 tp block, or of an expert stack its ep block (then, under ZeRO-3, its dp shard of that block),
+                 read from the initial weights on disk one block at a time (`storage.read_block`), or drawn from the weight's own (seed, path)
                  generator and cut (`model_core.model.init`).
 A rank therefore holds its share plus, while one weight is being drawn or read, that one whole weight.
 
@@ -37,7 +37,7 @@ from model_core.optim.adamw import AdamW
 from model_core.optim.step import AccumulateGradients, ApplyGradients, SummedTokenLoss, ZeroGradients
 from model_core.parallel import comm
 from model_core.parallel.data_parallel import GradientAllReduce
-from model_core.parallel.expert import ExpertParallelOptimizer, expert_block, expert_parallel, gather_experts
+from model_core.parallel.expert import expert_block, expert_parallel, expert_parallel_optimizer, gather_experts
 from model_core.parallel.gradient_norm import ParallelGradientNorm
 from model_core.parallel.layout import Layout, ParallelConfigError
 from model_core.parallel.offload import OffloadedOptimizer, offloaded_optimizer
@@ -229,17 +229,8 @@ def parallelize(
     elif zero3 is not None:
         optimizer = Zero3AdamW(zero3, params.optimizer, weight_names)
     elif experts:
-        dense = [i for i in range(len(weight_names)) if i not in experts]
-
-        def adamw(positions: list[int], group: comm.Group) -> AdamW | ShardedAdamW:
-            chosen, chosen_names = [accumulate.weights[i] for i in positions], [weight_names[i] for i in positions]
-            if zero_stage >= 1 and group.size > 1:
-                return ShardedAdamW(chosen, params.optimizer, chosen_names, group)
-            return AdamW.from_params(chosen, params.optimizer, chosen_names)
-
-        optimizer = ExpertParallelOptimizer(
-            adamw(dense, dp_group), adamw(sorted(experts), expert_dp_group), dense, sorted(experts),
-            [weight_names[i] for i in sorted(experts)], ep_group,
+        optimizer = expert_parallel_optimizer(
+            accumulate.weights, weight_names, experts, params.optimizer, zero_stage, dp_group, expert_dp_group, ep_group
         )
     elif zero_stage >= 1:
         optimizer = ShardedAdamW(
