@@ -318,6 +318,13 @@ class ParallelParams(StrictModel):
     data_parallel: int = Field(1, ge=1, description="Data-parallel replicas (dp).")
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel ranks per layer (tp), innermost.")
     pipeline_parallel: int = Field(1, ge=1, description="Pipeline stages (pp).")
+    expert_parallel: int = Field(
+        1,
+        ge=1,
+        description="Expert-parallel ranks (ep), carved out of the dp ranks: each of ep consecutive dp replicas "
+        "holds model.moe.num_experts / ep of every MoE block's experts, and tokens travel to their experts' rank "
+        "by all-to-all. Must divide data_parallel and model.moe.num_experts; adds no ranks.",
+    )
     micro_batches: int = Field(
         1,
         ge=1,

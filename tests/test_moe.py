@@ -149,7 +149,7 @@ def test_an_moe_model_trains_and_reports_its_routing(dataset_dir, tmp_path, moe)
 
 @pytest.mark.parametrize(
     ("setting", "value"),
-    [("parallel.tensor_parallel", 2), ("parallel.pipeline_parallel", 2), ("parallel.zero_stage", 2)],
+    [("parallel.pipeline_parallel", 2), ("parallel.zero_stage", 2)],
 )
 def test_layouts_that_do_not_carry_routing_yet_are_refused_with_the_setting_named(setting, value):
     extra = ["parallel.micro_batches=2"] if setting == "parallel.pipeline_parallel" else []
@@ -280,8 +280,8 @@ def test_the_planner_counts_experts_and_offers_only_the_layouts_moe_trains_with(
     experts = 2 * (4 * 128 + 3 * 4 * 352 * 128 - 3 * 352 * 128)  # two MoE blocks: router + 4 experts, not 1 MLP
     assert stage_parameters(params.model, 1, 1, 0) - stage_parameters(dense.model, 1, 1, 0) == experts
     result = plan(params, devices=2, device_memory_bytes=parse_bytes("8GiB"))
-    layouts = {(e.candidate.dp, e.candidate.tp, e.candidate.pp, e.candidate.zero_stage) for e in result.estimates}
-    assert layouts == {(2, 1, 1, 0), (2, 1, 1, 1)}
+    layouts = {(c.dp, c.tp, c.pp, c.ep, c.zero_stage) for c in (e.candidate for e in result.estimates)}
+    assert layouts == {(2, 1, 1, 1, 0), (2, 1, 1, 1, 1), (2, 1, 1, 2, 0), (2, 1, 1, 2, 1), (1, 2, 1, 1, 0)}
 
 
 def test_recomputing_moe_blocks_changes_nothing(dataset_dir, tmp_path):

@@ -15,7 +15,9 @@ An optional shared expert (DeepSeek-MoE, Qwen2-MoE) is a plain SwiGLU every toke
 routed output, scaled by sigmoid(w . x) when `shared_expert_gate` (Qwen2-MoE's [1, hidden] gate).
 
 Expert weights are stacked: `experts.gate_proj` [E, F, hidden], `experts.up_proj` [E, F, hidden],
-`experts.down_proj` [E, hidden, F], each expert's slice laid out like a dense SwiGLU's [out, in] weight.
+`experts.down_proj` [E, hidden, F], each expert's slice laid out like a dense SwiGLU's [out, in] weight. The
+block only ever calls `experts` on the whole [E, C, hidden] dispatch buffer, so expert parallelism can swap that
+cell from outside (`model_core.parallel.expert`) and the routing stays as written here.
 
 Routing statistics come back beside the output for the training objective and the metrics:
   aux    Switch Transformer's load-balancing loss E * sum_e f_e * P_e, f_e the fraction of the k * N token
@@ -56,9 +58,14 @@ class Experts(nn.Cell):
         self.down_proj = new_weight((experts, hidden, inner), output_std)
 
     def construct(self, x: Tensor) -> Tensor:
-        gate = ops.bmm(x, mint.transpose(self.gate_proj.astype(x.dtype), 1, 2))  # [E, C, F]
-        up = ops.bmm(x, mint.transpose(self.up_proj.astype(x.dtype), 1, 2))
-        return ops.bmm(mint.nn.functional.silu(gate) * up, mint.transpose(self.down_proj.astype(x.dtype), 1, 2))
+        return swiglu_experts(x, self.gate_proj, self.up_proj, self.down_proj)
+
+
+def swiglu_experts(x: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor) -> Tensor:
+    """Expert e's SwiGLU on its slots: x [E, C, hidden], weights [E, F, hidden] (down [E, hidden, F]) -> [E, C, hidden]."""
+    gate = ops.bmm(x, mint.transpose(gate_proj.astype(x.dtype), 1, 2))  # [E, C, F]
+    up = ops.bmm(x, mint.transpose(up_proj.astype(x.dtype), 1, 2))
+    return ops.bmm(mint.nn.functional.silu(gate) * up, mint.transpose(down_proj.astype(x.dtype), 1, 2))
 
 
 class MoE(nn.Cell):

@@ -36,11 +36,10 @@ class SummedTokenLoss(nn.Cell):
 
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
         if self.routed:
-            logits, (aux, z, load, dropped) = self.model.routed(tokens, position_ids, segment_ids)
+            logits, routing = self.model.routed(tokens, position_ids, segment_ids)
             mean, count = token_cross_entropy(logits, labels, loss_mask)
             summed = mean * count
-            objective = summed + count * (self.aux_loss_coef * aux + self.z_loss_coef * z)
-            statistics = mint.cat([ops.stack([count * aux, count * z, dropped]), load.reshape(-1)])
+            objective, statistics = routed_objective(summed, count, routing, self.aux_loss_coef, self.z_loss_coef)
             return objective * scale, summed, statistics
         logits = self.model(tokens, position_ids, segment_ids)
         mean, count = token_cross_entropy(logits, labels, loss_mask)
@@ -48,6 +47,13 @@ class SummedTokenLoss(nn.Cell):
         return summed * scale, summed
 
 
+
+def routed_objective(summed, count, routing, aux_loss_coef: float, z_loss_coef: float):
+    """(the objective: summed token loss + count x the weighted routing losses, the routing statistics) of a
+    micro-batch whose model returned `routing` = (aux, z, load, dropped); see `SummedTokenLoss`."""
+    aux, z, load, dropped = routing
+    objective = summed + count * (aux_loss_coef * aux + z_loss_coef * z)
+    return objective, mint.cat([ops.stack([count * aux, count * z, dropped]), load.reshape(-1)])
 
 
 class AccumulateGradients(nn.Cell):

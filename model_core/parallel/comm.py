@@ -1,12 +1,14 @@
 """The one communication module of the parallel code: collectives over any group of ranks.
 
 `group(ranks)` gives a `Group` (a Cell, so its methods can be called from a jit-compiled construct) with
-all-reduce (sum, mean or max), all-gather, reduce-scatter, broadcast and point-to-point. Each uses the backend's
+all-reduce (sum, mean or max), all-gather, reduce-scatter, all-to-all, broadcast and point-to-point. Each uses the backend's
 native operator where the backend has it for that group, and otherwise is built from an all-reduce sum,
 the one collective that works on every group of MindSpore's CPU backend (MCCL):
   all-gather      all-reduce of a zero-filled buffer with this rank's block written in;
   all-reduce max  all-gather, then the maximum over the gathered blocks (MCCL's AllReduce sums only);
   reduce-scatter  all-reduce, then keep this rank's block;
+  all-to-all      all-reduce of a zero-filled [size, *x.shape] buffer with this rank's x written in at its
+                  index, then block `index` of every member's x (`all_to_all_contribution`, `received_blocks`);
   broadcast       all-reduce where every rank but the root sends zeros;
   point-to-point  all-reduce in the 2-rank group {source, destination} where the destination sends zeros.
 The fallbacks cost more bandwidth (an all-gather moves size x the data) but are exact: adding zeros changes
@@ -31,8 +33,8 @@ from mindspore import Parameter, Tensor, mint, nn, ops
 # AllGather and Broadcast work on the world group only; ReduceScatter and Send/Receive not at all.
 _NATIVE_ON_SUBGROUPS = {"hccl": True, "nccl": True, "mccl": False}
 _NATIVE_ON_WORLD = {
-    "hccl": {"all_gather", "reduce_scatter", "broadcast", "p2p", "max"},
-    "nccl": {"all_gather", "reduce_scatter", "broadcast", "p2p", "max"},
+    "hccl": {"all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p", "max"},
+    "nccl": {"all_gather", "reduce_scatter", "all_to_all", "broadcast", "p2p", "max"},
     "mccl": {"all_gather", "broadcast"},  # measured: "AllReduce only support reduce sum on CPU"
 }
 _BACKEND_OF_DEVICE = {"Ascend": "hccl", "GPU": "nccl", "CPU": "mccl"}
@@ -107,6 +109,7 @@ class Group(nn.Cell):
         native = _NATIVE_ON_WORLD[kind] if use_native and (is_world or _NATIVE_ON_SUBGROUPS[kind]) else set()
         self.native_all_gather = "all_gather" in native
         self.native_reduce_scatter = "reduce_scatter" in native
+        self.native_all_to_all = "all_to_all" in native
         self.native_broadcast = "broadcast" in native
         self.native_p2p = "p2p" in native
         self.native_max = "max" in native
@@ -118,6 +121,8 @@ class Group(nn.Cell):
             self._gather = ops.AllGather(name)
         if self.native_reduce_scatter:
             self._scatter = ops.ReduceScatter(ops.ReduceOp.SUM, name)
+        if self.native_all_to_all:
+            self._all_to_all = ops.AlltoAll(self.size, 0, 0, name)
         if self.native_max:
             self._max = ops.AllReduce(ops.ReduceOp.MAX, name)
         if self.native_broadcast:  # root_rank is fixed per primitive: one per possible root
@@ -150,6 +155,15 @@ class Group(nn.Cell):
             return self._scatter(x)
         return own_block(self._sum(x), self.index, self.size)
 
+    def all_to_all(self, x: Tensor) -> Tensor:
+        """Block `index` of every member's x (`size` equal blocks along axis 0), concatenated in group order:
+        member j's block i reaches member i as block j. No gradient of its own: see `AllToAll`."""
+        if self.size == 1:
+            return x
+        if self.native_all_to_all:
+            return self._all_to_all(x)
+        return received_blocks(self._sum(all_to_all_contribution(x, self.index, self.size)), self.index, self.size)
+
     def broadcast(self, x: Tensor, root: int) -> Tensor:
         """The x of global rank `root` (a member), on every member."""
         if self.size == 1:
@@ -158,6 +172,21 @@ class Group(nn.Cell):
         if self.native_broadcast:
             return self._broadcasts[root_index]((x,))[0]
         return self._sum(broadcast_contribution(x, self._is_me[root_index]))
+
+
+class AllToAll(nn.Cell):
+    """`Group.all_to_all` with its gradient: an all-to-all is a permutation of blocks between members that is its
+    own transpose, so the gradient of the input is the all-to-all of the output's gradient."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.group = group
+
+    def construct(self, x):
+        return self.group.all_to_all(x)
+
+    def bprop(self, x, out, dout):
+        return (self.group.all_to_all(dout),)
 
 
 def send_receive(x: Tensor, source: int, destination: int) -> Tensor:
@@ -195,6 +224,18 @@ def gather_contribution(x: Tensor, index: int, size: int) -> Tensor:
     if after:
         parts.append(ops.zeros((after,) + rest, x.dtype))
     return ops.cat(parts) if len(parts) > 1 else x
+
+
+def all_to_all_contribution(x: Tensor, index: int, size: int) -> Tensor:
+    """[size, *x.shape]: zeros, except row `index`, which is x (summed over the group: every member's x)."""
+    return gather_contribution(x.reshape((1,) + tuple(x.shape)), index, size)
+
+
+def received_blocks(gathered: Tensor, index: int, size: int) -> Tensor:
+    """From every member's x stacked [size, n, ...], block `index` (of `size` along n) of each, concatenated."""
+    rows = gathered.shape[1] // size
+    mine = gathered[:, index * rows : (index + 1) * rows]
+    return mine.reshape((size * rows,) + tuple(gathered.shape[2:]))
 
 
 def own_block(x: Tensor, index: int, size: int) -> Tensor:

@@ -6,9 +6,11 @@ of the whole model's gradient exactly once:
                       replicated one is the same on all of them (count it once);
   ZeRO-2/3            the buffers are this rank's shard of its dp group's (sum the squares over dp);
   pipeline            each stage holds other layers (sum over the pp group); the last stage's copy of a tied
-                      embedding table equals the first stage's and is left out (`counted`).
-So norm^2 = sum over pp of (sum over tp of the split squares + the replicated squares), each first summed over
-dp when the buffers are shards. Groups that do not apply are None.
+                      embedding table equals the first stage's and is left out (`counted`);
+  expert parallelism  an expert stack's block differs on every ep rank (sum its squares over the ep group), and
+                      is the same on every tp rank (count it once over tp).
+So norm^2 = sum over pp of (sum over tp of the split squares + the replicated squares + sum over ep of the
+expert squares), each first summed over dp when the buffers are shards. Groups that do not apply are None.
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from model_core.parallel.comm import Group
 
 
 class ParallelGradientNorm(nn.Cell):
-    """sqrt(the global sum of squared gradients) x `grad_scale`; `split`/`counted`: per buffer (default: none
-    split, all counted); `shard_group`: the dp group the buffers are shards of (ZeRO-2/3)."""
+    """sqrt(the global sum of squared gradients) x `grad_scale`; `split`/`counted`/`expert`: per buffer (default:
+    none split, all counted, none an expert block); `shard_group`: the dp group the buffers are shards of
+    (ZeRO-2/3); `ep_group`: the ranks the expert blocks are shared out over."""
 
     def __init__(
         self,
@@ -34,23 +37,30 @@ class ParallelGradientNorm(nn.Cell):
         tp_group: Group | None = None,
         shard_group: Group | None = None,
         pp_group: Group | None = None,
+        expert: Sequence[bool] | None = None,
+        ep_group: Group | None = None,
     ) -> None:
         super().__init__()
         self.buffers = buffers
         self.split = tuple(split) if split is not None else (False,) * len(buffers)
         self.counted = tuple(counted) if counted is not None else (True,) * len(buffers)
+        self.expert = tuple(expert) if expert is not None else (False,) * len(buffers)
         # Only groups of more than one rank communicate; the flags keep the others out of the graph.
         self.tp_group, self.across_tp = tp_group, tp_group is not None and tp_group.size > 1
         self.shard_group, self.across_shards = shard_group, shard_group is not None and shard_group.size > 1
         self.pp_group, self.across_pp = pp_group, pp_group is not None and pp_group.size > 1
+        self.ep_group, self.across_ep = ep_group, ep_group is not None and ep_group.size > 1
 
     @ms.jit
     def construct(self, grad_scale):
         split = ops.zeros((1,), ms.float32)
         replicated = ops.zeros((1,), ms.float32)
-        for buffer, is_split, is_counted in zip(self.buffers, self.split, self.counted):
+        experts = ops.zeros((1,), ms.float32)
+        for buffer, is_split, is_counted, is_expert in zip(self.buffers, self.split, self.counted, self.expert):
             if is_counted:
-                if is_split:
+                if is_expert:
+                    experts = experts + sum_of_squares(buffer)
+                elif is_split:
                     split = split + sum_of_squares(buffer)
                 else:
                     replicated = replicated + sum_of_squares(buffer)
@@ -59,7 +69,9 @@ class ParallelGradientNorm(nn.Cell):
             split, replicated = totals[0:1], totals[1:2]
         if self.across_tp:
             split = self.tp_group.all_reduce(split)
-        total = split + replicated
+        if self.across_ep:
+            experts = self.ep_group.all_reduce(experts)
+        total = split + replicated + experts
         if self.across_pp:
             total = self.pp_group.all_reduce(total)
         return mint.sqrt(total).reshape(()) * grad_scale

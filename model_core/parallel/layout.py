@@ -1,9 +1,14 @@
-"""The parallel layout: how the world of ranks splits into data-, tensor- and pipeline-parallel groups.
+"""The parallel layout: how the world of ranks splits into data-, tensor-, pipeline- and expert-parallel groups.
 
 `Layout` is the one object that knows it. Ranks are numbered with tensor parallelism innermost, then data,
 then pipeline outermost (Megatron's order), so a tp group is consecutive ranks and stays inside one node:
 
     rank = (pp_index * dp + dp_index) * tp + tp_index
+
+Expert parallelism adds no ranks: it is carved out of the dp group (as Megatron and torchtitan do). Of the dp
+replicas, ep consecutive ones (dp indices (d // ep) * ep + 0..ep-1) form an expert-parallel group that shares out
+every MoE block's experts, ep_index = dp_index % ep holding block ep_index of them; the dp / ep ranks holding the
+same experts (same ep_index) form the expert-data-parallel group, over which expert gradients are summed.
 
 It is pure Python: it validates degrees against the world size and the model, and lists group members;
 `model_core.parallel.comm.group(ranks)` turns a member list into collectives.
@@ -33,8 +38,14 @@ class Layout:
     tp: int = 1
     pp: int = 1
     pipeline_layers: tuple[int, ...] | None = None  # layers per stage; None: pp equal stages
+    ep: int = 1  # expert-parallel ranks, a split of the dp ranks
 
     def __post_init__(self) -> None:
+        if self.dp % self.ep:
+            raise ParallelConfigError(
+                f"parallel.expert_parallel={self.ep} does not divide parallel.data_parallel={self.dp}: the "
+                "expert-parallel groups are carved out of the data-parallel ranks"
+            )
         if self.pipeline_layers is not None:
             object.__setattr__(self, "pipeline_layers", tuple(self.pipeline_layers))  # from JSON lists too
             if len(self.pipeline_layers) != self.pp:
@@ -50,7 +61,9 @@ class Layout:
         """The layout params.parallel describes, checked against the model and (when given) the world size."""
         parallel, model = params.parallel, params.model
         explicit = tuple(parallel.pipeline_layers) if parallel.pipeline_layers is not None else None
-        layout = cls(parallel.data_parallel, parallel.tensor_parallel, parallel.pipeline_parallel, explicit)
+        layout = cls(
+            parallel.data_parallel, parallel.tensor_parallel, parallel.pipeline_parallel, explicit, parallel.expert_parallel
+        )
         if world_size is not None and world_size != layout.world_size:
             raise ParallelConfigError(
                 f"parallel.data_parallel={layout.dp} x tensor_parallel={layout.tp} x pipeline_parallel={layout.pp} "
@@ -102,9 +115,25 @@ class Layout:
         at = self.coordinates(rank)
         return tuple(self.rank(at.dp, at.tp, p) for p in range(self.pp))
 
+    def ep_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks that share out the experts with `rank` (ep consecutive dp replicas), in ep order."""
+        at = self.coordinates(rank)
+        first = at.dp - at.dp % self.ep
+        return tuple(self.rank(first + e, at.tp, at.pp) for e in range(self.ep))
+
+    def expert_dp_group(self, rank: int) -> tuple[int, ...]:
+        """The ranks holding the same experts as `rank` (dp / ep of them), over which expert gradients are summed."""
+        at = self.coordinates(rank)
+        return tuple(self.rank(d, at.tp, at.pp) for d in range(at.dp % self.ep, self.dp, self.ep))
+
+    def ep_index(self, rank: int) -> int:
+        """Which block of the experts `rank` holds."""
+        return self.coordinates(rank).dp % self.ep
+
     def all_groups(self, kind: str) -> list[tuple[int, ...]]:
-        """Every distinct group of one kind ("dp", "tp" or "pp"), by their first rank."""
-        of = {"dp": self.dp_group, "tp": self.tp_group, "pp": self.pp_group}[kind]
+        """Every distinct group of one kind ("dp", "tp", "pp", "ep" or "expert_dp"), by their first rank."""
+        of = {"dp": self.dp_group, "tp": self.tp_group, "pp": self.pp_group, "ep": self.ep_group,
+              "expert_dp": self.expert_dp_group}[kind]
         return sorted({of(rank) for rank in range(self.world_size)})
 
     def global_batch_rows(self, micro_batch_size: int, micro_batches: int, accumulation: int) -> int:
@@ -113,22 +142,27 @@ class Layout:
 
     def __str__(self) -> str:
         split = "" if self.pipeline_layers is None else " layers " + "+".join(map(str, self.pipeline_layers))
-        return f"dp{self.dp} tp{self.tp} pp{self.pp}{split}"
+        experts = f" ep{self.ep}" if self.ep > 1 else ""
+        return f"dp{self.dp} tp{self.tp} pp{self.pp}{experts}{split}"
 
 
 def check_experts(layout: Layout, zero_stage: int, model: ModelParams) -> None:
-    """Mixture-of-experts blocks train under data parallelism with ZeRO 0 or 1 so far: tensor and pipeline
-    parallelism and ZeRO-2/3 do not carry their routing losses and expert weights yet, and are refused rather
-    than trained wrong."""
+    """Expert parallelism needs experts to share out, an equal block of them per ep rank. Mixture-of-experts
+    blocks train under data, tensor and expert parallelism with ZeRO 0 or 1: pipeline stages and ZeRO-2/3
+    do not carry their routing losses and expert shards yet, and are refused rather than trained wrong."""
+    if layout.ep > 1 and not model.moe_layers:
+        raise ParallelConfigError(f"parallel.expert_parallel={layout.ep} but model.moe is null: no experts to share out")
     if not model.moe_layers:
         return
-    for name, value, allowed in (
-        ("tensor_parallel", layout.tp, 1), ("pipeline_parallel", layout.pp, 1), ("zero_stage", zero_stage, None)
-    ):
-        if (allowed is not None and value != allowed) or (allowed is None and value >= 2):
+    if model.moe.num_experts % layout.ep:
+        raise ParallelConfigError(
+            f"parallel.expert_parallel={layout.ep} does not divide model.moe.num_experts={model.moe.num_experts}"
+        )
+    for name, value, refused in (("pipeline_parallel", layout.pp, layout.pp > 1), ("zero_stage", zero_stage, zero_stage >= 2)):
+        if refused:
             raise ParallelConfigError(
                 f"parallel.{name}={value} with model.moe ({len(model.moe_layers)} MoE blocks): mixture-of-experts "
-                f"models train with data parallelism and ZeRO 0 or 1 for now"
+                "models train with data, tensor and expert parallelism and ZeRO 0 or 1 for now"
             )
 
 

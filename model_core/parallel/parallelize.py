@@ -5,12 +5,13 @@ order (torchtitan's: describe the whole model, cut it, then make only what is ke
   1. describe    the single-device `Llama` built inside `deferred_weights()`: cells with placeholder weights,
                  each then told the shape this rank holds of it (its tp block, from the table);
   2. stage       under pipeline parallelism only this rank's stage is kept (`pipeline.prune_to_stage`);
-  3. tensor      under tensor parallelism cells are swapped from outside (`tensor_parallel`);
+  3. tensor      under tensor parallelism cells are swapped from outside (`tensor_parallel`), and under expert
+                 parallelism every MoE block's experts (`expert.expert_parallel`);
   4. adapters    LoRA wraps the targeted projections, its A and B placeholders too, the rest frozen;
   5. ZeRO-3      every weight's cells swapped for ones that gather it from a flat shard over dp;
   6. weights     every placeholder becomes what this rank holds of the weight, as the table places it: its
-                 tp block (then, under ZeRO-3, its dp shard of that block), read from the initial weights on
-                 disk one block at a time (`storage.read_block`), or drawn from the weight's own (seed, path)
+                 tp block, or of an expert stack its ep block (then, under ZeRO-3, its dp shard of that block),
+                 read from the initial weights on disk one block at a time (`storage.read_block`), or drawn from the weight's own (seed, path)
                  generator and cut (`model_core.model.init`).
 A rank therefore holds its share plus, while one weight is being drawn or read, that one whole weight.
 
@@ -36,8 +37,9 @@ from model_core.optim.adamw import AdamW
 from model_core.optim.step import AccumulateGradients, ApplyGradients, SummedTokenLoss, ZeroGradients
 from model_core.parallel import comm
 from model_core.parallel.data_parallel import GradientAllReduce
+from model_core.parallel.expert import expert_block, expert_parallel, expert_parallel_optimizer, gather_experts
 from model_core.parallel.gradient_norm import ParallelGradientNorm
-from model_core.parallel.layout import Layout
+from model_core.parallel.layout import Layout, ParallelConfigError
 from model_core.parallel.offload import OffloadedOptimizer, offloaded_optimizer
 from model_core.parallel.pipeline import MicroBatch, PipelineStage, SummedVocabParallelLoss, prune_to_stage
 from model_core.parallel.pipeline import SummedTokenLoss as StageTokenLoss
@@ -90,6 +92,8 @@ def build_shard(
     if layout.pp > 1:
         prune_to_stage(model, layout.stage_sizes(params.num_layers), at.pp, params.tie_embeddings)
     parallelism = tensor_parallel(model, layout, rank, params) if layout.tp > 1 else None
+    if layout.ep > 1:
+        expert_parallel(model, comm.group(layout.ep_group(rank)))
     hold_blocks(model, table)
     adaptation = None
     if table.lora is not None:
@@ -105,9 +109,9 @@ def build_shard(
 
 
 def hold_blocks(model: nn.Cell, table: PlacementTable) -> None:
-    """Tell every placeholder of `model` the shape this rank holds of it: its tp block, as the table places it."""
+    """Tell every placeholder of `model` the shape this rank holds of it: its tp or ep block, as the table places it."""
     for name, _, _, weight in placeholders(model):
-        weight.held_shape = table[name].block_shape(table.layout.tp)
+        weight.held_shape = table[name].block_shape(table.layout.tp, table.layout.ep)
 
 
 def placeholders(model: nn.Cell) -> Iterator[tuple[str, nn.Cell, str, Parameter]]:
@@ -122,18 +126,23 @@ def placeholders(model: nn.Cell) -> Iterator[tuple[str, nn.Cell, str, Parameter]
 def materialize(model: nn.Cell, table: PlacementTable, rank: int, seed: int, source: Path | None) -> None:
     """Replace every placeholder weight of `model` by what rank `rank` holds of its values, one weight at a time:
     read from the safetensors file `source` (LoRA adapters excepted), or drawn from the weight's seeded
-    generator; cut to the rank's tp block, then under ZeRO-3 to its flat dp shard of that block."""
+    generator; cut to the rank's tp block (an expert stack to its ep block), then under ZeRO-3 to its flat dp shard
+    of that block."""
     layout = table.layout
     at = layout.coordinates(rank)
     for name, cell, attribute, placeholder in placeholders(model):
         row = table[name]
-        axis = row.tp_axis if layout.tp > 1 else None
-        if source is not None and not row.adapter:
-            values = read_block(source, name, axis, layout.tp, at.tp)
+        if row.expert and layout.ep > 1:
+            axis, blocks, index = 0, layout.ep, layout.ep_index(rank)
         else:
-            values = np.ascontiguousarray(take_block(deferred(placeholder).values(seed, name), axis, layout.tp, at.tp))
-        if values.shape != row.block_shape(layout.tp):
-            raise ValueError(f"{name}: {source or 'initialisation'} gives shape {values.shape}, this rank holds {row.block_shape(layout.tp)}")
+            axis, blocks, index = (row.tp_axis if layout.tp > 1 else None), layout.tp, at.tp
+        if source is not None and not row.adapter:
+            values = read_block(source, name, axis, blocks, index)
+        else:
+            values = np.ascontiguousarray(take_block(deferred(placeholder).values(seed, name), axis, blocks, index))
+        held = row.block_shape(layout.tp, layout.ep)
+        if values.shape != held:
+            raise ValueError(f"{name}: {source or 'initialisation'} gives shape {values.shape}, this rank holds {held}")
         if table.zero_stage == 3 and row.zero_sharded:
             values = take_shard(values, layout.dp, at.dp)
         if values.shape != shape_of(placeholder):
@@ -169,11 +178,18 @@ def parallelize(
       7.   recompute marked on the chosen blocks this rank holds;
       8.   the step: the loss for this rank's logits, gradient accumulation (through the pipeline schedule
            under pp; reduce-scattered per micro-batch under ZeRO-2), AdamW (moments sharded under ZeRO-1/2/3,
-           in a memory-mapped file with `parallel.optimizer_offload`),
-           the dp gradient sum and the global gradient norm, each read from the placement table.
+           in a memory-mapped file with `parallel.optimizer_offload`; under ep the expert shards' own AdamW,
+           ZeRO-1 over expert-dp), the dp gradient sum (expert shards': over expert-dp) and the global gradient
+           norm, each read from the placement table.
     Every layout supports every feature (LoRA included); `Layout.from_params` has already refused a layout
     that cannot run, naming both numbers."""
     dp_group, tp_group = comm.group(layout.dp_group(rank)), comm.group(layout.tp_group(rank))
+    ep_group, expert_dp_group = comm.group(layout.ep_group(rank)), comm.group(layout.expert_dp_group(rank))
+    if ep_group.size > 1 and params.parallel.optimizer_offload:
+        raise ParallelConfigError(
+            f"parallel.optimizer_offload with parallel.expert_parallel={ep_group.size}: the offload file holds one "
+            "optimizer's moments, expert parallelism keeps two (dense over dp, experts over expert-dp)"
+        )
     zero_stage = params.parallel.zero_stage if dp_group.size > 1 else 0
     table = placement_table(params.model, layout, zero_stage, lora, params.parallel.optimizer_offload)
     shard = build_shard(
@@ -184,11 +200,12 @@ def parallelize(
     model.set_train(True)  # training-only layers (LoRA's dropout) act in the step, not in evaluation
 
     pipeline = None
+    moe = params.model.moe
+    routing_coefficients = (moe.aux_loss_coef, moe.z_loss_coef) if moe is not None else (0.0, 0.0)
     if tensor_parallelism is not None:
-        loss = VocabParallelTokenLoss(model, tensor_parallelism)
+        loss = VocabParallelTokenLoss(model, tensor_parallelism, *routing_coefficients)
     else:
-        moe = params.model.moe
-        loss = SummedTokenLoss(model, moe.aux_loss_coef, moe.z_loss_coef) if moe is not None else SummedTokenLoss(model)
+        loss = SummedTokenLoss(model, *routing_coefficients)
     if layout.pp > 1:
         stage_loss = (SummedVocabParallelLoss(tensor_parallelism.vocab_start, tensor_parallelism.group)
                       if tensor_parallelism is not None else StageTokenLoss())
@@ -202,6 +219,8 @@ def parallelize(
         accumulate = AccumulateGradients(model, loss=loss)
     names = {id(param): name for name, param in named_weights(model).items()}
     weight_names = [names[id(param)] for param in accumulate.weights]
+    # Under ep the expert shards differ between the ranks of a dp group: their own optimizer and gradient sum.
+    experts = {i for i, name in enumerate(weight_names) if table[name].expert} if ep_group.size > 1 else set()
     if table.optimizer_offload:
         optimizer = offloaded_optimizer(
             accumulate.weights, accumulate.buffers, weight_names, params.optimizer, zero_stage, dp_group, zero3,
@@ -209,6 +228,10 @@ def parallelize(
         )
     elif zero3 is not None:
         optimizer = Zero3AdamW(zero3, params.optimizer, weight_names)
+    elif experts:
+        optimizer = expert_parallel_optimizer(
+            accumulate.weights, weight_names, experts, params.optimizer, zero_stage, dp_group, expert_dp_group, ep_group
+        )
     elif zero_stage >= 1:
         optimizer = ShardedAdamW(
             accumulate.weights, params.optimizer, weight_names, dp_group, sharded_gradients=zero_stage == 2,
@@ -223,18 +246,23 @@ def parallelize(
         accumulate.buffers,
         split=[tp_group.size > 1 and table[weight_names[i]].tp_axis is not None for i in owners],
         counted=[counted[i] for i in owners],
+        expert=[i in experts for i in owners],
         tp_group=tp_group,
         shard_group=dp_group if zero_stage >= 2 else None,  # ZeRO-3's buffers are shards too
         pp_group=pipeline.group if pipeline is not None else None,
+        ep_group=ep_group,
     )
     summed_once_per_step = dp_group.size > 1 and zero_stage < 2
     partial = [buffer for buffer, i in zip(accumulate.buffers, owners) if table[weight_names[i]].tp_partial]
+    dense_buffers = ParameterTuple([buffer for buffer, i in zip(accumulate.buffers, owners) if i not in experts])
+    expert_buffers = ParameterTuple([buffer for buffer, i in zip(accumulate.buffers, owners) if i in experts])
     return Parallelized(
         model=model,
         table=table,
         layout=layout,
         rank=rank,
         dp_group=dp_group,
+        ep_group=ep_group,
         adaptation=adaptation,
         pipeline=pipeline,
         zero3=zero3,
@@ -242,7 +270,9 @@ def parallelize(
         loss=loss,
         optimizer=optimizer,
         norm=norm,
-        sum_gradients=GradientAllReduce(accumulate.buffers, dp_group) if summed_once_per_step else None,
+        sum_gradients=GradientAllReduce(dense_buffers, dp_group) if summed_once_per_step else None,
+        sum_expert_gradients=GradientAllReduce(expert_buffers, expert_dp_group)
+        if expert_buffers and expert_dp_group.size > 1 else None,
         sum_partial_gradients=GradientAllReduce(ParameterTuple(partial), tp_group) if partial else None,
         micro_batches_per_pass=params.parallel.micro_batches,
     )
@@ -256,10 +286,13 @@ class Parallelized:
     `apply` and `discard_gradients` finish the step; `summed_loss` scores a batch forward only; `full_weights`
     and `load_weights` speak whole tensors by path (this rank's tp block and stage), as checkpoints do."""
 
-    def __init__(self, *, model, table, layout, rank, dp_group, adaptation, pipeline, zero3, accumulate, loss,
-                 optimizer, norm, sum_gradients, sum_partial_gradients, micro_batches_per_pass) -> None:
+    def __init__(self, *, model, table, layout, rank, dp_group, ep_group, adaptation, pipeline, zero3, accumulate,
+                 loss, optimizer, norm, sum_gradients, sum_expert_gradients, sum_partial_gradients,
+                 micro_batches_per_pass) -> None:
         self.model, self.table, self.layout, self.rank = model, table, layout, rank
-        self.dp_group = dp_group
+        self.dp_group, self.ep_group = dp_group, ep_group
+        self.experts = {row.name for row in table if row.expert} if ep_group.size > 1 else set()  # held as ep blocks
+        self.sum_expert_gradients = sum_expert_gradients
         self.adaptation = adaptation
         self.pipeline, self.zero3 = pipeline, zero3
         self.accumulate, self.loss, self.optimizer, self.norm = accumulate, loss, optimizer, norm
@@ -296,6 +329,8 @@ class Parallelized:
             self.sum_partial_gradients()
         if self.sum_gradients is not None:
             self.sum_gradients()
+        if self.sum_expert_gradients is not None:
+            self.sum_expert_gradients()
         return summed
 
     def gradient_norm(self, grad_scale: Tensor) -> float:
@@ -332,12 +367,16 @@ class Parallelized:
         return routing
 
     def full_weights(self) -> dict[str, np.ndarray]:
-        """This rank's weights (its tp block of its stage) whole over dp, by path. Collective under ZeRO-3."""
-        return self.zero3.full_weights() if self.zero3 is not None else model_weights(self.model)
+        """This rank's weights (its tp block of its stage) whole over dp and ep, by path. Collective under ZeRO-3
+        and expert parallelism."""
+        if self.zero3 is not None:
+            return self.zero3.full_weights()
+        return gather_experts(model_weights(self.model), self.experts, self.ep_group)
 
     def load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
         """Take this rank's weights from tp blocks of whole tensors by path (extra stages' tensors ignored)."""
         owned = {name: weights[name] for name in (row.name for row in self.table.on_stage(self.stage)) if name in weights}
+        owned = expert_block(owned, self.experts, self.ep_group)
         if self.zero3 is not None:
             self.zero3.load_full_weights(owned)
         else:

@@ -17,9 +17,12 @@ A whole LoRA matrix next to a split one is used by this rank's block alone, so i
 a share of the whole one (`tp_partial`), summed over tp once per step; the forward needs no extra
 communication. With LoRA only the adapters are trainable: the rest has no gradients and no moments.
   vocab    the token embedding and the untied head: a block of vocabulary rows.
-Norm weights are replicated. Pipeline stage s holds its run of layers (`Layout.stage_sizes`); the first
-stage also the embedding, the last the final norm and the head, and with tied embeddings the last stage
-holds a copy of the embedding table too.
+Norm weights are replicated. A mixture-of-experts block's stacked expert weights [E, ...] are not split by tp
+(tp splits attention and dense feed-forwards; every tp rank runs the same expert work on the same tokens): under
+expert parallelism (`expert`) rank ep_index of an ep group holds block ep_index of their E experts, and their
+ZeRO shards span the expert-data-parallel group (dp / ep ranks) instead of dp. Pipeline stage s holds its run
+of layers (`Layout.stage_sizes`); the first stage also the embedding, the last the final norm and the head,
+and with tied embeddings the last stage holds a copy of the embedding table too.
 
 A row's AdamW moments live where the row's ZeRO sharding puts them (every rank, or this rank's 1/dp), in memory
 or, with `optimizer_offload`, in the rank's offload file on local disk (`model_core/optim/offload.py`), which
@@ -61,6 +64,7 @@ BLOCK_PARAMETERS = (
     "mlp.down_proj",
 )
 DENSE_FFN = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")  # replaced by experts in an MoE block
+EXPERT_STACKS = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")  # [E, ...], split over ep
 # (weight, LoRA A, LoRA B): the axis each is split along under a style.
 _AXES = {COLUMN: (0, None, 0), ROW: (1, 1, None)}
 _BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -79,13 +83,16 @@ class Placement:
     adapter: bool = False  # a LoRA matrix: made by the adapter step, never read from the base weights
     tp_partial: bool = False  # held whole, but a tp rank's gradient is its share of the whole (summed over tp)
     dtype: str = "float32"
+    expert: bool = False  # a stack of experts [E, ...], split along axis 0 over the ep group
 
     @property
     def size(self) -> int:
         return math.prod(self.shape)
 
-    def block_shape(self, tp: int) -> tuple[int, ...]:
-        """The shape one of `tp` tensor-parallel ranks holds."""
+    def block_shape(self, tp: int, ep: int = 1) -> tuple[int, ...]:
+        """The shape one of `tp` tensor-parallel ranks (and of `ep` expert-parallel ranks) holds."""
+        if self.expert and ep > 1:
+            return (self.shape[0] // ep,) + self.shape[1:]
         if self.tp_axis is None or tp == 1:
             return self.shape
         return tuple(-(-n // tp) if axis == self.tp_axis else n for axis, n in enumerate(self.shape))  # padded if tp does not divide
@@ -126,12 +133,12 @@ class PlacementTable:
         Adam moments, from the table alone; with optimizer offload the moments count as `offloaded` (on disk),
         not `optimizer` (the update's fixed staging bucket is not counted)."""
         at = self.layout.coordinates(rank)
-        dp = self.layout.dp
+        layout = self.layout
         moments = "offloaded" if self.optimizer_offload else "optimizer"
         held = {"parameters": 0, "gradients": 0, "optimizer": 0, "offloaded": 0}
         for row in self.on_stage(at.pp):
-            elements = math.prod(row.block_shape(self.layout.tp))
-            shard = math.ceil(elements / dp)
+            elements = math.prod(row.block_shape(layout.tp, layout.ep))
+            shard = math.ceil(elements / (layout.dp // layout.ep if row.expert else layout.dp))
             held["parameters"] += (shard if self.zero_stage == 3 and row.zero_sharded else elements) * _BYTES[row.dtype]
             if row.trainable:
                 held["gradients"] += 4 * (shard if self.zero_stage >= 2 else elements)
@@ -162,9 +169,11 @@ def placement_table(
     }
 
     def row(name: str, shape: Sequence[int], axis: int | None, stages: Sequence[int], adapter: bool = False,
-            partial: bool = False) -> Placement:
+            partial: bool = False, expert: bool = False) -> Placement:
         trainable = adapter if lora is not None else True
-        return Placement(name, tuple(shape), axis, tuple(stages), zero, trainable, adapter, partial and layout.tp > 1)
+        return Placement(
+            name, tuple(shape), axis, tuple(stages), zero, trainable, adapter, partial and layout.tp > 1, expert=expert
+        )
 
     embedding_stages = (0, last) if model.tie_embeddings and last > 0 else (0,)
     rows = [row("embed_tokens.weight", (model.vocab_size, hidden), 0, embedding_stages)]
@@ -183,8 +192,8 @@ def placement_table(
 
 def _expert_shapes(model: ModelParams) -> dict[str, tuple[int, ...]]:
     """A mixture-of-experts block's feed-forward parameters in model order (`model_core.model.moe`), in place of
-    the dense `DENSE_FFN`. Tensor and expert parallelism do not split them yet (the layout check refuses tp and
-    pp with MoE blocks), so a rank holds them whole, or its ZeRO shard. LoRA leaves them alone."""
+    the dense `DENSE_FFN`. Tensor parallelism does not split them; expert parallelism splits the stacks in
+    `EXPERT_STACKS` (the router and a shared expert stay whole on every rank). LoRA leaves them alone."""
     experts, hidden, inner = model.moe.num_experts, model.hidden_size, model.expert_ffn_hidden_size
     shapes = {
         "mlp.router.weight": (experts, hidden),
@@ -221,5 +230,5 @@ def _layer_rows(
             rows.append(row(f"{prefix}.{path}.lora_a", (lora.rank, in_features), a_axis, (stage,), True, a_axis is None))
             rows.append(row(f"{prefix}.{path}.lora_b", (out_features, lora.rank), b_axis, (stage,), True, b_axis is None))
     for name, shape in (experts or {}).items():
-        rows.append(row(f"{prefix}.{name}", shape, None, (stage,)))
+        rows.append(row(f"{prefix}.{name}", shape, None, (stage,), expert=name in EXPERT_STACKS))
     return rows

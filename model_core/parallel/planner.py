@@ -47,6 +47,15 @@ RSS of real training steps (within 4% on the fitted configs, 5% on held-out ones
 under msrun; tests/test_planner.py re-measures); accelerators are counted, and their runtime's own reserve
 is the caller's `runtime_bytes`.
 
+Mixture-of-experts models add expert parallelism (ep, carved out of dp: `model_core.parallel.expert`): the
+expert stacks' parameters, gradients and moments count 1/ep on a rank (and their ZeRO-1 shard 1/(dp/ep) of
+that), every ep dividing both dp and the number of experts, with the ep group (ep x tp consecutive ranks) inside
+a node. Each MoE block sends its [E, C, hidden] dispatch buffer through two all-to-alls in the forward and two
+in the backward per micro-batch, (ep - 1)/ep of it leaving the rank each time: 4 E C H c (ep - 1)/ep bytes, which
+is f k B T H c x 4 (ep - 1)/ep at capacity factor f (dropless: C = B T). `Estimate.all_to_all_bytes_per_step`
+sums them over the MoE blocks and a step's micro-batches. ep is added only where the experts do not fit under
+dp alone: it comes after tp and pp in the order below, so the plan prefers ep1, then the smallest ep that fits.
+
 Preference among layouts that fit: no ZeRO beyond stage 1 (ZeRO-2/3 repeat collectives every accumulated
 micro-batch, and ZeRO-3 gathers every weight in each forward and again in each backward; the trainer runs ZeRO-2
 with pp = 1 and ZeRO-3 with tp = pp = 1), then the fewest pipeline stages, then the smallest
@@ -152,17 +161,21 @@ class Candidate:
     zero_stage: int
     recompute: str
     offload: bool = False  # the optimizer's moments off the device
+    ep: int = 1  # expert-parallel ranks, out of dp
 
     def preference(self) -> tuple[int, ...]:
         """Smaller is preferred: no offload, then no ZeRO beyond stage 1, then fewer pipeline stages, then less
-        tensor parallelism, then no recompute; with dp > 1, ZeRO-1 before ZeRO-0."""
+        tensor parallelism, then less expert parallelism, then no recompute; with dp > 1, ZeRO-1 before ZeRO-0."""
         beyond_one = max(self.zero_stage - 1, 0)
         unsharded_dp = int(self.dp > 1 and self.zero_stage == 0)
-        return (int(self.offload), beyond_one, self.pp, self.tp, RECOMPUTE_MODES.index(self.recompute), unsharded_dp)
+        return (
+            int(self.offload), beyond_one, self.pp, self.tp, self.ep, RECOMPUTE_MODES.index(self.recompute), unsharded_dp
+        )
 
     def __str__(self) -> str:
         offload = " offload=optimizer" if self.offload else ""
-        return f"dp{self.dp} tp{self.tp} pp{self.pp} zero{self.zero_stage} recompute={self.recompute}{offload}"
+        experts = f" ep{self.ep}" if self.ep > 1 else ""
+        return f"dp{self.dp} tp{self.tp} pp{self.pp}{experts} zero{self.zero_stage} recompute={self.recompute}{offload}"
 
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "runtime")
@@ -195,6 +208,7 @@ class Estimate:
     fits: bool
     offload_bytes_per_step: int = 0  # moments read and written per step (offload candidates)
     without_offload: int = 0  # bytes the same layout needs without offload (offload candidates)
+    all_to_all_bytes_per_step: int = 0  # sent by one rank through expert parallelism's all-to-alls
 
     def offload_gap(self, device_memory_bytes: int) -> float:
         """How far over the device the layout is without offload, as a fraction of the device (0 when it fits)."""
@@ -296,8 +310,8 @@ def layout_problems(params: PipelineParams, dp: int, tp: int, pp: int, devices_p
         problems.append(f"pipeline_parallel={pp} does not divide model.num_layers={model.num_layers}")
     if micro_batches < pp:
         problems.append(f"parallel.micro_batches={micro_batches} is fewer than pipeline_parallel={pp}")
-    if model.moe_layers and (tp > 1 or pp > 1):
-        problems.append(f"model.moe trains with data parallelism only for now (tensor_parallel={tp}, pipeline_parallel={pp})")
+    if model.moe_layers and pp > 1:
+        problems.append(f"model.moe trains with data, tensor and expert parallelism only for now (pipeline_parallel={pp})")
     return problems
 
 
@@ -307,24 +321,50 @@ def degrees(devices: int) -> list[tuple[int, int, int]]:
     return [(devices // (tp * pp), tp, pp) for pp in divisors for tp in divisors if (devices // pp) % tp == 0]
 
 
-def candidates(dp: int, tp: int, pp: int, model: ModelParams | None = None) -> list[Candidate]:
+def candidates(dp: int, tp: int, pp: int, model: ModelParams | None = None, devices_per_node: int = 8) -> list[Candidate]:
     """ZeRO stages 0-3 where there is a dp group to shard over (only 0 for dp=1), each with and without recompute;
-    0 and 1 for a model with MoE blocks (the stages they train with so far); and with ZeRO-2/3 each also with
-    optimizer offload."""
+    0 and 1 for a model with MoE blocks (the stages they train with so far), each under every expert-parallel
+    degree that divides dp and the experts and keeps the ep group (ep x tp ranks) inside a node; and with ZeRO-2/3
+    each also with optimizer offload."""
     stages = range(4) if dp > 1 else (0,)
+    expert_degrees = [1]
     if model is not None and model.moe_layers:
         stages = [stage for stage in stages if stage < 2]
-    plain = [Candidate(dp, tp, pp, stage, mode) for stage in stages for mode in RECOMPUTE_MODES]
+        experts = model.moe.num_experts
+        expert_degrees = [ep for ep in range(1, dp + 1) if dp % ep == 0 and experts % ep == 0 and ep * tp <= devices_per_node]
+    plain = [Candidate(dp, tp, pp, stage, mode, ep=ep) for ep in expert_degrees for stage in stages for mode in RECOMPUTE_MODES]
     return plain + [replace(c, offload=True) for c in plain if c.zero_stage >= 2]
 
 
 # ----------------------------------------------------------------------------------------- estimates
 
 
-def stage_parameters(model: ModelParams, tp: int, pp: int, stage: int) -> int:
+def stage_parameters(model: ModelParams, tp: int, pp: int, stage: int, ep: int = 1) -> int:
     """Parameter elements on one rank of pipeline stage `stage` (equal stages), read from the placement table."""
-    table = placement_table(model, Layout(tp=tp, pp=pp))
-    return sum(math.prod(row.block_shape(tp)) for row in table.on_stage(stage))
+    return sum(stage_parameter_split(model, tp, pp, stage, ep))
+
+
+def stage_parameter_split(model: ModelParams, tp: int, pp: int, stage: int, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert) parameter elements on one rank of stage `stage`: expert stacks are this rank's 1/ep."""
+    table = placement_table(model, Layout(dp=ep, tp=tp, pp=pp, ep=ep))
+    held = [(row.expert, math.prod(row.block_shape(tp, ep))) for row in table.on_stage(stage)]
+    return sum(n for expert, n in held if not expert), sum(n for expert, n in held if expert)
+
+
+def expert_parameters(model: ModelParams) -> int:
+    """Elements of every MoE block's expert stacks (what expert parallelism shares out)."""
+    return sum(row.size for row in placement_table(model, Layout()) if row.expert)
+
+
+def all_to_all_bytes_per_step(params: PipelineParams, ep: int) -> int:
+    """Bytes one rank sends per optimizer step through expert parallelism's all-to-alls (module docstring)."""
+    model = params.model
+    if ep == 1 or not model.moe_layers:
+        return 0
+    tokens = params.train.micro_batch_size * model.seq_len
+    buffer = model.moe.num_experts * model.moe.capacity(tokens) * model.hidden_size * _DTYPE_BYTES[params.precision.compute_dtype]
+    micro_batches = params.parallel.micro_batches * params.train.grad_accum_steps
+    return 4 * len(model.moe_layers) * micro_batches * buffer * (ep - 1) // ep
 
 
 def layer_activation_bytes(params: PipelineParams, tp: int) -> int:
@@ -378,8 +418,9 @@ def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind:
     fresh gradients, gradient buckets) and the update (ZeRO-1/2's all-gathered parameters)."""
     c = _DTYPE_BYTES[params.precision.compute_dtype]
     dp, zero = candidate.dp, candidate.zero_stage
-    held = stage_parameters(params.model, candidate.tp, candidate.pp, stage)
-    shard = math.ceil(held / dp)
+    dense, experts = stage_parameter_split(params.model, candidate.tp, candidate.pp, stage, candidate.ep)
+    held = dense + experts
+    shard = math.ceil(dense / dp) + math.ceil(experts / (dp // candidate.ep))  # expert shards over expert-dp
     masters = 4 * (shard if zero == 3 else held)
     compute_copies = c * held if c != 4 and zero < 3 else 0
     layers = params.model.num_layers // candidate.pp
@@ -417,6 +458,8 @@ def backward_communication_bytes(params: PipelineParams, candidate: Candidate, p
     tokens = params.train.micro_batch_size * model.seq_len
     if candidate.tp > 1:
         total += 2 * tokens * model.hidden_size * c
+    if candidate.ep > 1:  # the all-to-all's send and receive buffers
+        total += 2 * model.moe.num_experts * model.moe.capacity(tokens) * model.hidden_size * c
     if candidate.pp > 1:
         total += 3 * 2 * tokens * model.hidden_size * 4
     return total
@@ -431,8 +474,9 @@ def estimate(
     per_stage = [stage_memory(params, candidate, stage, kind, runtime) for stage in range(candidate.pp)]
     stage = max(range(candidate.pp), key=lambda s: per_stage[s].total)
     memory = per_stage[stage]
+    exchanged = all_to_all_bytes_per_step(params, candidate.ep)
     if not candidate.offload:
-        return Estimate(candidate, stage, memory, memory.total <= device_memory_bytes)
+        return Estimate(candidate, stage, memory, memory.total <= device_memory_bytes, all_to_all_bytes_per_step=exchanged)
     held = stage_parameters(params.model, candidate.tp, candidate.pp, stage)
     without = estimate(params, replace(candidate, offload=False), device_memory_bytes, kind, runtime)
     traffic = 2 * 8 * math.ceil(held / candidate.dp)  # the moments of this rank's shard, read and written back
@@ -470,7 +514,8 @@ def plan(
         if problems:
             excluded.append(Excluded(dp, tp, pp, "; ".join(problems)))
             continue
-        estimates.extend(estimate(params, c, device_memory_bytes, kind, runtime) for c in candidates(dp, tp, pp, params.model))
+        layouts = candidates(dp, tp, pp, params.model, devices_per_node)
+        estimates.extend(estimate(params, c, device_memory_bytes, kind, runtime) for c in layouts)
     estimates.sort(key=lambda e: e.candidate.preference())
     bandwidth = OFFLOAD_BANDWIDTH[kind.name] if offload_bandwidth is None else offload_bandwidth
     return Plan(devices, device_memory_bytes, devices_per_node, kind, runtime, tuple(estimates), tuple(excluded), bandwidth)
@@ -514,6 +559,18 @@ def format_plan_table(plan: Plan) -> str:
     ]
     lines += [f"excluded dp{e.dp} tp{e.tp} pp{e.pp}: {e.reason}" for e in plan.excluded]
     lines.append(plan.summary)
+    if chosen is not None and expert_parallel_note(chosen):
+        lines.append(expert_parallel_note(chosen))
     if plan.offload_note is not None:
         lines.append(plan.offload_note)
     return "\n".join(lines)
+
+
+def expert_parallel_note(chosen: Estimate) -> str | None:
+    """What expert parallelism moves per step, when the recommended layout uses it."""
+    if chosen.candidate.ep == 1:
+        return None
+    return (
+        f"expert parallelism: each rank sends {_gib(chosen.all_to_all_bytes_per_step)} GiB per step through the "
+        f"all-to-alls of ep{chosen.candidate.ep} (2 per MoE block forward, 2 backward, per micro-batch)"
+    )

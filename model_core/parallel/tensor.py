@@ -37,6 +37,7 @@ from mindspore import Parameter, mint, nn, ops
 from model_core.model.fused import LinearFunction, expand, expand_rows
 from model_core.model.llama import Llama
 from model_core.model.lora import LoraLinear
+from model_core.optim.step import routed_objective
 from model_core.parallel import comm
 from model_core.parallel.comm import Group
 from model_core.parallel.layout import Layout, check_tensor_parallel
@@ -203,11 +204,14 @@ def tensor_parallel(model: Llama, layout: Layout, rank: int, params: ModelParams
     for layer in model.layers.cells():  # all layers, or a pipeline stage's
         attention, mlp = layer.self_attn, layer.mlp
         attention.o_proj = RowParallelLinear(attention.o_proj.weight, group)
-        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight, group)
         attention.num_heads //= size
         attention.num_kv_heads //= size
-        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            norm.rms_norm = ThenCopyToTensorParallel(norm.rms_norm, group)
+        layer.input_layernorm.rms_norm = ThenCopyToTensorParallel(layer.input_layernorm.rms_norm, group)
+        if layer.is_moe:  # every tp rank runs the whole MoE block on the same input: its gradient is whole already
+            continue
+        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight, group)
+        norm = layer.post_attention_layernorm
+        norm.rms_norm = ThenCopyToTensorParallel(norm.rms_norm, group)
     block = params.vocab_size // size
     if hasattr(model, "embed_tokens"):
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, index * block, block, group)
@@ -219,17 +223,28 @@ def tensor_parallel(model: Llama, layout: Layout, rank: int, params: ModelParams
 
 class VocabParallelTokenLoss(nn.Cell):
     """`step.SummedTokenLoss` for a vocab-parallel model: (summed token loss x scale, summed token loss) of
-    one micro-batch, from the local logit blocks. Labels are token ids; `loss_mask` picks the counted ones."""
+    one micro-batch, from the local logit blocks. Labels are token ids; `loss_mask` picks the counted ones. A model
+    with MoE blocks adds its routing losses and returns its routing statistics as `SummedTokenLoss` does."""
 
-    def __init__(self, model: nn.Cell, parallelism: TensorParallelism) -> None:
+    def __init__(self, model: nn.Cell, parallelism: TensorParallelism, aux_loss_coef: float = 0.0,
+                 z_loss_coef: float = 0.0) -> None:
         super().__init__()
         self.model = model
         self.cross_entropy = VocabParallelCrossEntropy(parallelism.vocab_start, parallelism.group)
+        self.routed = bool(getattr(model, "has_moe", False))
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
 
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
-        logits = self.model(tokens, position_ids, segment_ids)  # [B, T, vocab / tp]
+        if self.routed:
+            logits, routing = self.model.routed(tokens, position_ids, segment_ids)  # [B, T, vocab / tp]
+        else:
+            logits = self.model(tokens, position_ids, segment_ids)
         per_token = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))[0]
-        summed = (per_token * (loss_mask.reshape(-1) != 0).astype(ms.float32)).sum()
+        counted = (loss_mask.reshape(-1) != 0).astype(ms.float32)
+        summed = (per_token * counted).sum()
+        if self.routed:
+            objective, statistics = routed_objective(summed, counted.sum(), routing, self.aux_loss_coef, self.z_loss_coef)
+            return objective * scale, summed, statistics
         return summed * scale, summed
 
 

@@ -1,0 +1,82 @@
+"""Expert parallelism over msrun workers against one process on the same global batch: the all-to-all and its
+gradient on two workers; dp2 x ep2 with ZeRO-1 (two workers) and dp2 x ep2 x tp2 (four) train 10 steps with the losses and
+gradient norms of one process; the ep2 checkpoint holds the whole expert stacks and loads into one process."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_parallel_msrun import RUN, assert_same_metrics, dataset_dir, train_job
+
+from model_core.model.weights import model_weights
+from model_core.parallel.launch import launch
+from model_core.train.checkpoint import Checkpoint
+from model_core.train.reshard import whole_tensors
+from model_core.train.trainer import Trainer
+from params import load_params
+
+pytestmark = pytest.mark.slow
+
+__all__ = ["dataset_dir"]
+
+WORKER = str(Path(__file__).with_name("expert_parallel_worker.py"))
+# Dropless routing (no capacity factor): no choice is dropped, whatever tokens share a micro-batch.
+MOE = ("model.moe={num_experts: 4, experts_per_token: 2, every: 2}", "train.steps=10")
+EP2 = ("parallel.data_parallel=2", "parallel.expert_parallel=2", "parallel.micro_batches=2")
+
+
+@pytest.fixture(scope="module")
+def single_process(dataset_dir, tmp_path_factory):
+    """One process, 8 rows a step (4 micro-batches of 2): metrics and final weights."""
+    out = tmp_path_factory.mktemp("moe-single")
+    trainer = Trainer(load_params("tiny", [*RUN, *MOE, "parallel.micro_batches=4", f"train.output_dir={out}"]), dataset_dir, out / "ckpt")
+    history = trainer.run().history
+    return {"history": history, "final": model_weights(trainer.model)}
+
+
+def test_all_to_all_and_its_gradient_match_numpy_on_two_workers(tmp_path):
+    launch([WORKER, "all_to_all", str(tmp_path / "out")], 2, tmp_path / "logs", grace_s=10, echo=io.StringIO())
+    for rank in range(2):
+        results = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
+        assert results["fallback_used/native=False"]
+        assert all(results.values()), results
+
+
+def test_dp2_ep2_zero1_trains_equal_to_one_process_and_checkpoints_whole_experts(dataset_dir, single_process, tmp_path):
+    """ZeRO-1 shards the dense weights' moments over dp; each expert block is held by one rank (expert-dp of 1),
+    which keeps all of its moments. The checkpoint gathers both into whole tensors."""
+    ranks = train_job(tmp_path, dataset_dir, *MOE, *EP2, "parallel.zero_stage=1")
+    for rank in ranks:
+        assert_same_metrics(rank["history"], single_process["history"])
+        assert rank["history"][-1]["moe_dropped_fraction"] == 0
+    held = [dict(np.load(tmp_path / "out" / f"rank{r}_final.npz")) for r in range(2)]
+    stack = "layers.1.mlp.experts.gate_proj"
+    assert held[0][stack].shape[0] == held[1][stack].shape[0] == 2  # each rank trains 2 of the 4 experts
+    saved = Checkpoint(tmp_path / "out" / "checkpoints" / "step-00000010", 10)
+    weights, moments = whole_tensors(saved)
+    assert weights.keys() == single_process["final"].keys()
+    for name, value in single_process["final"].items():
+        assert np.linalg.norm(weights[name] - value) <= 1e-5 * np.linalg.norm(value), name
+    np.testing.assert_array_equal(weights[stack], np.concatenate([held[0][stack], held[1][stack]]))
+    assert moments[f"adam_m.{stack}"].shape == weights[stack].shape
+    experts = sum(v.size for name, v in weights.items() if ".mlp.experts." in name)
+    dense = sum(v.size for v in weights.values()) - experts
+    for rank in ranks:  # 8 bytes of moments per element: dense / dp, experts / ep, up to one element of padding
+        assert abs(rank["moment_bytes"] - 8 * (dense / 2 + experts / 2)) <= 8, rank["moment_bytes"]
+    one_params = load_params("tiny", [*RUN, *MOE, "parallel.micro_batches=4", f"train.output_dir={tmp_path / 'one'}"])
+    one = Trainer(one_params, dataset_dir, tmp_path / "one")
+    one.resume(saved.path)  # the whole expert stacks load into one process
+    loaded = model_weights(one.model)
+    assert all(np.array_equal(loaded[name], weights[name]) for name in weights)
+
+
+def test_dp2_ep2_tp2_on_four_workers_trains_equal_to_one_process(dataset_dir, single_process, tmp_path):
+    """tp splits attention and the dense blocks; every tp rank runs the same experts on the same tokens."""
+    ranks = train_job(tmp_path, dataset_dir, *MOE, *EP2, "parallel.tensor_parallel=2", workers=4)
+    for rank in ranks:
+        assert_same_metrics(rank["history"], single_process["history"])
+
