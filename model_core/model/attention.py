@@ -57,3 +57,19 @@ class Attention(nn.Cell):
             )
         bias = ops.logical_not(mask).astype(ms.float32) * _MASKED_SCORE
         return self.softmax_attention(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]), bias)
+
+
+def cached_attention(q: ms.Tensor, keys: ms.Tensor, values: ms.Tensor, visible: ms.Tensor) -> ms.Tensor:
+    """`Attention` of a few new queries over a KV cache, for decoding (no backward).
+
+    q: [B, H, n, D]; keys, values: [B, H_kv, S, D] with S >> n; visible: bool [B, 1, n, S]. The scores are
+    computed as keys q^T: a matmul whose transposed operand is the small q, where q keys^T would have the CPU
+    kernel transpose the whole cache (measured ~5 ms a layer at batch 8 against ~1.7 ms).
+    """
+    num_heads = q.shape[1]
+    keys, values = repeat_kv(keys, num_heads), repeat_kv(values, num_heads)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = ops.matmul(keys, (q * scale).swapaxes(2, 3)).swapaxes(2, 3).astype(ms.float32)  # [B, H, n, S]
+    bias = ops.logical_not(visible).astype(ms.float32) * _MASKED_SCORE
+    probabilities = ops.softmax(scores + bias, -1)
+    return ops.matmul(probabilities.astype(values.dtype), values)
