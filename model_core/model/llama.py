@@ -107,26 +107,21 @@ class SelfAttention(nn.Cell):
         out = self.attention(self.rotary(q, cos, sin), self.rotary(k, cos, sin), v, mask)
         return self.o_proj(self.heads_last(out).reshape(batch, seq, self.num_heads * self.head_dim))
 
-    def construct_cached(self, x, cos, sin, visible, index, keys, values):
-        """Attention of n new tokens over the cache, with their own keys and values written into it first.
+    def construct_cached(self, x, cos, sin, visible, keys, values):
+        """Attention of n new tokens over the cached keys and values and their own.
 
-        x: [B, n, hidden]; cos, sin: [B, 1, n, D]; visible: bool [B, 1, n, S], key slot s visible to new token
-        i; index: [B, H_kv, n, 3], the (row, head, slot) each new key goes to; keys, values: the layer's cache
-        Parameters [B, H_kv, S, D], updated in place. Returns out [B, n, hidden]. No backward runs here, so
-        heads move by plain swapaxes.
+        x: [B, n, hidden]; cos, sin: [B, 1, n, D]; visible: bool [B, 1, n, S + n], which of the S cache slots and
+        then the n new tokens each new token sees; keys, values: the layer's cache [B, H_kv, S, D], only read.
+        Returns (out [B, n, hidden], the new tokens' keys (after RoPE) and values [B, H_kv, n, D]) for
+        `Llama.decode` to store. No backward runs here, so heads move by plain swapaxes.
         """
         batch, seq, _ = x.shape
         q = self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim).swapaxes(1, 2)  # [B, H, n, D]
         k = self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim).swapaxes(1, 2)  # [B, H_kv, n, D]
         v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim).swapaxes(1, 2)
-        _write_slots(keys, index, self.rotary(k, cos, sin))
-        _write_slots(values, index, v)
-        out = cached_attention(self.rotary(q, cos, sin), keys, values, visible)  # [B, H, n, D]
-        return self.o_proj(out.swapaxes(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
-
-
-# In place on a Parameter: only the n new slots are written, the rest of the cache is neither read nor copied.
-_write_slots = ops.ScatterNdUpdate()
+        k = self.rotary(k, cos, sin)
+        out = cached_attention(self.rotary(q, cos, sin), (keys, k), (values, v), visible)  # [B, H, n, D]
+        return self.o_proj(out.swapaxes(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)), k, v
 
 
 class SwiGLU(nn.Cell):
@@ -165,12 +160,15 @@ class Block(nn.Cell):
             return x + out, routing
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def construct_cached(self, x, cos, sin, visible, index, keys, values):
-        """`construct` for new tokens only, reading and extending this layer's cached keys and values."""
-        x = x + self.self_attn.construct_cached(self.input_layernorm(x), cos, sin, visible, index, keys, values)
+    def construct_cached(self, x, cos, sin, visible, keys, values):
+        """`construct` for new tokens only, reading this layer's cached keys and values; also returns the new
+        tokens' keys and values."""
+        normed = self.input_layernorm(x)
+        attended, keys, values = self.self_attn.construct_cached(normed, cos, sin, visible, keys, values)
+        x = x + attended
         if self.is_moe:
-            return x + self.mlp(self.post_attention_layernorm(x))[0]
-        return x + self.mlp(self.post_attention_layernorm(x))
+            return x + self.mlp(self.post_attention_layernorm(x))[0], keys, values
+        return x + self.mlp(self.post_attention_layernorm(x)), keys, values
 
 
 @dataclass
@@ -183,14 +181,17 @@ class KVCache:
     may not see (its padding, and those from `length` on) hold zeros or stale values that no query reads.
     """
 
-    keys: tuple[Parameter, ...]  # num_layers x [B, H_kv, seq_len, head_dim], compute dtype
-    values: tuple[Parameter, ...]  # the same shapes
+    keys: tuple[Parameter, ...]  # num_layers x [B * H_kv * seq_len, head_dim], row (b * H_kv + h) * seq_len + s
+    values: tuple[Parameter, ...]  # the same shapes; compute dtype
+    # The keys then the values as [B, H_kv, seq_len, head_dim] views of the same memory, for reading: reshaping a
+    # Parameter inside a compiled graph copies it.
+    views: tuple[Tensor, ...]
     padding: Tensor  # [B] int32
     length: int = 0
 
     @property
     def batch(self) -> int:
-        return self.keys[0].shape[0]
+        return self.padding.shape[0]
 
 
 class Llama(nn.Cell):
@@ -220,7 +221,7 @@ class Llama(nn.Cell):
         self.causal_mask = Tensor(np.tril(np.ones((params.seq_len, params.seq_len), dtype=bool)))
         self.vocab_mask = vocab_mask(params) if params.vocab_padding else None
         # Generation's KV-cache Parameters by batch size (`empty_cache`); a plain dict, so not model weights.
-        self._cache_slots: dict[int, tuple[tuple[Parameter, ...], tuple[Parameter, ...]]] = {}
+        self._cache_slots: dict[int, tuple[tuple[Parameter, ...], ...]] = {}  # keys, values, views
 
     def construct(self, tokens: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> Tensor:
         """`tokens`: [B, T] ids, or on a pipeline stage after the first the previous stage's [B, T, hidden]."""
@@ -304,7 +305,7 @@ class Llama(nn.Cell):
             raise ValueError(f"padding {padding} must hold {batch} slot counts in [0, seq_len={self.seq_len})")
         if batch not in self._cache_slots:
             attention = self.layers[0].self_attn
-            shape = (batch, attention.num_kv_heads, self.seq_len, attention.head_dim)
+            shape = (batch * attention.num_kv_heads * self.seq_len, attention.head_dim)
 
             def slots(name: str, layer: int) -> Parameter:
                 name = f"kv_cache.{batch}.{name}.{layer}"
@@ -312,9 +313,10 @@ class Llama(nn.Cell):
 
             keys = tuple(slots("keys", layer) for layer in range(len(self.layers)))
             values = tuple(slots("values", layer) for layer in range(len(self.layers)))
-            self._cache_slots[batch] = keys, values
-        keys, values = self._cache_slots[batch]
-        return KVCache(keys, values, Tensor(np.asarray(padding, np.int32)))
+            views = tuple(param.view(batch, attention.num_kv_heads, self.seq_len, -1) for param in keys + values)
+            self._cache_slots[batch] = keys, values, views
+        keys, values, views = self._cache_slots[batch]
+        return KVCache(keys, values, views, Tensor(np.asarray(padding, np.int32)))
 
     def decode(self, tokens: Tensor, cache: KVCache) -> Tensor:
         """Logits [B, n, vocab] (fp32) of tokens [B, n] in slots [cache.length, cache.length + n), each attending
@@ -330,37 +332,55 @@ class Llama(nn.Cell):
             raise ValueError(
                 f"{new} new tokens after {cache.length} cached positions exceed model.seq_len={self.seq_len}"
             )
-        logits = self._decode(tokens, Tensor(cache.length, ms.int32), cache.padding, *cache.keys, *cache.values)
+        start = Tensor(cache.length, ms.int32)
+        logits, keys, values = self._decode(tokens, start, cache.padding, *cache.views)
+        self._store(start, *keys, *values, *cache.keys, *cache.values)
         cache.length += new
         return logits
 
+    # Two graphs: one computes with the cache only read, one writes the new keys and values into it. A graph that
+    # both writes and reads the cache Parameters copies them (and the embedding table) to order the reads after
+    # the writes: ~5x the cache's bytes a step.
+
     @ms.jit
     def _decode(self, tokens, start, padding, *caches):
-        """`decode` as one compiled graph per (batch, number of new tokens); `start` is an int32 scalar Tensor.
-        The caches arrive as separate Parameters (keys of every layer, then values): a tuple argument is not
-        accepted, and Parameters are passed by reference, so the writes land in the caller's cache."""
+        """Logits of `decode` and the new tokens' keys and values per layer, as one compiled graph per (batch,
+        number of new tokens); `start` is an int32 scalar Tensor. The caches arrive as separate Tensors
+        (`KVCache.views`, keys of every layer, then values): a tuple argument of them is not accepted."""
         batch, new = tokens.shape
         layers = len(self.layers)
-        kv_heads = self.layers[0].self_attn.num_kv_heads
         slots = ops.arange(new, dtype=ms.int32) + start  # [n]
         positions = mint.clamp(slots.reshape(1, -1) - padding.reshape(-1, 1), 0, self.seq_len - 1)  # [B, n]
-        slot = ops.arange(self.seq_len, dtype=ms.int32).reshape(1, 1, -1)  # [1, 1, S]
-        causal = slot <= slots.reshape(1, -1, 1)  # [1, n, S]
-        visible = mint.logical_and(causal, slot >= padding.reshape(-1, 1, 1)).unsqueeze(1)  # [B, 1, n, S]
-        index = ops.stack(
-            (
-                ops.arange(batch, dtype=ms.int32).reshape(-1, 1, 1).broadcast_to((batch, kv_heads, new)),
-                ops.arange(kv_heads, dtype=ms.int32).reshape(1, -1, 1).broadcast_to((batch, kv_heads, new)),
-                slots.reshape(1, 1, -1).broadcast_to((batch, kv_heads, new)),
-            ),
-            -1,
-        )  # [B, H_kv, n, 3]
+        columns = mint.cat((ops.arange(self.seq_len, dtype=ms.int32), slots)).reshape(1, 1, -1)  # [1, 1, S + n]
+        cached = ops.arange(self.seq_len + new, dtype=ms.int32).reshape(1, 1, -1) < self.seq_len  # cache or new
+        causal = mint.where(cached, columns < start, columns <= slots.reshape(1, -1, 1))  # [1, n, S + n]
+        visible = mint.logical_and(causal, columns >= padding.reshape(-1, 1, 1)).unsqueeze(1)  # [B, 1, n, S + n]
         cos = ops.gather(self.rope_cos, positions, 0).unsqueeze(1).astype(self.compute_dtype)  # [B, 1, n, D]
         sin = ops.gather(self.rope_sin, positions, 0).unsqueeze(1).astype(self.compute_dtype)
         x = self.embed_tokens(tokens).astype(self.compute_dtype)  # [B, n, hidden]
+        new_keys, new_values = (), ()
         for i in range(layers):
-            x = self.layers[i].construct_cached(x, cos, sin, visible, index, caches[i], caches[layers + i])
-        return self._logits(x)
+            x, keys, values = self.layers[i].construct_cached(x, cos, sin, visible, caches[i], caches[layers + i])
+            new_keys, new_values = new_keys + (keys,), new_values + (values,)
+        return self._logits(x), new_keys, new_values
+
+    @ms.jit
+    def _store(self, start, *tensors):
+        """Write the new keys and values [B, H_kv, n, D] of every layer (the first half of `tensors`) into the
+        flat cache Parameters (the second half, see `KVCache`) at slots [start, start + n), in place."""
+        layers = len(tensors) // 2
+        batch, heads, new, head_dim = tensors[0].shape
+        slots = ops.arange(new, dtype=ms.int32) + start
+        sequence = ops.arange(batch * heads, dtype=ms.int32).reshape(batch, heads, 1)  # b * H_kv + h
+        index = sequence * self.seq_len + slots.reshape(1, 1, -1)  # [B, H_kv, n]: rows of the flat caches
+        for i in range(layers):
+            _write_rows(tensors[layers + i], index, tensors[i])
+        return start
+
+
+# In place on a Parameter, along its first axis: only the new rows are written. (ScatterNdUpdate, which could
+# index [B, H_kv, S, D] directly, copies the whole cache on CPU: ~2 ms a layer at batch 8.)
+_write_rows = ops.ScatterUpdate()
 
 
 # Added to a padding row's logit: exp() of it is exactly 0 in fp32 next to any real logit, so the softmax, the
