@@ -6,7 +6,8 @@ The reference model of benchmarks/train_throughput.py (random init, seed 0) deco
 op_tuning.threads_num, torch.set_num_threads), decode the same prompts (`--batches`: 1 prompt, then 8 prompts of
 different lengths, left-padded on both sides) for exactly `--new-tokens` tokens each (EOS disabled), greedy and
 sampled (temperature 0.8, top-k 40: speed only, the two samplers draw differently). Greedy outputs must be the
-same token for token (`greedy_identical`).
+same token for token (`greedy_identical`). transformers runs in a child process of its own, loading the converted
+weights from a temporary directory, so that MindSpore's kernel threads do not share its process.
 
     python benchmarks/generation.py                       # batch 1 and 8, greedy and sampled, ~3 min here
     python benchmarks/generation.py --batches 8 --new-tokens 32
@@ -23,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -91,10 +94,9 @@ def hf(model, batch: list[list[int]], new_tokens: int, sampled: bool, repeats: i
     return median_rate(run, new_tokens * len(batch), repeats)
 
 
-def build_models():
+def build_ours(hf_dir: Path):
+    """Our reference model (seed 0), with its weights converted for transformers written to `hf_dir`."""
     import mindspore as ms
-    import torch
-    import transformers
 
     from model_core.convert.llama import to_hf
     from model_core.model import Llama
@@ -102,18 +104,45 @@ def build_models():
     from params.schema import ModelParams
 
     ms.device_context.cpu.op_tuning.threads_num(THREADS)
-    torch.set_num_threads(THREADS)
     ms.set_seed(0)
     params = ModelParams(**REFERENCE)
     model = Llama(params)
     state, config = to_hf(model_weights(model), params)
-    hf_model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
-    missing, unexpected = hf_model.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()}, strict=False)
+    np.savez(hf_dir / "weights.npz", **state)
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def load_hf(hf_dir: Path):
+    import torch
+    import transformers
+
+    torch.set_num_threads(THREADS)
+    config = json.loads((hf_dir / "config.json").read_text())
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    with np.load(hf_dir / "weights.npz") as state:
+        weights = {name: torch.from_numpy(state[name]) for name in state.files}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
     if unexpected or set(missing) - {"lm_head.weight"}:
         raise AssertionError(f"converted weights do not fit LlamaForCausalLM: missing {missing}, extra {unexpected}")
-    hf_model.tie_weights()
-    hf_model.generation_config.eos_token_id = None
-    return model, hf_model
+    model.tie_weights()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+def cases(batches: str):
+    for batch_size in (int(b) for b in batches.split(",")):
+        for sampled in (False, True):
+            yield batch_size, sampled, f"b{batch_size}" + ("_sampled" if sampled else "")
+
+
+def hf_worker(args) -> None:
+    """The transformers side, in a process of its own: MindSpore's kernel threads, idle or spinning, are not in it."""
+    model = load_hf(Path(args.hf_worker))
+    results = {}
+    for batch_size, sampled, suffix in cases(args.batches):
+        results[suffix] = hf(model, prompts(batch_size), args.new_tokens, sampled, args.repeats)
+    print(json.dumps(results))
 
 
 def main() -> None:
@@ -121,25 +150,32 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hf-worker", help=argparse.SUPPRESS)  # internal: run the transformers side on this dir
     args = parser.parse_args()
-    model, hf_model = build_models()
+    if args.hf_worker:
+        return hf_worker(args)
+    with tempfile.TemporaryDirectory() as hf_dir:
+        model = build_ours(Path(hf_dir))
+        command = [sys.executable, __file__, "--hf-worker", hf_dir, "--batches", args.batches,
+                   "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
+        worker = subprocess.run(command, capture_output=True, text=True, check=False)
+        if worker.returncode != 0:
+            raise RuntimeError(f"the transformers worker failed:\n{worker.stderr[-3000:]}")
+        theirs = json.loads(worker.stdout.strip().splitlines()[-1])
     results, identical = {}, True
     print("| batch | decoding | ours tokens/s | transformers tokens/s | ours / transformers |")
     print("|---:|---|---:|---:|---:|")
-    for batch_size in (int(b) for b in args.batches.split(",")):
-        batch = prompts(batch_size)
-        for sampled in (False, True):
-            ours_rate, ours_out = ours(model, batch, args.new_tokens, sampled, args.repeats)
-            hf_rate, hf_out = hf(hf_model, batch, args.new_tokens, sampled, args.repeats)
-            name = "sampled" if sampled else "greedy"
-            suffix = f"b{batch_size}" + ("_sampled" if sampled else "")
-            results[f"ours_{suffix}_tokens_per_s"] = round(ours_rate, 1)
-            results[f"hf_{suffix}_tokens_per_s"] = round(hf_rate, 1)
-            if not sampled:
-                same = ours_out == hf_out
-                identical &= same
-                results[f"greedy_identical_b{batch_size}"] = same
-            print(f"| {batch_size} | {name} | {ours_rate:,.1f} | {hf_rate:,.1f} | {ours_rate / hf_rate:.2f}x |")
+    for batch_size, sampled, suffix in cases(args.batches):
+        ours_rate, ours_out = ours(model, prompts(batch_size), args.new_tokens, sampled, args.repeats)
+        hf_rate, hf_out = theirs[suffix]
+        results[f"ours_{suffix}_tokens_per_s"] = round(ours_rate, 1)
+        results[f"hf_{suffix}_tokens_per_s"] = round(hf_rate, 1)
+        if not sampled:
+            same = ours_out == hf_out
+            identical &= same
+            results[f"greedy_identical_b{batch_size}"] = same
+        name = "sampled" if sampled else "greedy"
+        print(f"| {batch_size} | {name} | {ours_rate:,.1f} | {hf_rate:,.1f} | {ours_rate / hf_rate:.2f}x |")
     results["greedy_identical"] = identical
     results["new_tokens"] = args.new_tokens
     print(json.dumps(results))
