@@ -24,6 +24,7 @@ from model_core.eval import (
     PromptOutput,
     choose_token,
     generate,
+    generate_batch,
     held_out_loss,
     write_report,
 )
@@ -31,7 +32,6 @@ from model_core.eval.evaluate import evaluate_checkpoint, evaluate_model, load_m
 from model_core.eval.generate import PREFILL_CHUNK, penalize_repetition, sampling_probabilities, top_k_mask, top_p_mask
 from model_core.eval.perplexity import HeldOutLoss
 from model_core.model import Llama, document_positions
-from model_core.model.llama import KVCache
 from model_core.model.lora import apply_lora, base_sha256, lora_layers, save_adapters
 from model_core.model.weights import model_weights
 from model_core.storage import write_safetensors
@@ -91,28 +91,48 @@ def test_cached_logits_equal_full_forward_logits(which, request):
     full = model(ms.Tensor(tokens)).asnumpy()
     cache, pieces = model.empty_cache(1), []
     for start, stop in [(0, PREFILL_CHUNK), *((t, t + 1) for t in range(PREFILL_CHUNK, 30))]:
-        logits, cache = model.decode(ms.Tensor(tokens[:, start:stop]), cache)
-        pieces.append(logits.asnumpy())
+        pieces.append(model.decode(ms.Tensor(tokens[:, start:stop]), cache).asnumpy())
     assert cache.length == 30
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, rtol=0, atol=1e-5)
 
 
-def test_decode_returns_a_new_cache_and_leaves_the_old_one_as_it_was(tied_model):
+def test_left_padded_rows_decode_as_each_sequence_alone(model):
+    """Rows of 30, 21 and 17 tokens in one cache: each row's logits are those of its own sequence."""
+    lengths = (30, 21, 17)
+    sequences = [np.random.default_rng(seed).integers(0, VOCAB, length) for seed, length in enumerate(lengths)]
+    columns = np.zeros((3, 30), np.int32)
+    for row, sequence in enumerate(sequences):
+        columns[row, 30 - len(sequence) :] = sequence
+    cache, pieces = model.empty_cache(3, [30 - length for length in lengths]), []
+    for start, stop in [(0, PREFILL_CHUNK), *((t, t + 1) for t in range(PREFILL_CHUNK, 30))]:
+        pieces.append(model.decode(ms.Tensor(columns[:, start:stop]), cache).asnumpy())
+    together = np.concatenate(pieces, axis=1)
+    for row, sequence in enumerate(sequences):
+        alone = model(ms.Tensor(sequence.reshape(1, -1).astype(np.int32))).asnumpy()[0]
+        np.testing.assert_allclose(together[row, 30 - len(sequence) :], alone, rtol=0, atol=1e-5)
+
+
+def test_decode_writes_the_cache_in_place_and_a_new_cache_starts_empty(tied_model):
     tokens = ms.Tensor(np.arange(PREFILL_CHUNK + 1, dtype=np.int32).reshape(1, -1))
-    _, cache = tied_model.decode(tokens[:, :PREFILL_CHUNK], tied_model.empty_cache(1))
-    first, longer = tied_model.decode(tokens[:, PREFILL_CHUNK:], cache)
-    again, _ = tied_model.decode(tokens[:, PREFILL_CHUNK:], cache)
-    assert (cache.length, longer.length) == (PREFILL_CHUNK, PREFILL_CHUNK + 1)
-    np.testing.assert_array_equal(first.asnumpy(), again.asnumpy())
+    cache = tied_model.empty_cache(1)
+    tied_model.decode(tokens[:, :PREFILL_CHUNK], cache)
+    first = tied_model.decode(tokens[:, PREFILL_CHUNK:], cache)
+    assert cache.length == PREFILL_CHUNK + 1
+    again = tied_model.empty_cache(1)  # shares the slots of `cache`, whose stale contents no query sees
+    tied_model.decode(tokens[:, :PREFILL_CHUNK], again)
+    np.testing.assert_array_equal(tied_model.decode(tokens[:, PREFILL_CHUNK:], again).asnumpy(), first.asnumpy())
+    assert all(param.name.startswith(("embed_tokens", "layers", "norm")) for param in tied_model.get_parameters())
 
 
 def test_decode_refuses_to_go_past_seq_len_and_a_cache_of_another_batch(tied_model):
-    empty = tied_model.empty_cache(1)
-    nearly_full = KVCache(empty.keys, empty.values, SEQ - 1)
+    nearly_full = tied_model.empty_cache(1)
+    nearly_full.length = SEQ - 1
     with pytest.raises(ValueError, match=f"2 new tokens after {SEQ - 1} cached positions exceed model.seq_len={SEQ}"):
         tied_model.decode(ms.Tensor(np.zeros((1, 2), np.int32)), nearly_full)
     with pytest.raises(ValueError, match="tokens hold 2 sequences but the KV cache was made for 1"):
-        tied_model.decode(ms.Tensor(np.zeros((2, 1), np.int32)), empty)
+        tied_model.decode(ms.Tensor(np.zeros((2, 1), np.int32)), tied_model.empty_cache(1))
+    with pytest.raises(ValueError, match=r"padding \[0, 64\] must hold 2 slot counts in \[0, seq_len=64\)"):
+        tied_model.empty_cache(2, [0, SEQ])
 
 
 @pytest.mark.parametrize("config", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
@@ -123,6 +143,27 @@ def test_cached_generation_equals_full_recomputation_token_for_token(model, conf
     assert cached == recomputed
     assert len(cached.token_ids) == config.max_new_tokens and cached.stopped_by == "max_new_tokens"
     assert len(set(cached.token_ids)) > 3  # a varied continuation, not one token over and over
+
+
+@pytest.mark.parametrize("config", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_batch_of_prompts_generates_what_each_prompt_generates_alone(model, config):
+    prompts = [prompt(length, seed=length) for length in (3, 20, 9, 17)]
+    stopping = GenerationConfig(**{**config.__dict__, "stop_token_ids": (prompts[1][-1],)})
+    together = generate_batch(model, prompts, stopping, EOS, VOCAB, seed=4, prompt_indices=[5, 6, 7, 8])
+    alone = [generate(model, ids, stopping, EOS, VOCAB, seed=4, prompt_index=5 + i) for i, ids in enumerate(prompts)]
+    assert together == alone
+    recomputed = generate_batch(model, prompts, stopping, EOS, VOCAB, seed=4, use_cache=False, prompt_indices=[5, 6, 7, 8])
+    assert recomputed == alone
+
+
+def test_rows_that_outlast_the_batch_columns_continue_to_their_own_context_limit(model):
+    """Columns run out when the longest row reaches seq_len; the shorter row carries on in a batch of its own."""
+    prompts = [prompt(SEQ - 4, seed=1), prompt(5, seed=2)]
+    config = GenerationConfig(max_new_tokens=10)
+    together = generate_batch(model, prompts, config, eos_id=-1, vocab_limit=VOCAB, seed=0)
+    assert [(len(out.token_ids), out.stopped_by) for out in together] == [(4, "length"), (10, "max_new_tokens")]
+    alone = [generate(model, ids, config, -1, VOCAB, seed=0, prompt_index=i) for i, ids in enumerate(prompts)]
+    assert together == alone
 
 
 # -------------------------------------------------------------------------------------------- seeds

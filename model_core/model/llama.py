@@ -8,22 +8,23 @@ Dtypes: parameters are fp32; the residual stream and matmuls run in `compute_dty
 and the returned logits are fp32. RoPE tables and the causal mask are built once, at construction.
 
 Generation uses a second path through the same weights: `Llama.decode` runs only the new tokens and reads
-the keys and values of earlier positions from a `KVCache`. The cache has one fixed-size slot per position
-(params.seq_len of them), so every decoding step has the same shapes and compiles once; slots a query may
-not see are masked out exactly as the causal mask does in `construct`.
+the keys and values of earlier positions from a `KVCache`, writing the new ones into it in place. The cache
+has one fixed-size slot per position (params.seq_len of them), so every decoding step has the same shapes
+and compiles once; slots a query may not see are masked out exactly as the causal mask does in `construct`.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, mint, nn, ops
+from mindspore import Parameter, Tensor, mint, nn, ops
 
-from model_core.model.attention import Attention, fused_attention_available
+from model_core.model.attention import Attention, cached_attention, fused_attention_available
 from model_core.model.fused import (
     HeadsFirst,
     HeadsLast,
@@ -106,27 +107,21 @@ class SelfAttention(nn.Cell):
         out = self.attention(self.rotary(q, cos, sin), self.rotary(k, cos, sin), v, mask)
         return self.o_proj(self.heads_last(out).reshape(batch, seq, self.num_heads * self.head_dim))
 
-    def construct_cached(self, x, cos, sin, visible, slots, keys, values):
-        """Attention of n new tokens over the cache, with their own keys and values written into it.
+    def construct_cached(self, x, cos, sin, visible, keys, values):
+        """Attention of n new tokens over the cached keys and values and their own.
 
-        x: [B, n, hidden]; cos, sin: [n, D]; visible: bool [n, S], key slot s visible to new token i;
-        slots: (source [S] int, written [S, 1] bool), see `Llama._decode`; keys, values: [B, H_kv, S, D].
-        Returns (out [B, n, hidden], keys, values). No backward runs here, so heads move by plain swapaxes.
+        x: [B, n, hidden]; cos, sin: [B, 1, n, D]; visible: bool [B, 1, n, S + n], which of the S cache slots and
+        then the n new tokens each new token sees; keys, values: the layer's cache [B, H_kv, S, D], only read.
+        Returns (out [B, n, hidden], the new tokens' keys (after RoPE) and values [B, H_kv, n, D]) for
+        `Llama.decode` to store. No backward runs here, so heads move by plain swapaxes.
         """
         batch, seq, _ = x.shape
         q = self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim).swapaxes(1, 2)  # [B, H, n, D]
         k = self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim).swapaxes(1, 2)  # [B, H_kv, n, D]
         v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim).swapaxes(1, 2)
-        keys = write_slots(keys, self.rotary(k, cos, sin), slots)
-        values = write_slots(values, v, slots)
-        out = self.attention(self.rotary(q, cos, sin), keys, values, visible)  # [B, H, n, D]
-        return self.o_proj(out.swapaxes(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)), keys, values
-
-
-def write_slots(cache: Tensor, new: Tensor, slots: tuple[Tensor, Tensor]) -> Tensor:
-    """cache [B, H_kv, S, D] with slot s replaced by new[:, :, source[s]] wherever written[s] (new: [B, H_kv, n, D])."""
-    source, written = slots
-    return mint.where(written, ops.gather(new, source, 2), cache)
+        k = self.rotary(k, cos, sin)
+        out = cached_attention(self.rotary(q, cos, sin), (keys, k), (values, v), visible)  # [B, H, n, D]
+        return self.o_proj(out.swapaxes(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)), k, v
 
 
 class SwiGLU(nn.Cell):
@@ -165,28 +160,38 @@ class Block(nn.Cell):
             return x + out, routing
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def construct_cached(self, x, cos, sin, visible, slots, keys, values):
-        """`construct` for new tokens only, reading and extending this layer's cached keys and values."""
-        attended, keys, values = self.self_attn.construct_cached(
-            self.input_layernorm(x), cos, sin, visible, slots, keys, values
-        )
+    def construct_cached(self, x, cos, sin, visible, keys, values):
+        """`construct` for new tokens only, reading this layer's cached keys and values; also returns the new
+        tokens' keys and values."""
+        normed = self.input_layernorm(x)
+        attended, keys, values = self.self_attn.construct_cached(normed, cos, sin, visible, keys, values)
         x = x + attended
         if self.is_moe:
             return x + self.mlp(self.post_attention_layernorm(x))[0], keys, values
         return x + self.mlp(self.post_attention_layernorm(x)), keys, values
 
 
-@dataclass(frozen=True)
+@dataclass
 class KVCache:
-    """Keys (after RoPE) and values of every layer for positions [0, length) of a batch of sequences.
+    """Keys (after RoPE) and values of every layer for slots [0, length) of a batch of sequences.
 
-    Slots from `length` on hold zeros or stale values that no query can see. `Llama.decode` returns a new
-    cache and leaves this one as it was.
+    The tensors are Parameters that `Llama.decode` writes in place, one slot per position column, so a step
+    costs the same whatever the length. A row of `padding[b]` left-padding slots starts its sequence at slot
+    padding[b], at position 0: rows of different lengths decode together, each as it would alone. Slots a row
+    may not see (its padding, and those from `length` on) hold zeros or stale values that no query reads.
     """
 
-    keys: tuple[Tensor, ...]  # num_layers x [B, H_kv, seq_len, head_dim], compute dtype
-    values: tuple[Tensor, ...]  # the same shapes
-    length: int
+    keys: tuple[Parameter, ...]  # num_layers x [B * H_kv * seq_len, head_dim], row (b * H_kv + h) * seq_len + s
+    values: tuple[Parameter, ...]  # the same shapes; compute dtype
+    # The keys then the values as [B, H_kv, seq_len, head_dim] views of the same memory, for reading: reshaping a
+    # Parameter inside a compiled graph copies it.
+    views: tuple[Tensor, ...]
+    padding: Tensor  # [B] int32
+    length: int = 0
+
+    @property
+    def batch(self) -> int:
+        return self.padding.shape[0]
 
 
 class Llama(nn.Cell):
@@ -215,6 +220,8 @@ class Llama(nn.Cell):
         self.rope_cos, self.rope_sin = rope_tables(params.head_dim, params.seq_len, params.rope_theta)
         self.causal_mask = Tensor(np.tril(np.ones((params.seq_len, params.seq_len), dtype=bool)))
         self.vocab_mask = vocab_mask(params) if params.vocab_padding else None
+        # Generation's KV-cache Parameters by batch size (`empty_cache`); a plain dict, so not model weights.
+        self._cache_slots: dict[int, tuple[tuple[Parameter, ...], ...]] = {}  # keys, values, views
 
     def construct(self, tokens: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> Tensor:
         """`tokens`: [B, T] ids, or on a pipeline stage after the first the previous stage's [B, T, hidden]."""
@@ -286,51 +293,94 @@ class Llama(nn.Cell):
 
     # ------------------------------------------------------------------------------- cached decoding
 
-    def empty_cache(self, batch: int) -> KVCache:
-        """A cache for `batch` sequences with no positions filled."""
-        attention = self.layers[0].self_attn
-        shape = (batch, attention.num_kv_heads, self.seq_len, attention.head_dim)
-        keys = tuple(ops.zeros(shape, self.compute_dtype) for _ in self.layers)
-        values = tuple(ops.zeros(shape, self.compute_dtype) for _ in self.layers)
-        return KVCache(keys, values, 0)
+    def empty_cache(self, batch: int, padding: Sequence[int] | None = None) -> KVCache:
+        """A cache for `batch` sequences with no slots filled; row b's sequence starts at slot padding[b] (0).
 
-    def decode(self, tokens: Tensor, cache: KVCache) -> tuple[Tensor, KVCache]:
-        """Logits [B, n, vocab] (fp32) of tokens [B, n] at positions [cache.length, cache.length + n),
-        each attending to the cached positions and to the new tokens up to itself; and the extended cache.
+        The model keeps one set of cache Parameters per batch size and every cache of that size shares it: the
+        compiled decode step is specialised to the Parameter objects it is given, so fresh ones would compile it
+        again (seconds). Starting a cache therefore ends the previous one of the same batch size.
+        """
+        padding = [0] * batch if padding is None else [int(slots) for slots in padding]
+        if len(padding) != batch or not all(0 <= slots < self.seq_len for slots in padding):
+            raise ValueError(f"padding {padding} must hold {batch} slot counts in [0, seq_len={self.seq_len})")
+        if batch not in self._cache_slots:
+            attention = self.layers[0].self_attn
+            shape = (batch * attention.num_kv_heads * self.seq_len, attention.head_dim)
 
-        The logits equal those of `construct` on the whole sequence (up to float summation order).
+            def slots(name: str, layer: int) -> Parameter:
+                name = f"kv_cache.{batch}.{name}.{layer}"
+                return Parameter(ops.zeros(shape, self.compute_dtype), name, requires_grad=False)
+
+            keys = tuple(slots("keys", layer) for layer in range(len(self.layers)))
+            values = tuple(slots("values", layer) for layer in range(len(self.layers)))
+            views = tuple(param.view(batch, attention.num_kv_heads, self.seq_len, -1) for param in keys + values)
+            self._cache_slots[batch] = keys, values, views
+        keys, values, views = self._cache_slots[batch]
+        return KVCache(keys, values, views, Tensor(np.asarray(padding, np.int32)))
+
+    def decode(self, tokens: Tensor, cache: KVCache) -> Tensor:
+        """Logits [B, n, vocab] (fp32) of tokens [B, n] in slots [cache.length, cache.length + n), each attending
+        to its row's filled slots and to the new tokens up to itself. Writes their keys and values into `cache`
+        and advances cache.length.
+
+        The logits of a row equal those of `construct` on its sequence alone (up to float summation order).
         """
         batch, new = tokens.shape
-        if cache.keys[0].shape[0] != batch:
-            raise ValueError(f"tokens hold {batch} sequences but the KV cache was made for {cache.keys[0].shape[0]}")
+        if cache.batch != batch:
+            raise ValueError(f"tokens hold {batch} sequences but the KV cache was made for {cache.batch}")
         if cache.length + new > self.seq_len:
             raise ValueError(
                 f"{new} new tokens after {cache.length} cached positions exceed model.seq_len={self.seq_len}"
             )
-        # A plain tuple of Tensors would be compiled in as constants: one new graph per step.
-        keys, values = ms.mutable(cache.keys), ms.mutable(cache.values)
-        logits, keys, values = self._decode(tokens, Tensor(cache.length, ms.int32), keys, values)
-        return logits, KVCache(keys, values, cache.length + new)
+        start = Tensor(cache.length, ms.int32)
+        logits, keys, values = self._decode(tokens, start, cache.padding, *cache.views)
+        self._store(start, *keys, *values, *cache.keys, *cache.values)
+        cache.length += new
+        return logits
+
+    # Two graphs: one computes with the cache only read, one writes the new keys and values into it. A graph that
+    # both writes and reads the cache Parameters copies them (and the embedding table) to order the reads after
+    # the writes: ~5x the cache's bytes a step.
 
     @ms.jit
-    def _decode(self, tokens, start, keys, values):
-        """`decode` as one compiled graph per number of new tokens; `start` is an int32 scalar Tensor."""
-        new = tokens.shape[1]
-        positions = mint.arange(new, dtype=ms.int32) + start  # [n]
-        slot = mint.arange(self.seq_len, dtype=ms.int32)  # [S]
-        visible = slot.reshape(1, -1) <= positions.reshape(-1, 1)  # [n, S]: causal, by absolute position
-        written = mint.logical_and(slot >= start, slot < start + new).reshape(-1, 1)  # [S, 1]
-        slots = (mint.clamp(slot - start, 0, new - 1), written)  # slot s takes new token s - start
-        cos = ops.gather(self.rope_cos, positions, 0).astype(self.compute_dtype)  # [n, D]
-        sin = ops.gather(self.rope_sin, positions, 0).astype(self.compute_dtype)
+    def _decode(self, tokens, start, padding, *caches):
+        """Logits of `decode` and the new tokens' keys and values per layer, as one compiled graph per (batch,
+        number of new tokens); `start` is an int32 scalar Tensor. The caches arrive as separate Tensors
+        (`KVCache.views`, keys of every layer, then values): a tuple argument of them is not accepted."""
+        batch, new = tokens.shape
+        layers = len(self.layers)
+        slots = ops.arange(new, dtype=ms.int32) + start  # [n]
+        positions = mint.clamp(slots.reshape(1, -1) - padding.reshape(-1, 1), 0, self.seq_len - 1)  # [B, n]
+        columns = mint.cat((ops.arange(self.seq_len, dtype=ms.int32), slots)).reshape(1, 1, -1)  # [1, 1, S + n]
+        cached = ops.arange(self.seq_len + new, dtype=ms.int32).reshape(1, 1, -1) < self.seq_len  # cache or new
+        causal = mint.where(cached, columns < start, columns <= slots.reshape(1, -1, 1))  # [1, n, S + n]
+        visible = mint.logical_and(causal, columns >= padding.reshape(-1, 1, 1)).unsqueeze(1)  # [B, 1, n, S + n]
+        cos = ops.gather(self.rope_cos, positions, 0).unsqueeze(1).astype(self.compute_dtype)  # [B, 1, n, D]
+        sin = ops.gather(self.rope_sin, positions, 0).unsqueeze(1).astype(self.compute_dtype)
         x = self.embed_tokens(tokens).astype(self.compute_dtype)  # [B, n, hidden]
         new_keys, new_values = (), ()
-        for index in range(len(self.layers)):
-            x, layer_keys, layer_values = self.layers[index].construct_cached(
-                x, cos, sin, visible, slots, keys[index], values[index]
-            )
-            new_keys, new_values = new_keys + (layer_keys,), new_values + (layer_values,)
+        for i in range(layers):
+            x, keys, values = self.layers[i].construct_cached(x, cos, sin, visible, caches[i], caches[layers + i])
+            new_keys, new_values = new_keys + (keys,), new_values + (values,)
         return self._logits(x), new_keys, new_values
+
+    @ms.jit
+    def _store(self, start, *tensors):
+        """Write the new keys and values [B, H_kv, n, D] of every layer (the first half of `tensors`) into the
+        flat cache Parameters (the second half, see `KVCache`) at slots [start, start + n), in place."""
+        layers = len(tensors) // 2
+        batch, heads, new, head_dim = tensors[0].shape
+        slots = ops.arange(new, dtype=ms.int32) + start
+        sequence = ops.arange(batch * heads, dtype=ms.int32).reshape(batch, heads, 1)  # b * H_kv + h
+        index = sequence * self.seq_len + slots.reshape(1, 1, -1)  # [B, H_kv, n]: rows of the flat caches
+        for i in range(layers):
+            _write_rows(tensors[layers + i], index, tensors[i])
+        return start
+
+
+# In place on a Parameter, along its first axis: only the new rows are written. (ScatterNdUpdate, which could
+# index [B, H_kv, S, D] directly, copies the whole cache on CPU: ~2 ms a layer at batch 8.)
+_write_rows = ops.ScatterUpdate()
 
 
 # Added to a padding row's logit: exp() of it is exactly 0 in fp32 next to any real logit, so the softmax, the
