@@ -177,8 +177,8 @@ class TokenizerParams(StrictModel):
 
 
 class MoEParams(StrictModel):
-    """Sparse mixture-of-experts feed-forward blocks (Mixtral-style): a linear router, softmax over the
-    experts, each token sent to its top `experts_per_token`, SwiGLU experts."""
+    """Sparse mixture-of-experts feed-forward blocks (Mixtral-style): a linear router, softmax (or sigmoid)
+    gating over the experts, each token sent to its top `experts_per_token`, SwiGLU experts."""
 
     num_experts: int = Field(8, ge=2, description="Experts in each MoE block.")
     experts_per_token: int = Field(2, ge=1, description="Experts each token is sent to (top-k).")
@@ -189,6 +189,10 @@ class MoEParams(StrictModel):
     layers: list[int] | None = Field(None, description="The MoE blocks by index; the rest stay dense.")
     expert_ffn_hidden_size: int | None = Field(
         None, ge=1, description="Inner width of each expert's SwiGLU (default model.ffn_hidden_size)."
+    )
+    gating: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="How router logits become expert weights: softmax over the experts (Mixtral, "
+        "Qwen2-MoE) or an independent sigmoid per expert (DeepSeek-V3), the top k chosen by that score."
     )
     normalize_top_k: bool = Field(
         True, description="Rescale a token's top-k router probabilities to sum to 1 (Mixtral does; Qwen2-MoE not)."

@@ -39,10 +39,13 @@ def reference(block: MoE, x: np.ndarray, params: ModelParams) -> tuple[np.ndarra
     router = block.router.weight.asnumpy().astype(np.float64)
     gate, up, down = (getattr(block.experts, name).asnumpy().astype(np.float64) for name in ("gate_proj", "up_proj", "down_proj"))
     logits = flat @ router.T
-    probs = np.exp(logits - logits.max(-1, keepdims=True))
-    probs /= probs.sum(-1, keepdims=True)
-    chosen = np.argsort(-probs, axis=-1, kind="stable")[:, : moe.experts_per_token]
-    weights = np.take_along_axis(probs, chosen, -1)
+    if moe.gating == "sigmoid":
+        scores = 1 / (1 + np.exp(-logits))
+    else:
+        scores = np.exp(logits - logits.max(-1, keepdims=True))
+        scores /= scores.sum(-1, keepdims=True)
+    chosen = np.argsort(-scores, axis=-1, kind="stable")[:, : moe.experts_per_token]
+    weights = np.take_along_axis(scores, chosen, -1)
     if moe.normalize_top_k:
         weights /= weights.sum(-1, keepdims=True)
     if moe.shared_expert_ffn_hidden_size is not None:
@@ -70,8 +73,9 @@ def reference(block: MoE, x: np.ndarray, params: ModelParams) -> tuple[np.ndarra
 
 @pytest.mark.parametrize(
     ("capacity_factor", "shared"), [(None, {}), (0.5, {}), (None, {"shared_expert_ffn_hidden_size": 20}),
-                                    (0.5, {"shared_expert_ffn_hidden_size": 20, "shared_expert_gate": True})],
-    ids=["dropless", "capacity", "dropless-shared", "capacity-gated-shared"],
+                                    (0.5, {"shared_expert_ffn_hidden_size": 20, "shared_expert_gate": True}),
+                                    (None, {"gating": "sigmoid"}), (0.5, {"gating": "sigmoid", "normalize_top_k": False})],
+    ids=["dropless", "capacity", "dropless-shared", "capacity-gated-shared", "sigmoid", "capacity-sigmoid-unnormalised"],
 )
 def test_the_routed_block_equals_a_per_token_reference_and_drops_what_the_rule_says(capacity_factor, shared):
     params = moe_params(capacity_factor=capacity_factor, **shared)
@@ -89,8 +93,10 @@ def test_the_routed_block_equals_a_per_token_reference_and_drops_what_the_rule_s
         assert params.moe.capacity(16) == math.ceil(0.5 * 16 * 2 / 4) == 4 and expected_dropped > 0
 
 
-def test_a_router_sending_every_token_to_one_expert_pays_more_balancing_loss_than_a_uniform_one():
-    params = moe_params(experts_per_token=1)
+@pytest.mark.parametrize(("gating", "least_skewed_aux"), [("softmax", 3.9), ("sigmoid", 1.5)])
+def test_a_router_sending_every_token_to_one_expert_pays_more_balancing_loss_than_a_uniform_one(gating, least_skewed_aux):
+    # Sigmoid scores of the forced router are 1 for expert 2 and 0.5 for the others: its share is 1 / 2.5.
+    params = moe_params(experts_per_token=1, gating=gating)
     values = np.random.default_rng(1).standard_normal((2, 8, 16)).astype(np.float32)
     values[..., 0] = 1.0
     x = Tensor(values)
@@ -102,7 +108,7 @@ def test_a_router_sending_every_token_to_one_expert_pays_more_balancing_loss_tha
     block.router.weight.set_data(Tensor(forced))
     _, (skewed, skewed_z, load, _) = block(x)
     assert load.asnumpy().tolist() == [0, 0, 16, 0]
-    assert float(uniform.asnumpy()) == pytest.approx(1.0, abs=1e-6) and float(skewed.asnumpy()) > 3.9
+    assert float(uniform.asnumpy()) == pytest.approx(1.0, abs=1e-6) and float(skewed.asnumpy()) > least_skewed_aux
     assert float(uniform_z.asnumpy()) == pytest.approx(math.log(4) ** 2, rel=1e-5)
     assert float(skewed_z.asnumpy()) > float(uniform_z.asnumpy())
 
@@ -234,6 +240,9 @@ def test_a_model_with_dense_blocks_has_no_mixtral_form_and_says_why():
     weights = {name: param.asnumpy() for name, param in Llama(params).parameters_and_names()}
     with pytest.raises(ConversionError, match=r"every layer; model.moe gives them in blocks \[1, 3\] of model.num_layers=4"):
         to_hf(weights, params)
+    sigmoid = ModelParams(**{**moe_params().model_dump(), "moe": {"num_experts": 4, "gating": "sigmoid"}})
+    with pytest.raises(ConversionError, match="softmax over the experts; model.moe.gating=sigmoid"):
+        to_hf(weights, sigmoid)
 
 
 # ------------------------------------------------------------------------------------------- layouts

@@ -71,6 +71,8 @@ def check_exportable(params: ModelParams) -> None:
             f"Mixtral has a mixture-of-experts block in every layer; model.moe gives them in blocks "
             f"{list(params.moe_layers)} of model.num_layers={params.num_layers}"
         )
+    if params.moe.gating != "softmax":
+        raise ConversionError(f"Mixtral's router is a softmax over the experts; model.moe.gating={params.moe.gating}")
     if not params.moe.normalize_top_k or params.expert_ffn_hidden_size != params.ffn_hidden_size:
         raise ConversionError(
             "Mixtral renormalises the top-k router probabilities and its experts are ffn_hidden_size wide: "

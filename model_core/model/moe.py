@@ -2,7 +2,9 @@
 
 Every token's router logits (a linear map of its hidden state, fp32) give a softmax over the E experts; the
 token goes to its k most probable experts, and its output is their outputs weighted by those probabilities
-(renormalised to sum to 1 when `normalize_top_k`, as Mixtral does).
+(renormalised to sum to 1 when `normalize_top_k`, as Mixtral does). With sigmoid gating (DeepSeek-V3's) each
+expert's score is sigmoid(logit) on its own, the top k scores choose and weigh the experts (renormalised the
+same way), and the balancing loss reads each token's scores normalised to sum to 1 as its probabilities.
 
 Dispatch has static shapes, so the step compiles once: each expert has `capacity` slots per micro-batch, the
 token choices fill them first choices first, in token order within each rank of choice, and an expert's
@@ -80,6 +82,7 @@ class MoE(nn.Cell):
         self.params = params
         self.num_experts, self.top_k = moe.num_experts, moe.experts_per_token
         self.normalize_top_k = moe.normalize_top_k
+        self.sigmoid_gating = moe.gating == "sigmoid"
         self.router = Router(params.hidden_size, self.num_experts, params.init_std)
         self.experts = Experts(params, output_std)
         self.has_shared_expert = moe.shared_expert_ffn_hidden_size is not None
@@ -95,8 +98,12 @@ class MoE(nn.Cell):
         slots = self.params.moe.capacity(tokens)
         flat = x.reshape(tokens, hidden)
         logits = self.router(flat)  # [N, E] fp32
-        probs = mint.softmax(logits, -1)
-        weights, chosen = ops.topk(probs, k)  # [N, k]
+        if self.sigmoid_gating:
+            scores = mint.sigmoid(logits)  # each expert's affinity on its own
+            probs = scores / scores.sum(-1, keepdims=True)  # the shares the balancing loss averages
+        else:
+            scores = probs = mint.softmax(logits, -1)
+        weights, chosen = ops.topk(scores, k)  # [N, k]
         if self.normalize_top_k:
             weights = weights / weights.sum(-1, keepdims=True)
         # Choice j of token n sits at row j * N + n: first choices fill the slots before any second choice.
