@@ -155,7 +155,7 @@ def test_an_moe_model_trains_and_reports_its_routing(dataset_dir, tmp_path, moe)
 
 @pytest.mark.parametrize(
     ("setting", "value"),
-    [("parallel.pipeline_parallel", 2), ("parallel.zero_stage", 2)],
+    [("parallel.pipeline_parallel", 2), ("parallel.zero_stage", 3)],
 )
 def test_layouts_that_do_not_carry_routing_yet_are_refused_with_the_setting_named(setting, value):
     extra = ["parallel.micro_batches=2"] if setting == "parallel.pipeline_parallel" else []
@@ -163,6 +163,9 @@ def test_layouts_that_do_not_carry_routing_yet_are_refused_with_the_setting_name
     params = load_params("tiny", [*SMALL_MODEL, *MOE, f"{setting}={value}", *extra, *dp])
     with pytest.raises(ParallelConfigError, match=rf"{setting}={value} with model.moe \(1 MoE blocks\)"):
         Layout.from_params(params)
+    expert_zero2 = ["parallel.data_parallel=2", "parallel.expert_parallel=2", "parallel.zero_stage=2"]
+    with pytest.raises(ParallelConfigError, match="zero_stage=2 with parallel.expert_parallel=2: ZeRO-2 reduce-scatters"):
+        Layout.from_params(load_params("tiny", [*SMALL_MODEL, *MOE, *expert_zero2]))
 
 
 # ------------------------------------------------------------------------------------- Mixtral conversion
@@ -249,7 +252,7 @@ def test_a_model_with_dense_blocks_has_no_mixtral_form_and_says_why():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero", [0, 1, 2])
 def test_dp2_trains_an_moe_model_equal_to_one_process(dataset_dir, tmp_path, zero):
     """Each rank routes its own micro-batches, the same rows one process routes in its micro-batches, so the
     routing losses, their gradients and the routing metrics summed over dp repeat the single process."""
@@ -290,7 +293,7 @@ def test_the_planner_counts_experts_and_offers_only_the_layouts_moe_trains_with(
     assert stage_parameters(params.model, 1, 1, 0) - stage_parameters(dense.model, 1, 1, 0) == experts
     result = plan(params, devices=2, device_memory_bytes=parse_bytes("8GiB"))
     layouts = {(c.dp, c.tp, c.pp, c.ep, c.zero_stage) for c in (e.candidate for e in result.estimates)}
-    assert layouts == {(2, 1, 1, 1, 0), (2, 1, 1, 1, 1), (2, 1, 1, 2, 0), (2, 1, 1, 2, 1), (1, 2, 1, 1, 0)}
+    assert layouts == {(2, 1, 1, 1, 0), (2, 1, 1, 1, 1), (2, 1, 1, 1, 2), (2, 1, 1, 2, 0), (2, 1, 1, 2, 1), (1, 2, 1, 1, 0)}
 
 
 def test_recomputing_moe_blocks_changes_nothing(dataset_dir, tmp_path):

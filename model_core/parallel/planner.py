@@ -323,16 +323,22 @@ def degrees(devices: int) -> list[tuple[int, int, int]]:
 
 def candidates(dp: int, tp: int, pp: int, model: ModelParams | None = None, devices_per_node: int = 8) -> list[Candidate]:
     """ZeRO stages 0-3 where there is a dp group to shard over (only 0 for dp=1), each with and without recompute;
-    0 and 1 for a model with MoE blocks (the stages they train with so far), each under every expert-parallel
-    degree that divides dp and the experts and keeps the ep group (ep x tp ranks) inside a node; and with ZeRO-2/3
-    each also with optimizer offload."""
+    0 to 2 for a model with MoE blocks (the stages they train with so far; 2 only without ep), each under every
+    expert-parallel degree that divides dp and the experts and keeps the ep group (ep x tp ranks) inside a node;
+    and with ZeRO-2/3 each also with optimizer offload."""
     stages = range(4) if dp > 1 else (0,)
     expert_degrees = [1]
-    if model is not None and model.moe_layers:
-        stages = [stage for stage in stages if stage < 2]
+    moe = model is not None and bool(model.moe_layers)
+    if moe:
         experts = model.moe.num_experts
         expert_degrees = [ep for ep in range(1, dp + 1) if dp % ep == 0 and experts % ep == 0 and ep * tp <= devices_per_node]
-    plain = [Candidate(dp, tp, pp, stage, mode, ep=ep) for ep in expert_degrees for stage in stages for mode in RECOMPUTE_MODES]
+    plain = [
+        Candidate(dp, tp, pp, stage, mode, ep=ep)
+        for ep in expert_degrees
+        for stage in stages
+        if not moe or stage < 2 or (stage == 2 and ep == 1)
+        for mode in RECOMPUTE_MODES
+    ]
     return plain + [replace(c, offload=True) for c in plain if c.zero_stage >= 2]
 
 

@@ -184,9 +184,11 @@ class ShardedAccumulateGradients(AccumulateGradients):
 
     @ms.jit
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
-        (_, summed), grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale)
+        outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale)
         self.shards(grads)
-        return summed
+        if self.routed:  # an MoE model's routing statistics ride along, as in `AccumulateGradients`
+            return outputs[1], outputs[2]
+        return outputs[1]
 
 
 def moment_bytes(optimizer: AdamW) -> int:
