@@ -96,6 +96,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from model_core.parallel.layout import Layout
     from model_core.train.callbacks import fan_out, jsonl_writer
     from model_core.train.runs import TrainingRun, pretraining_run
+    from model_core.train.system import record_rank_peak_memory
     from model_core.train.trainer import Trainer
     from tasks.progress import TrainingProgress
 
@@ -147,6 +148,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     else:
         origin = ""
     rank = comm.rank()
+    if comm.launched_by_msrun():
+        record_rank_peak_memory(checkpoints, rank)
     saved = f"checkpoint {result.checkpoint}" if rank == 0 else f"rank 0 writes the checkpoints to {checkpoints}"
     print(
         f"{f'rank {rank}: ' if rank else ''}trained {result.steps - result.schedule_start} steps{origin}: loss "

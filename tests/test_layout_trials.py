@@ -42,6 +42,9 @@ def test_plan_try_writes_the_faster_layout(corpus_jsonl, tmp_path, capsys):
     given = load_params("tiny", sets)
     assert chosen.train.steps == given.train.steps and chosen.model == given.model
     assert f"fastest: {faster}; wrote its params to {written}" in out
+    for trial in (tmp_path / "train" / "layout-trials").iterdir():  # each rank's own peak, not only rank 0's
+        memory = trial / "checkpoints" / "rank-memory"
+        assert sorted(path.name for path in memory.iterdir()) == ["rank-0.json", "rank-1.json"], trial
 
 
 @pytest.mark.usefixtures("prefect_harness")

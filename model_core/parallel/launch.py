@@ -36,6 +36,9 @@ from model_core.parallel.layout import Layout, ParallelConfigError
 from params.schema import PipelineParams
 
 LOG_TAIL_LINES = 40
+# Each rank of `llmflow train` under msrun leaves its peak memory in <checkpoint dir>/RANK_MEMORY/rank-<r>.json:
+# rank 0 alone reports metrics, and the busiest rank is often another (a pipeline's first stage, say).
+RANK_MEMORY = "rank-memory"
 _WORKER_FAILED = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
 # The scheduler's word for a rank whose heartbeats stopped: its node died or lost the network.
 _RANK_LOST = re.compile(r"The node: (\d+) is timed out")

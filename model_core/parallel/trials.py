@@ -7,8 +7,8 @@ recompute for those degrees. Every trial keeps the params' micro-batch (the one 
 global batch, by setting train.grad_accum_steps, so the layout written trains the same run (params/identity.py:
 a layout changes how fast, not what); degrees that cannot keep the global batch are listed with the reason.
 A trial is `llmflow train` of `steps` steps under msrun with a metrics record every step: its tokens/s is the
-median over the steps after the first (which compiles the step), its peak memory that of rank 0 (the rank
-that reports metrics), beside the planner's estimate for the busiest rank.
+median over the steps after the first (which compiles the step), its peak memory each rank's own (every rank
+leaves it beside the checkpoints), the busiest one shown beside the planner's estimate for the busiest rank.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from model_core.parallel.launch import LaunchError, launch_training
+from model_core.parallel.launch import RANK_MEMORY, LaunchError, launch_training
 from model_core.parallel.planner import GIB, Estimate, Plan
 from params.loading import to_yaml
 from params.schema import PipelineParams
@@ -34,8 +34,13 @@ class LayoutTrial:
     estimate: Estimate
     params: PipelineParams | None
     tokens_per_second: float | None = None
-    peak_memory_bytes: int | None = None
+    rank_peak_bytes: tuple[int, ...] = ()  # each rank's peak memory, rank 0 first
     problem: str | None = None
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        """The busiest rank's peak."""
+        return max(self.rank_peak_bytes) if self.rank_peak_bytes else None
 
 
 def layout_params(params: PipelineParams, estimate: Estimate) -> PipelineParams:
@@ -106,8 +111,18 @@ def _measure(layout: PipelineParams, found: Estimate, steps: int, directory: Pat
     speeds = sorted(record["tokens_per_second"] for record in records if record["step"] > 1)
     if not speeds:
         return LayoutTrial(found, layout, problem=f"no metrics after step 1 in {metrics}")
-    peak = max(int(record["peak_memory_bytes"]) for record in records)
-    return LayoutTrial(found, layout, speeds[len(speeds) // 2], peak)
+    peaks = _rank_peaks(directory / "checkpoints", layout.parallel.world_size)
+    if peaks is None:
+        return LayoutTrial(found, layout, problem=f"not every rank left its peak memory in {directory / 'checkpoints'}")
+    return LayoutTrial(found, layout, speeds[len(speeds) // 2], peaks)
+
+
+def _rank_peaks(checkpoint_dir: Path, ranks: int) -> tuple[int, ...] | None:
+    """Each rank's peak memory as `llmflow train` leaves it under msrun, or None if a rank's file is missing."""
+    files = [checkpoint_dir / RANK_MEMORY / f"rank-{rank}.json" for rank in range(ranks)]
+    if not all(path.is_file() for path in files):
+        return None
+    return tuple(int(json.loads(path.read_text())["peak_memory_bytes"]) for path in files)
 
 
 def fastest(trials: list[LayoutTrial]) -> LayoutTrial | None:
@@ -118,14 +133,15 @@ def fastest(trials: list[LayoutTrial]) -> LayoutTrial | None:
 def _describe(trial: LayoutTrial) -> str:
     if trial.tokens_per_second is None:
         return f"no measurement: {trial.problem}"
-    return f"{trial.tokens_per_second:,.0f} tokens/s, rank 0 peak {trial.peak_memory_bytes / GIB:.2f} GiB"
+    peaks = ", ".join(f"{peak / GIB:.2f}" for peak in trial.rank_peak_bytes)
+    return f"{trial.tokens_per_second:,.0f} tokens/s, peak GiB by rank {peaks}"
 
 
 def format_trials_table(trials: list[LayoutTrial], steps: int) -> str:
-    """One row per candidate: layout, planned GiB of the busiest rank, measured tokens/s and rank 0's peak; the
-    fastest marked `*`; the reason of each candidate without a measurement below."""
+    """One row per candidate: layout, planned GiB of the busiest rank, measured tokens/s and the busiest rank's
+    measured peak; the fastest marked `*`; the reason of each candidate without a measurement below."""
     best = fastest(trials)
-    header = ["", "layout", "grad_accum", "planned GiB", "tokens/s", "peak GiB (rank 0)"]
+    header = ["", "layout", "grad_accum", "planned GiB", "tokens/s", "peak GiB (busiest rank)"]
     rows = []
     for trial in trials:
         measured = trial.tokens_per_second is not None

@@ -1,10 +1,15 @@
-"""What the machine reports about itself: the device kind and the peak memory of this run."""
+"""What the machine reports about itself: the device kind and the peak memory of this run (and of each rank)."""
 
 from __future__ import annotations
 
+import json
+import os
 import resource
+from pathlib import Path
 
 import mindspore as ms
+
+from model_core.parallel.launch import RANK_MEMORY
 
 
 def device_target() -> str:
@@ -35,3 +40,14 @@ def peak_rss_bytes() -> int:
     except OSError:
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # elsewhere: KiB on Linux, bytes on macOS
+
+
+def record_rank_peak_memory(checkpoint_dir: str | Path, rank: int) -> Path:
+    """This rank's peak memory as `<checkpoint_dir>/rank-memory/rank-<rank>.json`, written whole (temp, rename)."""
+    directory = Path(checkpoint_dir) / RANK_MEMORY
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"rank-{rank}.json"
+    partial = directory / f".rank-{rank}.json.{os.getpid()}"
+    partial.write_text(json.dumps({"rank": rank, "peak_memory_bytes": peak_memory_bytes()}) + "\n")
+    partial.replace(path)
+    return path
