@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -58,7 +59,8 @@ def free_port() -> int:
 def serve(uri: str, port: int) -> subprocess.Popen:
     server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--backend-store-uri", uri,
                                "--host", "127.0.0.1", "--port", str(port), "--workers", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)  # its uvicorn and job runner go down with it (`stop`)
     deadline = time.monotonic() + 300  # its first start migrates the store; slow on a busy machine
     while time.monotonic() < deadline:
         try:
@@ -66,8 +68,14 @@ def serve(uri: str, port: int) -> subprocess.Popen:
             return server
         except OSError:
             time.sleep(1)
-    server.kill()
+    stop(server)
     raise RuntimeError(f"mlflow server on port {port} did not answer within 300 s")
+
+
+def stop(server: subprocess.Popen) -> None:
+    """The server's whole process group: `mlflow server` starts uvicorn and a job runner that outlive it."""
+    os.killpg(server.pid, signal.SIGTERM)
+    server.wait(timeout=60)
 
 
 def page_text(url: str, screenshot: Path, wait_for: str) -> str:
@@ -109,7 +117,7 @@ def main() -> int:
         url = f"http://127.0.0.1:{port}/#/compare-runs?runs={json.dumps(runs)}&experiments={json.dumps(experiments)}"
         text = page_text(url, args.screenshot, "optimizer.lr")
     finally:
-        server.terminate()
+        stop(server)
     expected = {"optimizer.lr": [str(float(lr)) for lr in LEARNING_RATES]}
     for name in CHECKED_METRICS:
         expected[name] = [f"{client.get_run(run).data.metrics[name]:.4g}" for run in runs]  # as MLflow shows a loss
