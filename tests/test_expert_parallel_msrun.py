@@ -74,6 +74,7 @@ def test_dp2_ep2_zero1_trains_equal_to_one_process_and_checkpoints_whole_experts
     assert all(np.array_equal(loaded[name], weights[name]) for name in weights)
 
 
+@pytest.mark.extended  # four workers: ~2.5 min on 2 cores; dp2 x ep2 above runs by default
 def test_dp2_ep2_tp2_on_four_workers_trains_equal_to_one_process(dataset_dir, single_process, tmp_path):
     """tp splits attention and the dense blocks; every tp rank runs the same experts on the same tokens."""
     ranks = train_job(tmp_path, dataset_dir, *MOE, *EP2, "parallel.tensor_parallel=2", workers=4)

@@ -153,8 +153,14 @@ def lora_one_process(pretrained, tmp_path_factory):
     return _lora_run(cli, checkpoint, tmp_path_factory.mktemp("lora-one"), "train.grad_accum_steps=2")
 
 
+# dp2 ZeRO-1 and tp2 run by default; the other layouts' LoRA paths share their code and run with -m extended.
+EXTENDED_LORA_LAYOUTS = {"dp2-zero3", "pp2", "dp2-tp2-zero2"}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", LORA_LAYOUTS)
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED_LORA_LAYOUTS else []) for name in LORA_LAYOUTS]
+)
 def test_lora_under_every_layout_trains_the_same_adapters_as_one_process(layout, pretrained, lora_one_process, tmp_path):
     _, _, _, checkpoint, cli = pretrained
     _, *sets = LORA_LAYOUTS[layout]

@@ -47,6 +47,7 @@ def test_plan_try_writes_the_faster_layout(corpus_jsonl, tmp_path, capsys):
         assert sorted(path.name for path in memory.iterdir()) == ["rank-0.json", "rank-1.json"], trial
 
 
+@pytest.mark.extended  # the trials of the test above inside a pipeline run: ~4 min more
 @pytest.mark.usefixtures("prefect_harness")
 def test_pretrain_flow_trains_with_the_layout_its_trials_found_fastest(corpus_jsonl, tmp_path, mlflow_uri):
     from flows.pretrain import pretrain_flow
