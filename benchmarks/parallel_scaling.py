@@ -4,7 +4,8 @@ machine's cores.
 Every layout trains the same reference-size Llama (vocab 8000, hidden 512, 8 layers, 8 heads, FFN 1376,
 seq 256, tied) on the same global batch of 8 sequences (2048 tokens) with the real `Trainer`, fp32:
   dp1  one process, 2 threads;
-  dp2  two workers of 1 thread, each 4 sequences, gradients summed once per step;
+  dp2  two workers of 1 thread, each 4 sequences, the gradient sum inside the backward graph
+       (`parallel.overlap_gradient_reduction`, the default); `dp2_after`: the same, summed after the backward;
   tp2  two workers of 1 thread, each all 8 sequences and half of every large matrix;
   pp2  two workers of 1 thread, each 4 of the 8 layers, the 8 sequences as 4 micro-batches of 2 through
        the 1F1B schedule (`pp2_gpipe`: the same through GPipe).
@@ -12,14 +13,20 @@ tokens/s is the median over the steps after `--warmup` (the first compiles). The
 in communication is measured, not modelled: each multi-worker layout runs a second time with every
 collective replaced by the identity (same compute, no waiting on the other worker; its numbers are
 meaningless, its time is the compute alone), and share = 1 - compute-only step time / real step time;
-for a pipeline that share includes the stages' waiting on each other. The pipeline bubble is measured too:
+for a pipeline that share includes the stages' waiting on each other. A data-parallel layout also times its
+gradient sum alone (the same buckets, summed 5 times after training, median): the communication a step
+needs. What of it the step did not wait for is hidden: hidden = (compute alone + sum alone - step) / sum
+alone, clamped to [0, 1]. Tensor- and pipeline-parallel collectives sit inside the forward and backward,
+where the next operation needs their result, and have no separate sum to time: their share is the exposed
+one. The pipeline bubble is measured too:
 the trainer's `pipeline_bubble` (1 - compute time / wall time, summed over the stages, of a step's pass),
 median over the timed steps, next to the lock-step model's figure for the same schedule.
 
     python benchmarks/parallel_scaling.py [--steps 8] [--warmup 3] [--layouts dp1,pp2,...]
 
 The last line printed is one JSON object: tokens/s keyed by layout (`dp1`, `dp2`, `tp2`, `pp2`, `pp2_gpipe`),
-`communication_share` per multi-worker layout, and per pipeline layout `pipeline_bubble` and
+`communication_share` per multi-worker layout, per data-parallel layout `communication_seconds` (the gradient
+sum alone) and `hidden_share`, and per pipeline layout `pipeline_bubble` and
 `pipeline_sent_bytes` (what rank 0's stage sent its neighbour in a step's pass: each message goes only to the
 rank that needs it).
 """
@@ -45,6 +52,8 @@ MODEL = [
 LAYOUTS = {
     "dp1": (1, 2, ["train.micro_batch_size=8"]),
     "dp2": (2, 1, ["train.micro_batch_size=4", "parallel.data_parallel=2"]),
+    "dp2_after": (2, 1, ["train.micro_batch_size=4", "parallel.data_parallel=2",
+                         "parallel.overlap_gradient_reduction=false"]),
     "tp2": (2, 1, ["train.micro_batch_size=8", "parallel.tensor_parallel=2"]),
     "pp2": (2, 1, ["train.micro_batch_size=2", "parallel.pipeline_parallel=2", "parallel.micro_batches=4"]),
     "pp2_gpipe": (2, 1, ["train.micro_batch_size=2", "parallel.pipeline_parallel=2", "parallel.micro_batches=4",
@@ -69,16 +78,21 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="parallel-scaling-") as workdir:
         figures = measure(Path(workdir), args.steps, args.warmup, args.layouts.split(","))
-    print(f"{'layout':<10}{'tokens/s':>10}{'step s':>9}{'communication':>15}{'bubble':>9}{'modelled':>10}{'sent MB':>9}")
+    print(f"{'layout':<10}{'tokens/s':>10}{'step s':>9}{'communication':>15}{'sum s':>8}{'hidden':>8}"
+          f"{'bubble':>9}{'modelled':>10}{'sent MB':>9}")
     for name, result in figures.items():
         share, bubble = result.get("communication_share"), result.get("pipeline_bubble")
         cells = [f"{name:<10}{result['tokens_per_second']:>10.0f}{result['step_seconds']:>9.2f}"]
         cells.append(f"{'' if share is None else f'{share:.0%}':>15}")
+        alone, hidden = result.get("communication_seconds"), result.get("hidden_share")
+        cells.append(f"{'' if alone is None else f'{alone:.3f}':>8}{'' if hidden is None else f'{hidden:.0%}':>8}")
         if bubble is not None:
             cells.append(f"{bubble:>9.0%}{result['modelled_bubble']:>10.0%}{result['pipeline_sent_bytes'] / 1e6:>9.2f}")
         print("".join(cells))
     summary = {name: round(result["tokens_per_second"], 1) for name, result in figures.items()}
     summary["communication_share"] = {n: round(r["communication_share"], 3) for n, r in figures.items() if "communication_share" in r}
+    for key, digits in (("communication_seconds", 4), ("hidden_share", 3)):
+        summary[key] = {n: round(r[key], digits) for n, r in figures.items() if key in r}
     summary["pipeline_bubble"] = {n: round(r["pipeline_bubble"], 3) for n, r in figures.items() if "pipeline_bubble" in r}
     summary["pipeline_sent_bytes"] = {n: r["pipeline_sent_bytes"] for n, r in figures.items() if "pipeline_sent_bytes" in r}
     print(json.dumps(summary))
@@ -103,6 +117,10 @@ def measure(workdir: Path, steps: int, warmup: int, names: list[str]) -> dict[st
         if workers > 1:
             alone = median_step_seconds(run_layout(name, workers, dataset, workdir / f"{name}-alone", steps, True), warmup)
             figures[name]["communication_share"] = max(0.0, 1 - alone / step_seconds)
+            if "gradient_sum_seconds" in history[-1]:
+                summed = history[-1]["gradient_sum_seconds"]
+                figures[name]["communication_seconds"] = summed
+                figures[name]["hidden_share"] = min(1.0, max(0.0, (alone + summed - step_seconds) / summed))
         print(f"{name}: {figures[name]}", file=sys.stderr, flush=True)
     return figures
 
@@ -156,9 +174,33 @@ def run_worker(name: str, dataset: str, out: Path, steps: int, no_communication:
     trainer.save = lambda: None
     trainer.evaluate = lambda: float("nan")
     history = trainer.run().history
+    if trainer.dp_group.size > 1 and not no_communication:
+        history[-1]["gradient_sum_seconds"] = time_gradient_sum(trainer)
     if trainer.is_reporting:
         out.mkdir(parents=True, exist_ok=True)
         (out / "history.json").write_text(json.dumps(history))
+
+
+def time_gradient_sum(trainer, repeats: int = 5) -> float:
+    """Median seconds of one step's gradient sum over dp alone: the trainer's buffers in its buckets."""
+    import time
+
+    from mindspore import ParameterTuple
+
+    from model_core.parallel.data_parallel import GradientAllReduce
+
+    parallel = trainer.parallel
+    bucket_bytes = int(trainer.params.parallel.gradient_bucket_mb * 2**20)
+    summing = GradientAllReduce(ParameterTuple(parallel.accumulate.buffers), parallel.dp_group, bucket_bytes)
+    summing()  # compiles
+    seconds = []
+    for _ in range(repeats):
+        parallel.dp_group.all_reduce(parallel.accumulate.buffers[0][:1]).asnumpy()  # the ranks start together
+        start = time.perf_counter()
+        summing()
+        parallel.accumulate.buffers[0].asnumpy()  # waits for the graph
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
 
 
 def remove_communication(comm) -> None:

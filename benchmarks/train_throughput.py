@@ -7,6 +7,7 @@ Every variant runs in its own subprocess, so its peak RSS (VmHWM of that child, 
 
     python benchmarks/train_throughput.py                 # every variant, reference size, two rounds
     python benchmarks/train_throughput.py --variants torch-fp32,ours-fp32   # just the fp32 pair
+    python benchmarks/train_throughput.py --variants torch-fp32,ours-fp32,torch-compile-fp32   # + torch.compile
     python benchmarks/train_throughput.py --variant ours-fp32   # one variant in this process (JSON line)
     python benchmarks/train_throughput.py --variants torch-fp32,ours-fp32 --threads 1   # one kernel thread each
 
@@ -55,6 +56,7 @@ AUTOTUNED_AFTER = 31
 VARIANTS = {
     "torch-fp32": ("torch", "float32", False),
     "ours-fp32": ("ours", "float32", False),
+    "torch-compile-fp32": ("torch", "float32", False),
     "ours-fp32-spinning": ("ours", "float32", False),
     "torch-fp32-recompute": ("torch", "float32", True),
     "ours-fp32-recompute": ("ours", "float32", True),
@@ -66,6 +68,9 @@ VARIANTS = {
 # takes a whole core of the two from the kernels. Importing model_core sets MS_DEV_HOST_BLOCKING_RUN=1, which
 # runs the launch on the Python thread instead, so nothing spins; these variants turn it off to show the cost.
 SPINNING = {"ours-fp32-spinning"}
+# torch.compile (Inductor, C++ kernels built by the system compiler) of the same module, forward and backward: a
+# reference row, not a target; its first steps compile, which the warm-up leaves out.
+COMPILED = {"torch-compile-fp32"}
 
 
 def peak_rss_mb() -> float:
@@ -216,7 +221,7 @@ def torch_llama(torch, config: dict):
     return Llama
 
 
-def run_torch(dtype: str, recompute: bool, warmup: int, steps: int, threads: int | None) -> dict:
+def run_torch(dtype: str, recompute: bool, warmup: int, steps: int, threads: int | None, compiled: bool = False) -> dict:
     import torch
     import torch.utils.checkpoint
 
@@ -226,6 +231,8 @@ def run_torch(dtype: str, recompute: bool, warmup: int, steps: int, threads: int
     model = torch_llama(torch, REFERENCE)(recompute)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     vocab = REFERENCE["vocab_size"]
+    if compiled:
+        model = torch.compile(model)
 
     def step(i: int) -> float:
         inputs, labels = (torch.from_numpy(a.astype(np.int64)) for a in random_batch(i))
@@ -248,8 +255,10 @@ def run_variant(name: str, warmup: int, steps: int, threads: int | None) -> dict
     framework, dtype, recompute = VARIANTS[name]
     if name in SPINNING:
         os.environ["MS_DEV_HOST_BLOCKING_RUN"] = "0"  # before model_core's import sets its default
-    runner = run_ours if framework == "ours" else run_torch
-    result = runner(dtype, recompute, warmup, steps, threads)
+    if framework == "ours":
+        result = run_ours(dtype, recompute, warmup, steps, threads)
+    else:
+        result = run_torch(dtype, recompute, warmup, steps, threads, compiled=name in COMPILED)
     return {"variant": name, **result, "peak_rss_mb": round(peak_rss_mb())}
 
 

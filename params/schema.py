@@ -336,6 +336,19 @@ class ParallelParams(StrictModel):
         ">= pipeline_parallel. With pp=1 they act as extra gradient accumulation.",
     )
     pipeline_schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="Pipeline schedule.")
+    overlap_gradient_reduction: bool = Field(
+        True,
+        description="Sum the last micro-batch's gradients over dp (and tp, expert-dp where the layout sums them) "
+        "inside its backward graph, bucket by bucket as the backward finishes them, so the collectives can run "
+        "while earlier layers' gradients still compute; false sums after the backward. Same result either way. "
+        "Applies where gradients are summed once per step (ZeRO 0/1, no pipeline).",
+    )
+    gradient_bucket_mb: float = Field(
+        32,
+        gt=0,
+        description="Size of the flat buckets gradients are summed in, MiB: fewer, larger collectives against "
+        "an earlier start for the first bucket when the sum overlaps the backward.",
+    )
     layout_trial_steps: int | None = Field(
         None,
         ge=2,

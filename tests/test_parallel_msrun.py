@@ -125,8 +125,10 @@ def resumes_in_one_process(checkpoints: Path, single_process: dict, dataset_dir:
     assert_same_metrics(result.history, [r for r in single_process["history"] if r["step"] > 10])
 
 
-def zero_run(dataset_dir: Path, out: Path, stage: int) -> tuple[Path, list[dict]]:
-    return out, train_job(out, dataset_dir, "parallel.data_parallel=2", "parallel.micro_batches=2", f"parallel.zero_stage={stage}")
+def zero_run(dataset_dir: Path, out: Path, stage: int, *overrides: str) -> tuple[Path, list[dict]]:
+    return out, train_job(
+        out, dataset_dir, "parallel.data_parallel=2", "parallel.micro_batches=2", f"parallel.zero_stage={stage}", *overrides
+    )
 
 
 @pytest.fixture(scope="module")
@@ -149,12 +151,15 @@ def test_every_collective_matches_numpy_native_and_fallback_pynative_and_jit(tmp
         assert rank_result and all(rank_result.values()), [k for k, ok in rank_result.items() if not ok]
 
 
+@pytest.fixture(scope="module")
+def zero0_run(dataset_dir, tmp_path_factory):
+    # buckets of 64 KiB: the small model's gradients are summed in several of them, the table's alone
+    return zero_run(dataset_dir, tmp_path_factory.mktemp("dp2-zero0"), 0, "parallel.gradient_bucket_mb=0.0625")
+
+
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
 def test_dp2_matches_one_process_on_the_global_batch(dataset_dir, single_process, tmp_path, request, zero_stage):
-    if zero_stage:
-        _, ranks = request.getfixturevalue(f"zero{zero_stage}_run")
-    else:
-        ranks = train_job(tmp_path, dataset_dir, "parallel.data_parallel=2", "parallel.micro_batches=2")
+    _, ranks = request.getfixturevalue(f"zero{zero_stage}_run")
     for rank in ranks:
         assert_same_metrics(rank["history"], single_process["history"])
     held = [rank["moment_bytes"] for rank in ranks]
@@ -163,6 +168,21 @@ def test_dp2_matches_one_process_on_the_global_batch(dataset_dir, single_process
         assert sum(held) == full_moment_bytes and max(held) - min(held) <= 8  # halves, up to one element each
     else:
         assert held == [full_moment_bytes] * 2
+
+
+def test_dp2_sums_gradients_inside_the_backward_or_after_it_to_the_same_bits(zero0_run, dataset_dir, tmp_path):
+    """parallel.overlap_gradient_reduction (the default, `zero0_run`) sums the last micro-batch's gradients in its
+    backward graph, bucket by bucket; summed after the backward instead (in the same buckets), the job
+    gives the same losses, gradient norms and final weights, bit for bit."""
+    overlapped_out, overlapped = zero0_run
+    after = train_job(tmp_path, dataset_dir, "parallel.data_parallel=2", "parallel.micro_batches=2",
+                      "parallel.zero_stage=0", "parallel.gradient_bucket_mb=0.0625",
+                      "parallel.overlap_gradient_reduction=false")
+    assert_resumed_tail(overlapped, after, after=0)
+    for rank in (0, 1):
+        final = [np.load(out / "out" / f"rank{rank}_final.npz") for out in (overlapped_out, tmp_path)]
+        for name in final[0]:
+            np.testing.assert_array_equal(final[1][name], final[0][name], err_msg=name)
 
 
 def test_dp2_zero2_holds_half_the_gradient_buffers_of_zero1(zero1_run, zero2_run):

@@ -6,11 +6,18 @@ The gradients are *summed*, not averaged: the trainer scales each micro-batch's 
 gradient of the mean loss over the global batch, as one process training on all of it would compute.
 The sum runs over a few flat buckets (`bucket_bytes` each, parameters in model order) rather than one
 all-reduce per parameter: each collective has a fixed latency (~1 ms between two CPU workers).
+
+With `parallel.overlap_gradient_reduction` the sum of a step's last micro-batch is part of its backward graph
+(`AccumulateAndSumGradients`): each bucket, taken in the order the backward finishes gradients (last layers
+first), is summed as soon as its own gradients exist, so the graph runtime can run the collective while the
+backward of the earlier layers still computes, as Megatron's and PyTorch DDP's bucketed reducers do with
+backward hooks. The arithmetic is the same: (accumulated + last micro-batch's gradient), summed over the group.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import groupby
 
 import mindspore as ms
 import numpy as np
@@ -56,6 +63,54 @@ class GradientAllReduce(nn.Cell):
                 ops.assign(self.buffers[i], total[offset : offset + self.sizes[i]].reshape(self.shapes[i]))
                 offset += self.sizes[i]
         return True
+
+
+class AccumulateAndSumGradients(nn.Cell):
+    """The last micro-batch of a step: forward + backward, its gradients added to the buffers, and every buffer
+    that the layout sums summed over its groups inside the same graph, bucket by bucket in backward order.
+
+    `sums[i]` lists the groups buffer i is summed over, in order (a tp-partial gradient over tp, then over dp;
+    an expert's over its expert-dp group); an empty list only accumulates. Buffers with the same groups share
+    buckets of at most `bucket_bytes`."""
+
+    def __init__(self, accumulate: nn.Cell, sums: Sequence[Sequence[Group]], bucket_bytes: int) -> None:
+        super().__init__()
+        self.value_and_grad = accumulate.value_and_grad
+        self.buffers = accumulate.buffers
+        self.routed = accumulate.routed
+        self.shapes = tuple(tuple(b.shape) for b in self.buffers)
+        self.sizes = tuple(int(np.prod(shape)) for shape in self.shapes)
+        kinds: list[tuple[Group, ...]] = []
+        for groups in sums:
+            if tuple(groups) not in kinds:
+                kinds.append(tuple(groups))
+        self.kinds = nn.CellList([nn.CellList(list(groups)) for groups in kinds])
+        backward_order = range(len(self.buffers) - 1, -1, -1)  # the last layers' gradients are final first
+        buckets, self.accumulated_only = [], tuple(i for i in backward_order if not sums[i])
+        for kind, members in groupby(sorted((i for i in backward_order if sums[i]),
+                                            key=lambda i: (kinds.index(tuple(sums[i])), -i)),
+                                     key=lambda i: kinds.index(tuple(sums[i]))):
+            members = list(members)
+            nbytes = [self.sizes[i] * self.buffers[i].itemsize for i in members]
+            buckets += [(kind, tuple(members[j] for j in bucket)) for bucket in bucket_indices(nbytes, bucket_bytes)]
+        self.buckets = tuple(sorted(buckets, key=lambda bucket: -bucket[1][0]))
+
+    @ms.jit
+    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
+        outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale)
+        for kind, bucket in self.buckets:
+            flat = ops.cat([(self.buffers[i] + grads[i]).reshape(-1) for i in bucket])
+            for group in self.kinds[kind]:
+                flat = group.all_reduce(flat)
+            offset = 0
+            for i in bucket:
+                ops.assign(self.buffers[i], flat[offset : offset + self.sizes[i]].reshape(self.shapes[i]))
+                offset += self.sizes[i]
+        for i in self.accumulated_only:
+            ops.assign_add(self.buffers[i], grads[i])
+        if self.routed:
+            return outputs[1], outputs[2]
+        return outputs[1]
 
 
 def sum_over(group: Group, values: Sequence[float]) -> list[float]:

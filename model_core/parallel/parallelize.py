@@ -36,7 +36,7 @@ from model_core.model.weights import WeightMismatchError, load_weights, model_we
 from model_core.optim.adamw import AdamW
 from model_core.optim.step import AccumulateGradients, ApplyGradients, SummedTokenLoss, ZeroGradients
 from model_core.parallel import comm
-from model_core.parallel.data_parallel import GradientAllReduce
+from model_core.parallel.data_parallel import AccumulateAndSumGradients, GradientAllReduce
 from model_core.parallel.expert import expert_block, expert_parallel, expert_parallel_optimizer, gather_experts
 from model_core.parallel.gradient_norm import ParallelGradientNorm
 from model_core.parallel.layout import Layout, ParallelConfigError
@@ -256,6 +256,14 @@ def parallelize(
     partial = [buffer for buffer, i in zip(accumulate.buffers, owners) if table[weight_names[i]].tp_partial]
     dense_buffers = ParameterTuple([buffer for buffer, i in zip(accumulate.buffers, owners) if i not in experts])
     expert_buffers = ParameterTuple([buffer for buffer, i in zip(accumulate.buffers, owners) if i in experts])
+    bucket_bytes = int(params.parallel.gradient_bucket_mb * 2**20)
+    sums = [
+        [tp_group] * table[weight_names[i]].tp_partial
+        + ([expert_dp_group] * (expert_dp_group.size > 1) if i in experts else [dp_group] * summed_once_per_step)
+        for i in owners
+    ]
+    # ZeRO-2 reduce-scatters every micro-batch inside its own graph already; a pipeline sums after its schedule.
+    overlapped = params.parallel.overlap_gradient_reduction and pipeline is None and zero_stage != 2 and any(sums)
     return Parallelized(
         model=model,
         table=table,
@@ -270,10 +278,13 @@ def parallelize(
         loss=loss,
         optimizer=optimizer,
         norm=norm,
-        sum_gradients=GradientAllReduce(dense_buffers, dp_group) if summed_once_per_step else None,
-        sum_expert_gradients=GradientAllReduce(expert_buffers, expert_dp_group)
-        if expert_buffers and expert_dp_group.size > 1 else None,
-        sum_partial_gradients=GradientAllReduce(ParameterTuple(partial), tp_group) if partial else None,
+        accumulate_and_sum=AccumulateAndSumGradients(accumulate, sums, bucket_bytes) if overlapped else None,
+        sum_gradients=GradientAllReduce(dense_buffers, dp_group, bucket_bytes)
+        if summed_once_per_step and not overlapped else None,
+        sum_expert_gradients=GradientAllReduce(expert_buffers, expert_dp_group, bucket_bytes)
+        if expert_buffers and expert_dp_group.size > 1 and not overlapped else None,
+        sum_partial_gradients=GradientAllReduce(ParameterTuple(partial), tp_group, bucket_bytes)
+        if partial and not overlapped else None,
         micro_batches_per_pass=params.parallel.micro_batches,
     )
 
@@ -287,7 +298,7 @@ class Parallelized:
     and `load_weights` speak whole tensors by path (this rank's tp block and stage), as checkpoints do."""
 
     def __init__(self, *, model, table, layout, rank, dp_group, ep_group, adaptation, pipeline, zero3, accumulate,
-                 loss, optimizer, norm, sum_gradients, sum_expert_gradients, sum_partial_gradients,
+                 loss, optimizer, norm, accumulate_and_sum, sum_gradients, sum_expert_gradients, sum_partial_gradients,
                  micro_batches_per_pass) -> None:
         self.model, self.table, self.layout, self.rank = model, table, layout, rank
         self.dp_group, self.ep_group = dp_group, ep_group
@@ -297,6 +308,7 @@ class Parallelized:
         self.pipeline, self.zero3 = pipeline, zero3
         self.accumulate, self.loss, self.optimizer, self.norm = accumulate, loss, optimizer, norm
         self.sum_gradients, self.sum_partial_gradients = sum_gradients, sum_partial_gradients
+        self.accumulate_and_sum = accumulate_and_sum  # the last micro-batch, with the sums in its backward
         self.micro_batches_per_pass = micro_batches_per_pass
         self.stage = layout.coordinates(rank).pp
         self.offload = optimizer if isinstance(optimizer, OffloadedOptimizer) else None
@@ -319,8 +331,11 @@ class Parallelized:
             summed = sum(self.pipeline.run(one, scale) for one in passes)
         else:
             summed = 0.0
-            for batch in micro_batches:
-                out = self.accumulate(*batch.inputs(), scale)
+            steps = [self.accumulate] * len(micro_batches)
+            if self.accumulate_and_sum is not None:
+                steps[-1] = self.accumulate_and_sum
+            for step, batch in zip(steps, micro_batches):
+                out = step(*batch.inputs(), scale)
                 if getattr(self.accumulate, "routed", False):  # an MoE model also returns its routing statistics
                     out, routing = out
                     self._routing = routing.asnumpy() + (self._routing if self._routing is not None else 0.0)
