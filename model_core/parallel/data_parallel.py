@@ -12,6 +12,9 @@ With `parallel.overlap_gradient_reduction` the sum of a step's last micro-batch 
 first), is summed as soon as its own gradients exist, so the graph runtime can run the collective while the
 backward of the earlier layers still computes, as Megatron's and PyTorch DDP's bucketed reducers do with
 backward hooks. The arithmetic is the same: (accumulated + last micro-batch's gradient), summed over the group.
+A communication thread has no such place to start from: the backward is one compiled graph, so its gradients
+reach Python together when it ends; a thread could only sum the earlier micro-batches' gradients while the
+last one computes, moving twice the bytes in another summation order.
 """
 
 from __future__ import annotations
