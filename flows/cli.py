@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from model_core.parallel.launch import LaunchError
+from model_core.parallel.launch import COLLECTIVE_TIMEOUT_S, LaunchError
 from params import ParamsError, PipelineParams, load_params, preset_names, to_yaml
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         # Data and weights are ready, so the ranks only reuse them; each rank runs this same command under msrun.
         cluster = {
             "nodes": args.nodes, "node_rank": args.node_rank, "master_addr": args.master_addr,
-            "node_timeout_s": args.node_timeout,
+            "node_timeout_s": args.node_timeout, "collective_timeout_s": args.collective_timeout,
         }
         rank_args = [*args.raw_args[1:], "--checkpoint-dir", str(checkpoints), "--resume", resume]
         launch_training(params, rank_args, checkpoints / "logs", master_port=args.master_port, **cluster)
@@ -571,6 +571,11 @@ def build_parser() -> argparse.ArgumentParser:
     scale_out.add_argument(
         "--node-timeout", type=int, default=15, metavar="SECONDS",
         help="fail the job when a node has been silent this long (default 15; MS_NODE_TIMEOUT, when set, wins)",
+    )
+    scale_out.add_argument(
+        "--collective-timeout", type=int, default=COLLECTIVE_TIMEOUT_S, metavar="SECONDS",
+        help=f"how long a rank waits inside a CPU collective for a late peer, e.g. one still compiling its first "
+        f"step (default {COLLECTIVE_TIMEOUT_S}; LLMFLOW_COLLECTIVE_TIMEOUT, when set, wins)",
     )
     train.set_defaults(handler=_cmd_train)
 

@@ -1,6 +1,7 @@
 """Worker programs that tests/test_parallel*.py start under msrun; each rank writes its findings as JSON.
 
     python tests/parallel_worker.py comm OUT_DIR
+    python tests/parallel_worker.py late OUT_DIR SECONDS
     python tests/parallel_worker.py train OUT_DIR DATASET_DIR [--resume PATH] [--set section.field=value ...]
 """
 
@@ -68,6 +69,21 @@ def check_comm(out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
 
 
+def late(out_dir: Path, seconds: str) -> None:
+    """Rank 1 reaches an all-reduce `seconds` after rank 0 (as a rank still compiling its first step would);
+    each rank writes the sum it got."""
+    import time
+
+    comm.init()
+    rank = comm.rank()
+    group = comm.group(range(comm.world_size()))
+    group.all_reduce(ms.Tensor(np.ones(2, np.float32)))  # both ranks are up
+    if rank == 1:
+        time.sleep(float(seconds))
+    summed = group.all_reduce(ms.Tensor(np.full(2, rank + 1, np.float32))).asnumpy()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(summed.tolist()))
+
+
 def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     """Train with params `tiny` + `--set` overrides, resuming from `--resume` (default: start fresh); write
     this rank's metrics history, held parameter, optimizer-state and gradient-buffer bytes (read back from the
@@ -99,4 +115,4 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
 if __name__ == "__main__":
     command, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
-    {"comm": check_comm, "train": train}[command](out, *sys.argv[3:])
+    {"comm": check_comm, "late": late, "train": train}[command](out, *sys.argv[3:])

@@ -87,6 +87,8 @@ def test_invalid_layouts_fail_before_anything_is_launched(tmp_path):
         launch(["-c", "pass"], 3, tmp_path / "logs", nodes=2)
     with pytest.raises(ParallelConfigError, match="node timeout 0 s"):
         launch(["-c", "pass"], 2, tmp_path / "logs", node_timeout_s=0)
+    with pytest.raises(ParallelConfigError, match="collective timeout 10 s is shorter than the node timeout 15 s"):
+        launch(["-c", "pass"], 2, tmp_path / "logs", node_timeout_s=15, collective_timeout_s=10)
     assert not (tmp_path / "logs").exists()
 
 

@@ -151,6 +151,15 @@ def test_every_collective_matches_numpy_native_and_fallback_pynative_and_jit(tmp
         assert rank_result and all(rank_result.values()), [k for k, ok in rank_result.items() if not ok]
 
 
+def test_a_rank_late_to_a_collective_by_more_than_the_node_timeout_is_waited_for(tmp_path):
+    """MindSpore's CPU collectives give up on a late peer after MS_NODE_TIMEOUT, which the launcher keeps short
+    for its scheduler: a rank 12 s late (as one compiling its first graph can be) would fail a job whose node
+    timeout is 5 s. The ranks wait for the collective timeout instead, and the sum arrives."""
+    launch([WORKER, "late", str(tmp_path / "out"), "12"], 2, tmp_path / "logs", node_timeout_s=5,
+           collective_timeout_s=60, echo=io.StringIO())
+    assert [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)] == [[3.0, 3.0]] * 2
+
+
 @pytest.fixture(scope="module")
 def zero0_run(dataset_dir, tmp_path_factory):
     # buckets of 64 KiB: the small model's gradients are summed in several of them, the table's alone

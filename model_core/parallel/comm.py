@@ -63,11 +63,19 @@ def is_initialised() -> bool:
     return bool(GlobalComm.INITED)
 
 
+# Set by the launcher: the seconds a rank waits inside a CPU collective for a late peer (see parallel/launch.py).
+COLLECTIVE_TIMEOUT_ENV = "LLMFLOW_COLLECTIVE_TIMEOUT"
+
+
 def init() -> None:
-    """Join the msrun job (idempotent)."""
+    """Join the msrun job (idempotent). MindSpore's CPU collectives read their wait for a late peer from
+    MS_NODE_TIMEOUT, which the launcher keeps short for its scheduler: the rank's own wait replaces it here,
+    before the collectives are first made."""
     if not is_initialised():
         from mindspore.communication import init as init_communication
 
+        if COLLECTIVE_TIMEOUT_ENV in os.environ:
+            os.environ["MS_NODE_TIMEOUT"] = os.environ[COLLECTIVE_TIMEOUT_ENV]
         init_communication()
 
 

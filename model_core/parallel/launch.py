@@ -13,6 +13,13 @@ Multi-node: run the same `launch` on every node with `nodes`, that node's `node_
 processes die or whose network goes is noticed by the scheduler (on node 0) after `node_timeout_s` without
 its heartbeats; the job then stops on every node. Each node notes its host name and address in the log
 directory (shared by the nodes, like the checkpoints), so node 0 can say which machine was lost.
+
+MindSpore reads one variable, MS_NODE_TIMEOUT, for two waits: the scheduler's for a silent node, and on the CPU
+backend a rank's, inside every collective, for a peer that has not arrived yet. A peer compiling its first
+graph of a pipeline stage, or a busy machine, can be late by far more than a node may stay silent, so the
+scheduler gets `node_timeout_s` and the ranks `collective_timeout_s` (`comm.init` applies it in each rank
+before MindSpore's collectives read it). A lost node is then found by the scheduler alone, and the job is
+stopped at once, not after a rank's collective gives up.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from typing import TextIO
 
 import psutil
 
+from model_core.parallel import comm
 from model_core.parallel.layout import Layout, ParallelConfigError
 from params.schema import PipelineParams
 
@@ -42,6 +50,8 @@ RANK_MEMORY = "rank-memory"
 _WORKER_FAILED = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
 # The scheduler's word for a rank whose heartbeats stopped: its node died or lost the network.
 _RANK_LOST = re.compile(r"The node: (\d+) is timed out")
+# How long a rank waits inside a CPU collective for a late peer (PyTorch's process groups wait 10 minutes).
+COLLECTIVE_TIMEOUT_S = 600
 
 
 class LaunchError(RuntimeError):
@@ -51,7 +61,8 @@ class LaunchError(RuntimeError):
 def launch_training(params: PipelineParams, cli_args: Sequence[str], log_dir: str | Path, **cluster) -> None:
     """Run `python -m flows.cli train <cli_args>` on params.parallel.world_size ranks (what `llmflow train`
     does when that is more than 1). The layout is checked first, so a bad one fails before anything starts.
-    `cluster`: launch's nodes, node_rank, master_addr, master_port, grace_s."""
+    `cluster`: launch's nodes, node_rank, master_addr, master_port, grace_s, node_timeout_s,
+    collective_timeout_s."""
     world_size = params.parallel.world_size
     Layout.from_params(params, world_size)
     launch(["-m", "flows.cli", "train", *cli_args], world_size, log_dir, **cluster)
@@ -69,6 +80,15 @@ class _Process:
 class _Watch:
     processes: dict[int, _Process] = field(default_factory=dict)
     first_exit: float | None = None
+    scheduler_checked: float = 0.0
+
+    def lost_node(self, scheduler_log: Path) -> bool:
+        """Whether this node's scheduler (node 0 runs it) has given up on a silent node; read once a second."""
+        now = time.monotonic()
+        if now - self.scheduler_checked < 1.0 or not scheduler_log.exists():
+            return False
+        self.scheduler_checked = now
+        return _RANK_LOST.search(scheduler_log.read_text(errors="replace")) is not None
 
 
 def launch(
@@ -83,6 +103,7 @@ def launch(
     grace_s: float = 15.0,
     cluster_timeout_s: int = 120,
     node_timeout_s: int = 15,
+    collective_timeout_s: int = COLLECTIVE_TIMEOUT_S,
     echo: TextIO | None = None,
 ) -> None:
     """Run `python <python_args>` as `world_size / nodes` local ranks of a `world_size`-rank msrun job.
@@ -93,13 +114,20 @@ def launch(
     logging shows errors only (its INFO and WARNING lines are connection chatter), unless GLOG_v is set or
     LLMFLOW_DEBUG=1. `node_timeout_s`: how long the scheduler waits for a silent node before it fails the
     job (MindSpore's MS_NODE_TIMEOUT, used as given when set); MindSpore's own 30 s, plus the stop that
-    follows, is more than the half minute within which a lost host should fail the job."""
+    follows, is more than the half minute within which a lost host should fail the job.
+    `collective_timeout_s`: how long a rank waits in a CPU collective for a late peer (see the module docstring;
+    LLMFLOW_COLLECTIVE_TIMEOUT, when set, wins)."""
     if world_size < 1 or nodes < 1 or world_size % nodes:
         raise ParallelConfigError(f"world size {world_size} does not split evenly over {nodes} nodes")
     if not 0 <= node_rank < nodes:
         raise ParallelConfigError(f"node rank {node_rank} is outside 0..{nodes - 1}")
     if node_timeout_s < 1:
         raise ParallelConfigError(f"node timeout {node_timeout_s} s: a node must be given at least 1 s")
+    if collective_timeout_s < node_timeout_s:
+        raise ParallelConfigError(
+            f"collective timeout {collective_timeout_s} s is shorter than the node timeout {node_timeout_s} s: "
+            "a rank would give up on a live peer before the scheduler could find a lost one"
+        )
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     local = world_size // nodes
@@ -115,6 +143,7 @@ def launch(
     if quiet:
         env["GLOG_v"] = "3"  # MindSpore's log level: errors only
     env.setdefault("MS_NODE_TIMEOUT", str(node_timeout_s))
+    env.setdefault(comm.COLLECTIVE_TIMEOUT_ENV, str(collective_timeout_s))
     if nodes > 1:
         _note_this_node(log_dir, node_rank, master_addr)
     _set_aside_earlier_logs(log_dir, range(node_rank * local, (node_rank + 1) * local), node_rank == 0)
@@ -127,7 +156,10 @@ def launch(
     finally:
         _kill_all(msrun, watch)
     if not finished:
-        raise LaunchError(f"{_failed_process(msrun_log, watch, local)}\n(the job was killed {grace_s:.0f} s after that exit)")
+        reason = _failed_process(msrun_log, watch, local)
+        if watch.first_exit is not None:
+            reason += f"\n(the job was killed {grace_s:.0f} s after that exit)"
+        raise LaunchError(reason)
     if msrun.returncode != 0:
         raise LaunchError(_failed_process(msrun_log, watch, local))
 
@@ -145,6 +177,8 @@ def _supervise(
         _track(msrun.pid, watch, streamed.parent)
         if watch.first_exit is not None and time.monotonic() - watch.first_exit > grace_s:
             return False
+        if watch.lost_node(streamed.parent / "scheduler.log"):
+            return False  # the job cannot go on without that node's ranks: no grace to wait out
         time.sleep(0.2)
 
 
