@@ -63,7 +63,7 @@ class IntervalLog:
     """Metrics callback writing one line per logged record (every `train.log_interval` steps) to the Prefect run
     logger, so a run under `llmflow run` or a worker shows its progress on the console and in the Prefect UI:
 
-        pretrain step 120/400: loss 5.8123, lr 2.87e-04, 1,930 tokens/s, MFU 11.2%, ETA 4m31s
+        pretrain step 120/400: loss 5.8123, lr 2.87e-04, 1,930 tokens/s, MFU 11.2% of measured 0.312 TFLOP/s, ETA 4m31s
 
     The ETA extrapolates the step rate measured since the first record, which leaves out compiling."""
 
@@ -76,7 +76,7 @@ class IntervalLog:
         now, step = time.monotonic(), int(record["step"])
         parts = [f"loss {record['loss']:.4f}", f"lr {record['lr']:.2e}", f"{record['tokens_per_second']:,.0f} tokens/s"]
         if "mfu" in record:
-            parts.append(f"MFU {record['mfu']:.1%}")
+            parts.append(f"MFU {record['mfu']:.1%}{peak_words(record)}")
         if "validation_loss" in record:
             parts.append(f"validation loss {record['validation_loss']:.4f}")
         if self.first is None:
@@ -85,6 +85,14 @@ class IntervalLog:
             seconds_per_step = (now - self.first[0]) / (step - self.first[1])
             parts.append(f"ETA {duration(seconds_per_step * (self.final_step - step))}")
         self.logger.info(f"{self.stage} step {step}/{self.final_step}: {', '.join(parts)}")
+
+
+def peak_words(record: dict[str, float]) -> str:
+    """' of measured 0.312 TFLOP/s' (or 'datasheet'): the peak a record's MFU divides by, where the record has it."""
+    if "mfu_peak_flops" not in record:
+        return ""
+    source = "measured" if record.get("mfu_peak_measured") else "datasheet"
+    return f" of {source} {record['mfu_peak_flops'] / 1e12:.3g} TFLOP/s"
 
 
 class StageFigures(BaseModel):

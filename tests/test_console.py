@@ -30,7 +30,7 @@ class _Said:
 
 
 def test_interval_log_says_step_loss_lr_speed_mfu_and_an_eta_from_the_measured_rate(monkeypatch):
-    clock = iter([100.0, 110.0, 130.0])
+    clock = iter([100.0, 110.0, 130.0, 140.0, 150.0])
     monkeypatch.setattr("tasks.progress.time.monotonic", lambda: next(clock))
     said = _Said()
     log = IntervalLog("pretrain", 100, logger=said)
@@ -38,7 +38,11 @@ def test_interval_log_says_step_loss_lr_speed_mfu_and_an_eta_from_the_measured_r
     log({"step": 10, **record, "mfu": 0.112})
     log({"step": 20, **record, "validation_loss": 6.01})
     log({"step": 40, **record})
+    log({"step": 50, **record, "mfu": 0.112, "mfu_peak_flops": 3.12e11, "mfu_peak_measured": 1.0})
+    log({"step": 60, **record, "mfu": 0.05, "mfu_peak_flops": 989.5e12, "mfu_peak_measured": 0.0})
     assert said.lines[0] == "pretrain step 10/100: loss 5.8123, lr 2.87e-04, 1,930 tokens/s, MFU 11.2%"
+    assert "MFU 11.2% of measured 0.312 TFLOP/s," in said.lines[3]
+    assert "MFU 5.0% of datasheet 990 TFLOP/s," in said.lines[4]
     assert said.lines[1] == "pretrain step 20/100: loss 5.8123, lr 2.87e-04, 1,930 tokens/s, validation loss 6.0100, ETA 1m20s"
     assert said.lines[2].endswith("ETA 1m00s")  # 30 s for the 30 steps since the first record, 60 to go
 

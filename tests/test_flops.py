@@ -71,5 +71,5 @@ def test_mfu_is_achieved_over_peak_and_none_without_a_peak():
 
 def test_this_machine_is_a_measured_cpu(monkeypatch):
     monkeypatch.setattr(flops, "_measured_cpu_peak", lambda: 3e11)
-    assert flops.peak_flops_for_current_device("float32") == 3e11
+    assert flops.peak_flops_for_current_device("float32") == flops.Peak(3e11, measured=True)
     assert flops.peak_flops_for_current_device("bfloat16") is None

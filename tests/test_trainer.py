@@ -20,6 +20,7 @@ from model_core.data import prepare_dataset
 from model_core.model.weights import model_weights
 from model_core.storage import read_weights
 from model_core.train import checkpoint as ckpt
+from model_core.train.flops import flops_per_token
 from model_core.train.precision import PrecisionError
 from model_core.train.trainer import NonFiniteError, ResumeError, Trainer
 from params import load_params
@@ -50,6 +51,10 @@ def test_loss_falls_and_metrics_are_complete(dataset_dir, tmp_path):
     last = records[-1]
     assert {"loss", "lr", "grad_norm", "tokens_per_second", "peak_memory_bytes", "loss_scale", "skipped_steps", "mfu"} <= last.keys()
     assert last["tokens_per_second"] > 0 and last["peak_memory_bytes"] > 100e6 and 0 < last["mfu"] < 1
+    # On CPU the MFU divides by the matmul peak measured on this machine, and the record says so.
+    assert last["mfu_peak_measured"] == 1.0 and last["mfu_peak_flops"] > 1e8
+    per_token = flops_per_token(params.model)
+    assert last["mfu"] == pytest.approx(last["tokens_per_second"] * per_token / last["mfu_peak_flops"])
     assert "validation_loss" in records[19] and records[39]["validation_loss"] < records[19]["validation_loss"]
     assert last["lr"] == pytest.approx(params.optimizer.min_lr)
     assert result.checkpoint.name == "step-00000040" and ckpt.verify(ckpt.Checkpoint(result.checkpoint, 40)) is None

@@ -23,6 +23,7 @@ import functools
 import shutil
 import subprocess
 import time
+from typing import NamedTuple
 
 import mindspore as ms
 import numpy as np
@@ -78,6 +79,14 @@ def flops_per_token(model: ModelParams, include_embeddings: bool = False) -> flo
     return float(6 * matmul_parameters + attention)
 
 
+class Peak(NamedTuple):
+    """The peak FLOP/s MFU divides by, and where it comes from: `measured` on this machine (the CPU's compiled fp32
+    matmul, `measure_cpu_matmul_flops`) or a vendor's datasheet (`_HALF_PRECISION_PEAK`)."""
+
+    flops: float
+    measured: bool
+
+
 def peak_flops(device: str, dtype: str) -> float | None:
     """Peak FLOP/s of one device for matmuls in `dtype`, or None when not known.
 
@@ -92,16 +101,19 @@ def peak_flops(device: str, dtype: str) -> float | None:
     return None
 
 
-def peak_flops_for_current_device(dtype: str) -> float | None:
-    """`peak_flops` of the device MindSpore targets: the measured CPU, a listed NVIDIA GPU, else None."""
+def peak_flops_for_current_device(dtype: str) -> Peak | None:
+    """`peak_flops` of the device MindSpore targets and whether it was measured: the CPU's measured matmul
+    rate, a listed NVIDIA GPU's datasheet figure, else None."""
     target = ms.get_context("device_target")
     if target == "CPU":
-        return peak_flops("cpu", dtype)
+        flops = peak_flops("cpu", dtype)
+        return Peak(flops, measured=True) if flops is not None else None
     if target == "GPU" and shutil.which("nvidia-smi"):
         query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "--id=0"]
         name = subprocess.run(query, capture_output=True, text=True, check=False).stdout.strip()
         device = _NVIDIA_NAMES.get(name)
-        return peak_flops(device, dtype) if device else None
+        flops = peak_flops(device, dtype) if device else None
+        return Peak(flops, measured=False) if flops is not None else None
     return None
 
 

@@ -134,7 +134,7 @@ class Trainer:
         self.last_lr = 0.0
         self.last_routing: dict[str, float] = {}  # a mixture-of-experts model's routing metrics of the last step
         self.flops_per_token = flops_per_token(params.model)
-        self.peak_flops = peak_flops_for_current_device(params.precision.compute_dtype)
+        self.peak = peak_flops_for_current_device(params.precision.compute_dtype)
 
     # ------------------------------------------------------------------------------------------ resume
 
@@ -303,9 +303,10 @@ class Trainer:
             "loss_scale": self.loss_scale.scale,
             "skipped_steps": self.counters.skipped,
         }
-        utilisation = mfu(tokens_per_second, self.flops_per_token, self.peak_flops)
-        if utilisation is not None:
-            record["mfu"] = utilisation
+        if self.peak is not None:  # MFU with the peak it divides by: measured on this machine (1.0) or a datasheet's (0.0)
+            record["mfu"] = mfu(tokens_per_second, self.flops_per_token, self.peak.flops)
+            record["mfu_peak_flops"] = self.peak.flops
+            record["mfu_peak_measured"] = float(self.peak.measured)
         record.update(self.last_routing)
         offload = self.parallel.offload
         if offload is not None:  # of the last update: moments read from and written to the file, and the staging time
