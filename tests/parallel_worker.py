@@ -2,6 +2,7 @@
 
     python tests/parallel_worker.py comm OUT_DIR
     python tests/parallel_worker.py late OUT_DIR SECONDS
+    python tests/parallel_worker.py freeze OUT_DIR
     python tests/parallel_worker.py train OUT_DIR DATASET_DIR [--resume PATH] [--set section.field=value ...]
 """
 
@@ -84,6 +85,20 @@ def late(out_dir: Path, seconds: str) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(summed.tolist()))
 
 
+def freeze(out_dir: Path) -> None:
+    """Rank 1 stops (SIGSTOP: alive, but silent, as a rank on a host that lost the network) while rank 0 waits
+    for it in an all-reduce."""
+    import os
+    import signal
+
+    comm.init()
+    group = comm.group(range(comm.world_size()))
+    group.all_reduce(ms.Tensor(np.ones(2, np.float32)))  # both ranks are up
+    if comm.rank() == 1:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    group.all_reduce(ms.Tensor(np.ones(2, np.float32)))
+
+
 def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     """Train with params `tiny` + `--set` overrides, resuming from `--resume` (default: start fresh); write
     this rank's metrics history, held parameter, optimizer-state and gradient-buffer bytes (read back from the
@@ -115,4 +130,4 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
 if __name__ == "__main__":
     command, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
-    {"comm": check_comm, "late": late, "train": train}[command](out, *sys.argv[3:])
+    {"comm": check_comm, "freeze": freeze, "late": late, "train": train}[command](out, *sys.argv[3:])

@@ -160,6 +160,16 @@ def test_a_rank_late_to_a_collective_by_more_than_the_node_timeout_is_waited_for
     assert [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)] == [[3.0, 3.0]] * 2
 
 
+def test_a_silent_rank_stops_the_job_when_the_scheduler_gives_up_on_it(tmp_path):
+    """A rank that stops answering without exiting (as one behind a lost network does) is found by the scheduler
+    after the node timeout, not by its peer's collective, which waits far longer: the job stops then, naming it."""
+    started = time.monotonic()
+    with pytest.raises(LaunchError, match="rank 1 on node 0 stopped answering the job's scheduler") as failed:
+        launch([WORKER, "freeze", str(tmp_path / "out")], 2, tmp_path / "logs", node_timeout_s=5,
+               collective_timeout_s=300, echo=io.StringIO())
+    assert time.monotonic() - started < 200, failed.value  # the peer's collective alone would wait 300 s
+
+
 @pytest.fixture(scope="module")
 def zero0_run(dataset_dir, tmp_path_factory):
     # buckets of 64 KiB: the small model's gradients are summed in several of them, the table's alone

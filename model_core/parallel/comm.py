@@ -69,12 +69,13 @@ COLLECTIVE_TIMEOUT_ENV = "LLMFLOW_COLLECTIVE_TIMEOUT"
 
 def init() -> None:
     """Join the msrun job (idempotent). MindSpore's CPU collectives read their wait for a late peer from
-    MS_NODE_TIMEOUT, which the launcher keeps short for its scheduler: the rank's own wait replaces it here,
-    before the collectives are first made."""
+    MS_NODE_TIMEOUT, which the launcher keeps short for its scheduler: a rank's own wait replaces it here,
+    before the collectives are first made. msrun's scheduler runs this same program (MS_ROLE=MS_SCHED) and
+    keeps the node timeout."""
     if not is_initialised():
         from mindspore.communication import init as init_communication
 
-        if COLLECTIVE_TIMEOUT_ENV in os.environ:
+        if COLLECTIVE_TIMEOUT_ENV in os.environ and os.environ.get("MS_ROLE") != "MS_SCHED":
             os.environ["MS_NODE_TIMEOUT"] = os.environ[COLLECTIVE_TIMEOUT_ENV]
         init_communication()
 

@@ -308,9 +308,22 @@ def _copy_new_text(path: Path, offset: int, echo: TextIO, quiet: bool = False, w
 
 
 def _kill_all(msrun: subprocess.Popen, watch: _Watch) -> None:
-    """SIGKILL what is left of the job: each worker's session, then msrun's group (scheduler included)."""
-    for pid, process in watch.processes.items():
+    """SIGKILL what is left of the job: each worker's session, then (once the workers are gone) the scheduler and
+    msrun's group. The workers go first so that they, not the scheduler, close the connections: the side that
+    closes first holds its port in TIME_WAIT for a minute, and the scheduler's port is the one a rerun of the
+    job (`--resume auto`) binds again at once."""
+    ranks = {pid: process for pid, process in watch.processes.items() if process.role != "scheduler"}
+    for pid, process in ranks.items():
         if _alive(pid, process):
+            try:
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+    deadline = time.monotonic() + 5.0
+    while any(_alive(pid, process) for pid, process in ranks.items()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for pid, process in watch.processes.items():
+        if process.role == "scheduler" and _alive(pid, process):
             try:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
