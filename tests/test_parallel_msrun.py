@@ -60,18 +60,20 @@ def single_process(dataset_dir, tmp_path_factory):
     }
 
 
-def run_workers(tmp_path, *args: str, workers: int = 2) -> list[dict]:
+def run_workers(tmp_path, *args: str, workers: int = 2, node_timeout_s: int = 15) -> list[dict]:
     echo = io.StringIO()
-    launch([WORKER, *args], workers, tmp_path / "logs", grace_s=10, echo=echo)
+    launch([WORKER, *args], workers, tmp_path / "logs", grace_s=10, echo=echo, node_timeout_s=node_timeout_s)
     return [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(workers)]
 
 
-def train_job(out: Path, dataset_dir: Path, *overrides: str, resume: Path | None = None, workers: int = 2) -> list[dict]:
-    """A training job of RUN + overrides on `workers` msrun workers (from `resume` if given); each rank's report."""
+def train_job(out: Path, dataset_dir: Path, *overrides: str, resume: Path | None = None, workers: int = 2,
+              node_timeout_s: int = 15) -> list[dict]:
+    """A training job of RUN + overrides on `workers` msrun workers (from `resume` if given); each rank's report.
+    `node_timeout_s` (the launcher's) also bounds how long a CPU collective waits for the other ranks."""
     options = [a for o in (*RUN, f"train.output_dir={out}", *overrides) for a in ("--set", o)]
     if resume is not None:
         options += ["--resume", str(resume)]
-    return run_workers(out, "train", str(out / "out"), str(dataset_dir), *options, workers=workers)
+    return run_workers(out, "train", str(out / "out"), str(dataset_dir), *options, workers=workers, node_timeout_s=node_timeout_s)
 
 
 SHORT = "train.steps=8"  # runs that bring their own reference: fewer steps than the shared 20-step one
