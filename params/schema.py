@@ -219,6 +219,21 @@ class MoEParams(StrictModel):
         "first choices before second ones and in token order within each; a choice past that is dropped "
         "(it adds nothing; the token keeps its residual)."
     )
+    router_jitter: float = Field(
+        0.0, description="eps of the router's input jitter in training (Switch Transformer; Hugging Face Mixtral's "
+        "router_jitter_noise): each element of a token's router input is multiplied by a draw from uniform "
+        "[1 - eps, 1 + eps], keyed by (train.seed, optimizer step, the row's place in the step's global batch), "
+        "so a resumed run draws the same noise; never in evaluation or generation. 0: off. 0 <= eps < 1."
+    )
+
+    @model_validator(mode="after")
+    def _jitter_in_range(self) -> MoEParams:
+        if not 0.0 <= self.router_jitter < 1.0:
+            raise ValueError(
+                f"model.moe.router_jitter={self.router_jitter} must be at least 0 and below 1 (the noise factor "
+                f"ranges over [1 - {self.router_jitter}, 1 + {self.router_jitter}], which must stay positive)"
+            )
+        return self
 
     def capacity(self, tokens: int) -> int:
         """Slots each expert has for a micro-batch of `tokens` tokens (the rule `capacity_factor` states)."""

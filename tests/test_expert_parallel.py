@@ -93,6 +93,8 @@ def test_the_planner_shares_expert_parameters_over_ep_and_counts_the_all_to_all_
     assert all_to_all_bytes_per_step(params, 1) == 0
     assert all_to_all_bytes_per_step(params, 2) == 4 * 2 * buffer // 2  # 4 all-to-alls x 2 blocks, half leaves
     assert all_to_all_bytes_per_step(params, 4) == 4 * 2 * buffer * 3 // 4
+    # Under pp2 each stage holds one of the two MoE blocks, and its backward recomputes the forward's two exchanges.
+    assert all_to_all_bytes_per_step(params, 2, pp=2, stage=1) == 6 * 1 * buffer // 2
 
 
 def test_the_planner_adds_ep_only_when_the_experts_do_not_fit_under_dp_alone():

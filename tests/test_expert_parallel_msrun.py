@@ -1,6 +1,7 @@
 """Expert parallelism over msrun workers against one process on the same global batch: the all-to-all and its
-gradient on two workers; dp2 x ep2 with ZeRO-1 (two workers) and dp2 x ep2 x tp2 (four) train 10 steps with the losses and
-gradient norms of one process; the ep2 checkpoint holds the whole expert stacks and loads into one process."""
+gradient on two workers; dp2 x ep2 with ZeRO-1 and 2, and pp2 (two workers), dp2 x ep2 x tp2 and dp2 x pp2 x ep2 (four)
+train 10 steps with the losses, gradient norms and routing metrics of one process; the ep2 checkpoint holds the
+whole expert stacks and loads into one process."""
 
 from __future__ import annotations
 
@@ -24,8 +25,9 @@ pytestmark = pytest.mark.slow
 __all__ = ["dataset_dir"]
 
 WORKER = str(Path(__file__).with_name("expert_parallel_worker.py"))
-# Dropless routing (no capacity factor): no choice is dropped, whatever tokens share a micro-batch.
-MOE = ("model.moe={num_experts: 4, experts_per_token: 2, every: 2}", "train.steps=10")
+# Dropless routing (no capacity factor): no choice is dropped, whatever tokens share a micro-batch. Both blocks
+# are MoE, so each stage of pp2 routes, and a z-loss joins the aux loss in the objective.
+MOE = ("model.moe={num_experts: 4, experts_per_token: 2, z_loss_coef: 0.001}", "train.steps=10")
 EP2 = ("parallel.data_parallel=2", "parallel.expert_parallel=2", "parallel.micro_batches=2")
 
 
@@ -46,12 +48,15 @@ def test_all_to_all_and_its_gradient_match_numpy_on_two_workers(tmp_path):
         assert all(results.values()), results
 
 
-def test_dp2_ep2_zero1_trains_equal_to_one_process_and_checkpoints_whole_experts(dataset_dir, single_process, tmp_path):
-    """ZeRO-1 shards the dense weights' moments over dp; each expert block is held by one rank (expert-dp of 1),
-    which keeps all of its moments. The checkpoint gathers both into whole tensors."""
-    ranks = train_job(tmp_path, dataset_dir, *MOE, *EP2, "parallel.zero_stage=1")
+@pytest.mark.parametrize("zero", [1, pytest.param(2, marks=pytest.mark.extended)])  # ZeRO-2: ~1.5 min more
+def test_dp2_ep2_zero_trains_equal_to_one_process_and_checkpoints_whole_experts(dataset_dir, single_process, tmp_path, zero):
+    """ZeRO-1 shards the dense weights' moments over dp (ZeRO-2 their gradients too); each expert block is held by
+    one rank (expert-dp of 1), which keeps all of its moments and gradients. The checkpoint gathers both into
+    whole tensors."""
+    ranks = train_job(tmp_path, dataset_dir, *MOE, *EP2, f"parallel.zero_stage={zero}")
     for rank in ranks:
         assert_same_metrics(rank["history"], single_process["history"])
+        assert_same_routing(rank["history"], single_process["history"])
         assert rank["history"][-1]["moe_dropped_fraction"] == 0
     held = [dict(np.load(tmp_path / "out" / f"rank{r}_final.npz")) for r in range(2)]
     stack = "layers.1.mlp.experts.gate_proj"
@@ -80,4 +85,29 @@ def test_dp2_ep2_tp2_on_four_workers_trains_equal_to_one_process(dataset_dir, si
     ranks = train_job(tmp_path, dataset_dir, *MOE, *EP2, "parallel.tensor_parallel=2", workers=4)
     for rank in ranks:
         assert_same_metrics(rank["history"], single_process["history"])
+        assert_same_routing(rank["history"], single_process["history"])
 
+
+
+def assert_same_routing(got: list[dict], expected: list[dict]) -> None:
+    """Every routing metric of every step (aux, z, dropped, each block's load) as one process reports it."""
+    keys = sorted(key for key in expected[-1] if key.startswith("moe_"))
+    assert {"moe_z_loss", "moe_load_max_layer0", "moe_load_max_layer1"} <= set(keys)
+    for key in keys:
+        np.testing.assert_allclose([r[key] for r in got], [r[key] for r in expected], rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_pp2_trains_an_moe_model_equal_to_one_process_with_its_routing_metrics(dataset_dir, single_process, tmp_path):
+    """Each stage adds its own block's routing losses to its objective; the statistics meet over the pipeline."""
+    ranks = train_job(tmp_path, dataset_dir, *MOE, "parallel.pipeline_parallel=2", "parallel.micro_batches=4")
+    for rank in ranks:
+        assert_same_metrics(rank["history"], single_process["history"])
+        assert_same_routing(rank["history"], single_process["history"])
+
+
+@pytest.mark.extended  # four workers; pp2 above and dp2 x ep2 check each half by default
+def test_dp2_pp2_ep2_on_four_workers_trains_equal_to_one_process(dataset_dir, single_process, tmp_path):
+    ranks = train_job(tmp_path, dataset_dir, *MOE, *EP2, "parallel.pipeline_parallel=2", workers=4)
+    for rank in ranks:
+        assert_same_metrics(rank["history"], single_process["history"])
+        assert_same_routing(rank["history"], single_process["history"])

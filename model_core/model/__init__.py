@@ -15,7 +15,7 @@ from model_core.model.lora import (
     save_adapters,
     unmerge_lora,
 )
-from model_core.model.loss import token_cross_entropy
+from model_core.model.loss import counted_tokens, token_cross_entropy
 
 __all__ = [
     "AdapterMismatchError",
@@ -27,6 +27,7 @@ __all__ = [
     "apply_lora",
     "base_sha256",
     "count_parameters",
+    "counted_tokens",
     "document_positions",
     "fused_attention_available",
     "load_adapters",

@@ -143,20 +143,21 @@ class Block(nn.Cell):
     """Pre-norm residual block: x + attn(norm(x)), then x + mlp(norm(x)). A mixture-of-experts block
     (`is_moe`) returns its routing statistics beside x (see `model_core.model.moe`)."""
 
-    def __init__(self, params: ModelParams, is_moe: bool = False):
+    def __init__(self, params: ModelParams, is_moe: bool = False, moe_index: int = -1):
+        """`moe_index`: an MoE block's place among the model's MoE blocks (which router noise it takes)."""
         super().__init__()
         # Each residual branch's output projection is scaled down so the stream's variance stays O(1) in depth.
         output_std = params.init_std / math.sqrt(2 * params.num_layers)
-        self.is_moe = is_moe
+        self.is_moe, self.moe_index = is_moe, moe_index
         self.input_layernorm = RMSNorm(params.hidden_size, params.norm_eps)
         self.self_attn = SelfAttention(params, output_std)
         self.post_attention_layernorm = RMSNorm(params.hidden_size, params.norm_eps)
         self.mlp = MoE(params, output_std, SwiGLU) if is_moe else SwiGLU(params, output_std)
 
-    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor):
+    def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor, router_noise: Tensor | None = None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         if self.is_moe:
-            out, routing = self.mlp(self.post_attention_layernorm(x))
+            out, routing = self.mlp(self.post_attention_layernorm(x), router_noise)
             return x + out, routing
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -206,9 +207,13 @@ class Llama(nn.Cell):
         self.compute_dtype = _DTYPES[compute_dtype]
         self.tie_embeddings = params.tie_embeddings
         self.embed_tokens = Embedding(params.vocab_size, params.hidden_size, params.init_std)
-        moe_layers = set(params.moe_layers)
-        self.layers = nn.CellList([Block(params, index in moe_layers) for index in range(params.num_layers)])
-        self.has_moe = bool(moe_layers)
+        moe_layers = params.moe_layers
+        self.layers = nn.CellList([
+            Block(params, index in moe_layers, moe_layers.index(index) if index in moe_layers else -1)
+            for index in range(params.num_layers)
+        ])
+        self.has_moe = bool(moe_layers)  # of the blocks held: a pipeline stage may hold none
+        self.moe_blocks = len(moe_layers)  # of the whole model, which the routing losses are averaged over
         self.norm = RMSNorm(params.hidden_size, params.norm_eps)
         if not params.tie_embeddings:
             self.lm_head = Linear(params.hidden_size, params.vocab_size, params.init_std)
@@ -234,18 +239,23 @@ class Llama(nn.Cell):
             return x
         return self._logits(x)
 
-    def routed(self, tokens: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None):
+    def routed(self, tokens: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None,
+               router_noise: Tensor | None = None):
         """`construct` of a model with MoE blocks, and their routing statistics: (output, (aux, z, load, dropped))
-        with aux and z averaged over the MoE blocks, load [MoE blocks, E] and dropped summed over them."""
+        with aux and z averaged over the model's MoE blocks, load [MoE blocks held, E] and dropped summed over them.
+        A pipeline stage holds some of the blocks: its aux and z are its share of the model's mean (their sum over
+        the stages is that mean). `router_noise` [MoE blocks of the model, B, T, hidden]: router jitter factors
+        (`model.moe.router_noise`), training only."""
         x, cos, sin, mask = self._inputs(tokens, position_ids, segment_ids)
         aux, z, dropped, loads = 0.0, 0.0, 0.0, ()
         for layer in self.layers:
             if layer.is_moe:
-                x, (layer_aux, layer_z, load, layer_dropped) = layer(x, cos, sin, mask)
+                noise = None if router_noise is None else router_noise[layer.moe_index]
+                x, (layer_aux, layer_z, load, layer_dropped) = layer(x, cos, sin, mask, noise)
                 aux, z, dropped, loads = aux + layer_aux, z + layer_z, dropped + layer_dropped, loads + (load,)
             else:
                 x = layer(x, cos, sin, mask)
-        routing = (aux / len(loads), z / len(loads), ops.stack(loads), dropped)
+        routing = (aux / self.moe_blocks, z / self.moe_blocks, ops.stack(loads), dropped)
         if not self.returns_logits:
             return x, routing
         return self._logits(x), routing

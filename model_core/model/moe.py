@@ -13,6 +13,12 @@ every expert as many slots as there are tokens, so nothing is ever dropped, at t
 times the active FFN FLOPs on slots that mostly hold nothing; a capacity factor bounds that work and drops
 the choices past an expert's capacity (their weight is lost; the token keeps its residual).
 
+Router jitter (Switch Transformer's, `router_jitter`) multiplies the router's input element-wise by noise drawn
+from uniform [1 - eps, 1 + eps] in training; the experts see the token as it is (Hugging Face Mixtral jitters
+their input too). The block draws nothing itself: the trainer passes the noise in (`router_noise`), drawn from
+a key of the run's seed, the optimizer step and the row's place in the step's global batch, so a resumed run
+and every layout draw the same; evaluation and generation pass none.
+
 An optional shared expert (DeepSeek-MoE, Qwen2-MoE) is a plain SwiGLU every token goes through, added to the
 routed output, scaled by sigmoid(w . x) when `shared_expert_gate` (Qwen2-MoE's [1, hidden] gate).
 
@@ -31,7 +37,10 @@ Routing statistics come back beside the output for the training objective and th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, mint, nn, ops
 
 from model_core.model.init import new_weight
@@ -70,8 +79,23 @@ def swiglu_experts(x: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Ten
     return ops.bmm(mint.nn.functional.silu(gate) * up, mint.transpose(down_proj.astype(x.dtype), 1, 2))
 
 
+ROUTER_NOISE_STREAM = 0x6A6974  # "jit": keeps these draws apart from any other generator keyed by the seed
+
+
+def router_noise(eps: float, seed: int, step: int, rows: Sequence[int], blocks: int, seq: int, hidden: int) -> np.ndarray:
+    """Router jitter factors [blocks, len(rows), seq, hidden] fp32, uniform in [1 - eps, 1 + eps]: row r of the
+    micro-batch is row `rows[r]` of optimizer step `step`'s global batch, and its noise comes from its own
+    generator keyed (seed, step, that row), so it does not depend on which rank or micro-batch holds the row."""
+    noise = np.empty((blocks, len(rows), seq, hidden), np.float32)
+    for r, row in enumerate(rows):
+        generator = np.random.default_rng([seed, step, row, ROUTER_NOISE_STREAM])
+        noise[:, r] = generator.uniform(1.0 - eps, 1.0 + eps, (blocks, seq, hidden))
+    return noise
+
+
 class MoE(nn.Cell):
-    """x [B, T, hidden] -> (y [B, T, hidden], (aux, z, load [E], dropped)); see the module docstring.
+    """x [B, T, hidden] -> (y [B, T, hidden], (aux, z, load [E], dropped)); see the module docstring. `noise`
+    [B, T, hidden], when given, multiplies the router's input (router jitter, training only).
 
     `dense` is the block class of a plain SwiGLU (the model's own, passed in to keep this module below it),
     used for the shared expert when there is one."""
@@ -92,12 +116,15 @@ class MoE(nn.Cell):
         if self.has_shared_gate:
             self.shared_expert_gate = Router(params.hidden_size, 1, params.init_std)
 
-    def construct(self, x: Tensor):
+    def construct(self, x: Tensor, noise: Tensor | None = None):
         batch, seq, hidden = x.shape
         tokens, experts, k = batch * seq, self.num_experts, self.top_k
         slots = self.params.moe.capacity(tokens)
         flat = x.reshape(tokens, hidden)
-        logits = self.router(flat)  # [N, E] fp32
+        if noise is None:
+            logits = self.router(flat)  # [N, E] fp32
+        else:
+            logits = self.router(flat * noise.reshape(tokens, hidden).astype(flat.dtype))
         if self.sigmoid_gating:
             scores = mint.sigmoid(logits)  # each expert's affinity on its own
             probs = scores / scores.sum(-1, keepdims=True)  # the shares the balancing loss averages

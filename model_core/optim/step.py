@@ -26,7 +26,8 @@ class SummedTokenLoss(nn.Cell):
     coefficient and by the micro-batch's counted tokens (so accumulation over micro-batches gives their
     token-weighted mean, like the token loss), and returns a third output, `routing_statistics`: [count x aux,
     count x z, dropped choices, tokens per expert of every MoE block (flattened)]. The second output stays
-    the token loss alone, which is what the metrics call the loss."""
+    the token loss alone, which is what the metrics call the loss. `router_noise`: the MoE blocks' router
+    jitter (`model.moe.router_noise`), None for none."""
 
     def __init__(self, model: nn.Cell, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0) -> None:
         super().__init__()
@@ -34,9 +35,9 @@ class SummedTokenLoss(nn.Cell):
         self.routed = bool(getattr(model, "has_moe", False))
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
 
-    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
+    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
         if self.routed:
-            logits, routing = self.model.routed(tokens, position_ids, segment_ids)
+            logits, routing = self.model.routed(tokens, position_ids, segment_ids, router_noise)
             mean, count = token_cross_entropy(logits, labels, loss_mask)
             summed = mean * count
             objective, statistics = routed_objective(summed, count, routing, self.aux_loss_coef, self.z_loss_coef)
@@ -47,13 +48,19 @@ class SummedTokenLoss(nn.Cell):
         return summed * scale, summed
 
 
-
 def routed_objective(summed, count, routing, aux_loss_coef: float, z_loss_coef: float):
     """(the objective: summed token loss + count x the weighted routing losses, the routing statistics) of a
     micro-batch whose model returned `routing` = (aux, z, load, dropped); see `SummedTokenLoss`."""
+    weighted, statistics = routing_loss(count, routing, aux_loss_coef, z_loss_coef)
+    return summed + weighted, statistics
+
+
+def routing_loss(count, routing, aux_loss_coef: float, z_loss_coef: float):
+    """(count x the weighted routing losses, the routing statistics) of `routing` = (aux, z, load, dropped): the
+    part of `routed_objective` a pipeline stage adds for the MoE blocks it holds."""
     aux, z, load, dropped = routing
-    objective = summed + count * (aux_loss_coef * aux + z_loss_coef * z)
-    return objective, mint.cat([ops.stack([count * aux, count * z, dropped]), load.reshape(-1)])
+    weighted = count * (aux_loss_coef * aux + z_loss_coef * z)
+    return weighted, mint.cat([ops.stack([count * aux, count * z, dropped]), load.reshape(-1)])
 
 
 class AccumulateGradients(nn.Cell):
@@ -74,8 +81,8 @@ class AccumulateGradients(nn.Cell):
         self.value_and_grad = ops.value_and_grad(self.loss, None, self.weights, has_aux=True)
 
     @ms.jit
-    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
-        outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale)
+    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
+        outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise)
         for buffer, grad in zip(self.buffers, grads):
             ops.assign_add(buffer, grad)
         if self.routed:

@@ -99,8 +99,8 @@ class AccumulateAndSumGradients(nn.Cell):
         self.buckets = tuple(sorted(buckets, key=lambda bucket: -bucket[1][0]))
 
     @ms.jit
-    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
-        outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale)
+    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
+        outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise)
         for kind, bucket in self.buckets:
             flat = ops.cat([(self.buffers[i] + grads[i]).reshape(-1) for i in bucket])
             for group in self.kinds[kind]:

@@ -18,22 +18,27 @@ With tensor parallelism the MoE block's input is the same on every rank of a tp 
 same routing and expert work on it (the experts are not split by tp): the simplest scheme that is exact, at the
 price of tp-fold duplicate expert FLOPs. The ep groups join ranks of one tp index.
 
-`ExpertParallelOptimizer` keeps the dense weights' AdamW (ZeRO-1 over dp) and the experts' (ZeRO-1 over
-expert-dp) side by side behind one call, and speaks whole tensors in its state dict, so checkpoints stay
+`ExpertParallelOptimizer` keeps the dense weights' AdamW (ZeRO-1 or 2 over dp) and the experts' (ZeRO-1 or 2
+over expert-dp) side by side behind one call, and speaks whole tensors in its state dict, so checkpoints stay
 layout-independent: expert moments are gathered over ep when saved and cut to the rank's block when loaded.
+Under ZeRO-2 `ExpertShardedAccumulateGradients` keeps the two gradient stores apart the same way: each
+micro-batch's dense gradients are reduce-scattered over dp, the expert shards' over expert-dp (with expert-dp
+of one rank, dp = ep, a rank keeps its experts' whole gradients, which no other rank shares).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import mindspore as ms
 import numpy as np
-from mindspore import Parameter, Tensor, mint, nn
+from mindspore import Parameter, ParameterTuple, Tensor, mint, nn
 
 from model_core.model.moe import Experts, swiglu_experts
 from model_core.optim.adamw import AdamW
+from model_core.optim.step import AccumulateGradients
 from model_core.parallel.comm import AllToAll, Group
-from model_core.parallel.zero import ShardedAdamW, moment_bytes
+from model_core.parallel.zero import GradientShards, ShardedAdamW, moment_bytes
 from params.schema import OptimizerParams
 
 
@@ -122,13 +127,52 @@ class ExpertParallelOptimizer(nn.Cell):
         self.experts.load_state_dict({k: v for k, v in mine.items() if k in self.expert_moments})
 
 
+class ExpertShardedAccumulateGradients(AccumulateGradients):
+    """ZeRO-2 accumulation under expert parallelism: forward + backward of one micro-batch, the dense weights'
+    gradients reduce-scattered over `dp_group` and the expert shards' (the weights at positions `experts`) over
+    `expert_dp_group`, each rank's shards added into fp32 buffers: the dense shard's pieces, then the experts'.
+    `piece_params` names the weight of every buffer; `shard_length` and `expert_shard_length` are the two shards'."""
+
+    def __init__(self, model: nn.Cell, experts: set[int], dp_group: Group, expert_dp_group: Group,
+                 loss: nn.Cell | None = None) -> None:
+        weights = model.trainable_params()
+        self.dense_positions = tuple(i for i in range(len(weights)) if i not in experts)
+        self.expert_positions = tuple(sorted(experts))
+        dense = GradientShards([weights[i] for i in self.dense_positions], dp_group)
+        shards = GradientShards([weights[i] for i in self.expert_positions], expert_dp_group)
+        super().__init__(model, ParameterTuple((*dense.buffers, *shards.buffers)), loss)
+        self.dense_shards, self.expert_shards = dense, shards
+        self.piece_params = tuple(self.dense_positions[p] for p in dense.piece_params) + tuple(
+            self.expert_positions[p] for p in shards.piece_params
+        )
+        self.shard_length, self.expert_shard_length = dense.shard_length, shards.shard_length
+
+    @ms.jit
+    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
+        outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise)
+        self.dense_shards(tuple(grads[i] for i in self.dense_positions))
+        self.expert_shards(tuple(grads[i] for i in self.expert_positions))
+        return outputs[1], outputs[2]  # an ep model has MoE blocks: its routing statistics ride along
+
+
 def expert_parallel_optimizer(
     weights: Sequence[Parameter], names: Sequence[str], experts: set[int], optimizer: OptimizerParams, zero_stage: int,
     dp_group: Group, expert_dp_group: Group, ep_group: Group,
+    accumulate: ExpertShardedAccumulateGradients | None = None,
 ) -> ExpertParallelOptimizer:
     """AdamW over `weights` whose positions `experts` are expert shards: the rest's moments ZeRO-1 sharded over
-    `dp_group`, the experts' over `expert_dp_group` (when `zero_stage` >= 1 and the group has several ranks)."""
+    `dp_group`, the experts' over `expert_dp_group` (when `zero_stage` >= 1 and the group has several ranks).
+    Under ZeRO-2 `accumulate` holds the gradient shards, and both optimizers update from them."""
     dense, shards = [i for i in range(len(names)) if i not in experts], sorted(experts)
+    if zero_stage == 2:
+        pieces = len(accumulate.dense_shards.buffers)
+        return ExpertParallelOptimizer(
+            ShardedAdamW([weights[i] for i in dense], optimizer, [names[i] for i in dense], dp_group,
+                         sharded_gradients=True, shard_length=accumulate.shard_length),
+            ShardedAdamW([weights[i] for i in shards], optimizer, [names[i] for i in shards], expert_dp_group,
+                         sharded_gradients=True, shard_length=accumulate.expert_shard_length),
+            range(pieces), range(pieces, len(accumulate.buffers)), [names[i] for i in shards], ep_group,
+        )
 
     def adamw(positions: list[int], group: Group) -> AdamW | ShardedAdamW:
         chosen, chosen_names = [weights[i] for i in positions], [names[i] for i in positions]

@@ -8,7 +8,8 @@ of the whole model's gradient exactly once:
   pipeline            each stage holds other layers (sum over the pp group); the last stage's copy of a tied
                       embedding table equals the first stage's and is left out (`counted`);
   expert parallelism  an expert stack's block differs on every ep rank (sum its squares over the ep group), and
-                      is the same on every tp rank (count it once over tp).
+                      is the same on every tp rank (count it once over tp); under ZeRO-2 its buffers are this
+                      rank's shard of its expert-dp group's (sum over expert-dp first).
 So norm^2 = sum over pp of (sum over tp of the split squares + the replicated squares + sum over ep of the
 expert squares), each first summed over dp when the buffers are shards. Groups that do not apply are None.
 """
@@ -27,7 +28,8 @@ from model_core.parallel.comm import Group
 class ParallelGradientNorm(nn.Cell):
     """sqrt(the global sum of squared gradients) x `grad_scale`; `split`/`counted`/`expert`: per buffer (default:
     none split, all counted, none an expert block); `shard_group`: the dp group the buffers are shards of
-    (ZeRO-2/3); `ep_group`: the ranks the expert blocks are shared out over."""
+    (ZeRO-2/3); `ep_group`: the ranks the expert blocks are shared out over; `expert_shard_group`: the expert-dp
+    group the expert buffers are shards of (ZeRO-2 under ep)."""
 
     def __init__(
         self,
@@ -39,6 +41,7 @@ class ParallelGradientNorm(nn.Cell):
         pp_group: Group | None = None,
         expert: Sequence[bool] | None = None,
         ep_group: Group | None = None,
+        expert_shard_group: Group | None = None,
     ) -> None:
         super().__init__()
         self.buffers = buffers
@@ -50,6 +53,8 @@ class ParallelGradientNorm(nn.Cell):
         self.shard_group, self.across_shards = shard_group, shard_group is not None and shard_group.size > 1
         self.pp_group, self.across_pp = pp_group, pp_group is not None and pp_group.size > 1
         self.ep_group, self.across_ep = ep_group, ep_group is not None and ep_group.size > 1
+        self.expert_shard_group = expert_shard_group
+        self.across_expert_shards = self.across_ep and expert_shard_group is not None and expert_shard_group.size > 1
 
     @ms.jit
     def construct(self, grad_scale):
@@ -69,6 +74,8 @@ class ParallelGradientNorm(nn.Cell):
             split, replicated = totals[0:1], totals[1:2]
         if self.across_tp:
             split = self.tp_group.all_reduce(split)
+        if self.across_expert_shards:
+            experts = self.expert_shard_group.all_reduce(experts)
         if self.across_ep:
             experts = self.ep_group.all_reduce(experts)
         total = split + replicated + experts

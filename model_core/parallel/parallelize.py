@@ -37,7 +37,13 @@ from model_core.optim.adamw import AdamW
 from model_core.optim.step import AccumulateGradients, ApplyGradients, SummedTokenLoss, ZeroGradients
 from model_core.parallel import comm
 from model_core.parallel.data_parallel import AccumulateAndSumGradients, GradientAllReduce
-from model_core.parallel.expert import expert_block, expert_parallel, expert_parallel_optimizer, gather_experts
+from model_core.parallel.expert import (
+    ExpertShardedAccumulateGradients,
+    expert_block,
+    expert_parallel,
+    expert_parallel_optimizer,
+    gather_experts,
+)
 from model_core.parallel.gradient_norm import ParallelGradientNorm
 from model_core.parallel.layout import Layout, ParallelConfigError
 from model_core.parallel.offload import OffloadedOptimizer, offloaded_optimizer
@@ -177,10 +183,10 @@ def parallelize(
            holds of every weight made (drawn from the seed or read from `initial_weights`);
       7.   recompute marked on the chosen blocks this rank holds;
       8.   the step: the loss for this rank's logits, gradient accumulation (through the pipeline schedule
-           under pp; reduce-scattered per micro-batch under ZeRO-2), AdamW (moments sharded under ZeRO-1/2/3,
-           in a memory-mapped file with `parallel.optimizer_offload`; under ep the expert shards' own AdamW,
-           ZeRO-1 over expert-dp), the dp gradient sum (expert shards': over expert-dp) and the global gradient
-           norm, each read from the placement table.
+           under pp; reduce-scattered per micro-batch under ZeRO-2, expert shards' over expert-dp), AdamW
+           (moments sharded under ZeRO-1/2/3, in a memory-mapped file with `parallel.optimizer_offload`; under
+           ep the expert shards' own AdamW, ZeRO-1/2 over expert-dp), the dp gradient sum (expert shards': over
+           expert-dp) and the global gradient norm, each read from the placement table.
     Every layout supports every feature (LoRA included); `Layout.from_params` has already refused a layout
     that cannot run, naming both numbers."""
     dp_group, tp_group = comm.group(layout.dp_group(rank)), comm.group(layout.tp_group(rank))
@@ -211,8 +217,10 @@ def parallelize(
                       if tensor_parallelism is not None else StageTokenLoss())
         pipeline = accumulate = PipelineStage(
             model, layout, rank, params.model, params.parallel.pipeline_schedule, stage_loss,
-            zero2_group=dp_group if zero_stage == 2 else None,
+            zero2_group=dp_group if zero_stage == 2 else None, routing_coefficients=routing_coefficients,
         )
+    elif zero_stage == 2 and ep_group.size > 1:  # dense gradients reduce-scattered over dp, experts' over expert-dp
+        accumulate = ExpertShardedAccumulateGradients(model, expert_positions(model, table), dp_group, expert_dp_group, loss)
     elif zero_stage == 2:  # gradients reduce-scattered per micro-batch into this rank's shard
         accumulate = ShardedAccumulateGradients(model, dp_group, loss=loss)
     else:
@@ -230,7 +238,8 @@ def parallelize(
         optimizer = Zero3AdamW(zero3, params.optimizer, weight_names)
     elif experts:
         optimizer = expert_parallel_optimizer(
-            accumulate.weights, weight_names, experts, params.optimizer, zero_stage, dp_group, expert_dp_group, ep_group
+            accumulate.weights, weight_names, experts, params.optimizer, zero_stage, dp_group, expert_dp_group, ep_group,
+            accumulate if zero_stage == 2 else None,
         )
     elif zero_stage >= 1:
         optimizer = ShardedAdamW(
@@ -251,6 +260,7 @@ def parallelize(
         shard_group=dp_group if zero_stage >= 2 else None,  # ZeRO-3's buffers are shards too
         pp_group=pipeline.group if pipeline is not None else None,
         ep_group=ep_group,
+        expert_shard_group=expert_dp_group if zero_stage >= 2 else None,
     )
     summed_once_per_step = dp_group.size > 1 and zero_stage < 2
     partial = [buffer for buffer, i in zip(accumulate.buffers, owners) if table[weight_names[i]].tp_partial]
@@ -282,7 +292,7 @@ def parallelize(
         sum_gradients=GradientAllReduce(dense_buffers, dp_group, bucket_bytes)
         if summed_once_per_step and not overlapped else None,
         sum_expert_gradients=GradientAllReduce(expert_buffers, expert_dp_group, bucket_bytes)
-        if expert_buffers and expert_dp_group.size > 1 and not overlapped else None,
+        if expert_buffers and expert_dp_group.size > 1 and zero_stage < 2 and not overlapped else None,
         sum_partial_gradients=GradientAllReduce(ParameterTuple(partial), tp_group, bucket_bytes)
         if partial and not overlapped else None,
         micro_batches_per_pass=params.parallel.micro_batches,
@@ -335,7 +345,7 @@ class Parallelized:
             if self.accumulate_and_sum is not None:
                 steps[-1] = self.accumulate_and_sum
             for step, batch in zip(steps, micro_batches):
-                out = step(*batch.inputs(), scale)
+                out = step(*batch.inputs(), scale, batch.router_noise)
                 if getattr(self.accumulate, "routed", False):  # an MoE model also returns its routing statistics
                     out, routing = out
                     self._routing = routing.asnumpy() + (self._routing if self._routing is not None else 0.0)
@@ -377,7 +387,9 @@ class Parallelized:
 
     def routing_statistics(self) -> np.ndarray | None:
         """This rank's MoE routing statistics summed over the micro-batches since the last call (see
-        `SummedTokenLoss`); None for a model without MoE blocks."""
+        `SummedTokenLoss`; a pipeline stage's cover every stage's blocks); None for a model without MoE blocks."""
+        if self.pipeline is not None:
+            return self.pipeline.routing_statistics()
         routing, self._routing = self._routing, None
         return routing
 
@@ -396,6 +408,12 @@ class Parallelized:
             self.zero3.load_full_weights(owned)
         else:
             load_weights(self.model, owned)
+
+
+def expert_positions(model: nn.Cell, table: PlacementTable) -> set[int]:
+    """The positions of the expert shards among `model`'s trainable weights."""
+    names = {id(param): name for name, param in named_weights(model).items()}
+    return {i for i, param in enumerate(model.trainable_params()) if table[names[id(param)]].expert}
 
 
 def apply_recompute(model: Llama, params: PipelineParams) -> list[int]:

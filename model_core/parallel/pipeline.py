@@ -39,7 +39,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from model_core.model import Llama, token_cross_entropy
+from model_core.model import Llama, counted_tokens, token_cross_entropy
+from model_core.optim.step import routing_loss
 from model_core.parallel import comm
 from model_core.parallel.data_parallel import sum_over
 from model_core.parallel.layout import Layout
@@ -204,6 +205,7 @@ def prune_to_stage(model: Llama, sizes: Sequence[int], stage: int, tie_embedding
         return
     keep = stage_layers(sizes, stage)
     model.layers = _StageLayers({index: model.layers[index] for index in keep})
+    model.has_moe = any(block.is_moe for block in model.layers)
     first, last = stage == 0, stage == len(sizes) - 1
     model.takes_tokens, model.returns_logits = first, last
     if not (first or (last and tie_embeddings)):
@@ -216,19 +218,35 @@ def prune_to_stage(model: Llama, sizes: Sequence[int], stage: int, tie_embedding
 
 class _StageBody(nn.Cell):
     """The stage's forward: the model's own (token ids on the first stage, the previous stage's activation after
-    it), and on the last stage the summed token loss of the micro-batch from its logits."""
+    it), and on the last stage the summed token loss of the micro-batch from its logits. A stage holding MoE
+    blocks (`routed`) also gives, in `with_routing`, count x its weighted routing losses and their statistics
+    (`optim.step.routing_loss`): the part of one process's objective its blocks add."""
 
-    def __init__(self, model: Llama, first: bool, last: bool, loss: nn.Cell) -> None:
+    def __init__(self, model: Llama, first: bool, last: bool, loss: nn.Cell, routing_coefficients=(0.0, 0.0)) -> None:
         super().__init__()
         self.model = model
         self.first, self.last = first, last
         self.loss = loss
+        self.routed = bool(model.has_moe)
+        self.aux_loss_coef, self.z_loss_coef = routing_coefficients
 
-    def construct(self, x, position_ids, segment_ids, labels, loss_mask):
-        out = self.model(x, position_ids, segment_ids)
+    def construct(self, x, position_ids, segment_ids, labels, loss_mask, router_noise=None):
+        if self.routed:  # the activations a later stage receives are those its backward's recompute makes
+            out = self.model.routed(x, position_ids, segment_ids, router_noise)[0]
+        else:
+            out = self.model(x, position_ids, segment_ids)
         if not self.last:
             return out
         return self.loss(out, labels, loss_mask)
+
+    def with_routing(self, x, position_ids, segment_ids, labels, loss_mask, router_noise):
+        """(`construct`'s output, count x the weighted routing losses, the routing statistics)."""
+        out, routing = self.model.routed(x, position_ids, segment_ids, router_noise)
+        if self.last:
+            out = self.loss(out, labels, loss_mask)
+        count = counted_tokens(labels, loss_mask).sum()
+        weighted, statistics = routing_loss(count, routing, self.aux_loss_coef, self.z_loss_coef)
+        return out, weighted, statistics
 
 
 class SummedTokenLoss(nn.Cell):
@@ -257,15 +275,16 @@ class _Forward(nn.Cell):
         self.body = body
 
     @ms.jit
-    def construct(self, x, position_ids, segment_ids, labels, loss_mask):
-        return self.body(x, position_ids, segment_ids, labels, loss_mask)
+    def construct(self, x, position_ids, segment_ids, labels, loss_mask, router_noise=None):
+        return self.body(x, position_ids, segment_ids, labels, loss_mask, router_noise)
 
 
 class _Backward(nn.Cell):
     """Recompute the stage's forward from its stored input and backpropagate: the objective is
-    sum(output * gradient of the output) (on the last stage: summed loss x scale), whose gradients are the
-    stage's vector-Jacobian products. Weight gradients are added into `buffers`; returns the input's
-    gradient (zeros on the first stage, whose input is token ids) and, on the last stage, the summed loss."""
+    sum(output * gradient of the output) (on the last stage: summed loss x scale), plus on a stage with MoE
+    blocks their weighted routing losses x scale, whose gradients are the stage's vector-Jacobian products.
+    Weight gradients are added into `buffers`; returns the input's gradient (zeros on the first stage, whose
+    input is token ids), on the last stage the summed loss, and on a routed stage its routing statistics."""
 
     def __init__(self, body: _StageBody, weights: ParameterTuple, buffers: ParameterTuple, shards=None) -> None:
         """`shards` (ZeRO-2's `GradientShards`, whose buffers `buffers` are) takes the weight gradients instead
@@ -275,19 +294,30 @@ class _Backward(nn.Cell):
         self.weights = weights
         self.buffers = buffers
         self.shards = shards
-        self.first = body.first
+        self.first, self.routed = body.first, body.routed
         position = None if body.first else 0
         self.value_and_grad = ops.value_and_grad(self._objective, position, weights, has_aux=True)
 
-    def _objective(self, x, position_ids, segment_ids, labels, loss_mask, output_grad):
+    def _objective(self, x, position_ids, segment_ids, labels, loss_mask, output_grad, scale, router_noise):
+        if self.routed:
+            out, weighted, statistics = self.body.with_routing(x, position_ids, segment_ids, labels, loss_mask, router_noise)
+            return self._output_term(out, output_grad) + weighted * scale, (self._loss(out), statistics)
         out = self.body(x, position_ids, segment_ids, labels, loss_mask)
+        return self._output_term(out, output_grad), self._loss(out)
+
+    def _output_term(self, out, output_grad):
         if self.body.last:
-            return out * output_grad, out  # output_grad is the loss scale here
-        return (out.astype(ms.float32) * output_grad).sum(), out.sum()
+            return out * output_grad  # output_grad is the loss scale here
+        return (out.astype(ms.float32) * output_grad).sum()
+
+    def _loss(self, out):
+        return out if self.body.last else out.sum()
 
     @ms.jit
-    def construct(self, x, position_ids, segment_ids, labels, loss_mask, output_grad):
-        (_, loss), grads = self.value_and_grad(x, position_ids, segment_ids, labels, loss_mask, output_grad)
+    def construct(self, x, position_ids, segment_ids, labels, loss_mask, output_grad, scale, router_noise=None):
+        (_, outputs), grads = self.value_and_grad(
+            x, position_ids, segment_ids, labels, loss_mask, output_grad, scale, router_noise
+        )
         if self.first:
             weight_grads, input_grad = grads, ops.zeros((1,), ms.float32)
         else:
@@ -297,7 +327,9 @@ class _Backward(nn.Cell):
         else:
             for buffer, grad in zip(self.buffers, weight_grads):
                 ops.assign_add(buffer, grad)
-        return input_grad, loss
+        if self.routed:
+            return input_grad, outputs[0], outputs[1]
+        return input_grad, outputs
 
 
 class _Exchange(nn.Cell):
@@ -334,15 +366,35 @@ def _common_shard_length(weights: Sequence[Parameter], group: comm.Group, ends: 
     return round(max(lengths))
 
 
+def _routing_rows(params: ModelParams, sizes: Sequence[int], stage: int) -> tuple[int, int, int] | None:
+    """Where a stage's load rows go in the whole model's routing statistics (`optim.step.routing_loss`:
+    3 scalars, then E loads per MoE block): (first, end, width of the whole); None without MoE blocks."""
+    if not params.moe_layers:
+        return None
+    held = stage_layers(sizes, stage)
+    before = sum(1 for layer in params.moe_layers if layer < held.start)
+    mine = sum(1 for layer in params.moe_layers if layer in held)
+    experts = params.moe.num_experts
+    return 3 + before * experts, 3 + (before + mine) * experts, 3 + len(params.moe_layers) * experts
+
+
+def _add_routing(routing: np.ndarray, statistics: np.ndarray, rows: tuple[int, int, int]) -> None:
+    """Add a stage's statistics (its blocks' losses and dropped choices, then their loads) into the whole's."""
+    routing[:3] += statistics[:3]
+    routing[rows[0] : rows[1]] += statistics[3:]
+
+
 @dataclass(frozen=True)
 class MicroBatch:
-    """One micro-batch's tensors; every stage of a pipeline reads the same rows."""
+    """One micro-batch's tensors; every stage of a pipeline reads the same rows. `router_noise`: the MoE blocks'
+    router jitter factors in training (`model_core.model.moe.router_noise`), None without jitter."""
 
     tokens: Tensor
     labels: Tensor
     loss_mask: Tensor
     position_ids: Tensor | None
     segment_ids: Tensor | None
+    router_noise: Tensor | None = None
 
     def inputs(self) -> tuple:
         """The arguments of a loss cell or a gradient accumulation, in their order (before the scale)."""
@@ -372,6 +424,11 @@ class PipelineStage:
     group and `buffers` are the pieces of this rank's shard (`zero.GradientShards`: `piece_params`,
     `shard_length`). A tied table comes first among the end stages' weights and both ends cut shards of one
     length, so its pieces sit at the same offsets on both and are summed over the pair piece by piece.
+
+    With mixture-of-experts blocks each stage adds the routing losses of the blocks it holds to its objective,
+    weighted by `routing_coefficients` (aux, z) and the micro-batch's counted tokens as in one process, and `run`
+    gathers every stage's routing statistics over the pipeline, so each stage can report the whole model's
+    (`routing_statistics`).
     """
 
     def __init__(
@@ -383,6 +440,7 @@ class PipelineStage:
         kind: str,
         loss: nn.Cell,
         zero2_group: comm.Group | None = None,
+        routing_coefficients: tuple[float, float] = (0.0, 0.0),
     ) -> None:
         self.group = comm.group(layout.pp_group(rank))
         self.stages, self.stage = layout.pp, self.group.index
@@ -390,6 +448,8 @@ class PipelineStage:
         self.kind = kind
         prune_to_stage(model, layout.stage_sizes(params.num_layers), self.stage, params.tie_embeddings)
         self.model = model
+        self.routing_rows = _routing_rows(params, layout.stage_sizes(params.num_layers), self.stage)
+        self._routing: np.ndarray | None = None
         self.hidden_size = params.hidden_size
         self.compute_dtype = model.compute_dtype
         # The tied table's copies on the first and last stages: gradients summed over the two (when it trains).
@@ -411,7 +471,7 @@ class PipelineStage:
                 Parameter(ops.zeros(w.shape, ms.float32), name=f"grad_accum.{w.name}", requires_grad=False)
                 for w in self.weights
             )
-        body = _StageBody(model, self.first, self.last, loss)
+        body = _StageBody(model, self.first, self.last, loss, routing_coefficients)
         self.forward = _Forward(body)
         self.backward = _Backward(body, self.weights, self.buffers, self.shards)
         self.exchange = _Exchange(self.group)
@@ -440,16 +500,27 @@ class PipelineStage:
         `buffers` (the tied table's summed over its two copies). Returns the summed token loss of all of
         them, on every stage."""
         orders = schedule(self.kind, self.stages, len(micro_batches))
-        summed = self._execute(orders, micro_batches, scale, backward=True)
+        routing = np.zeros(self.routing_rows[2], np.float32) if self.routing_rows is not None else None
+        summed = self._execute(orders, micro_batches, scale, backward=True, routing=routing)
         if self.tied_sum is not None:
             self.tied_sum()
+        if routing is not None:
+            whole = self.exchange(Tensor(routing)).asnumpy()  # every stage's blocks, each in its own rows
+            self._routing = whole if self._routing is None else self._routing + whole
         return summed
+
+    def routing_statistics(self) -> np.ndarray | None:
+        """The whole model's routing statistics (`optim.step.SummedTokenLoss`) summed over the micro-batches run
+        since the last call, the same on every stage; None without MoE blocks."""
+        routing, self._routing = self._routing, None
+        return routing
 
     def loss(self, batch: MicroBatch) -> float:
         """The summed token loss of one batch, forward only, on every stage."""
         return self._execute(forward_only(self.stages, 1), [batch], None, backward=False)
 
-    def _execute(self, orders, micro_batches, scale, backward: bool) -> float:
+    def _execute(self, orders, micro_batches, scale, backward: bool, routing: np.ndarray | None = None) -> float:
+        """Runs the ticks of `orders`; a routed stage adds its blocks' statistics into `routing`, in their rows."""
         start = time.perf_counter()
         self.sent_bytes = 0
         compute = 0.0
@@ -464,7 +535,9 @@ class PipelineStage:
                 x = batch.tokens if self.first else inputs[action.micro_batch]
                 inputs[action.micro_batch] = x
                 if action.kind == "F" and not self.last:
-                    out = self.forward(x, batch.position_ids, batch.segment_ids, batch.labels, batch.loss_mask)
+                    out = self.forward(
+                        x, batch.position_ids, batch.segment_ids, batch.labels, batch.loss_mask, batch.router_noise
+                    )
                     outbox[("act", action.micro_batch)] = out.astype(ms.float32).asnumpy()
                     if not backward:
                         inputs.pop(action.micro_batch)
@@ -475,9 +548,12 @@ class PipelineStage:
                     inputs.pop(action.micro_batch)
                     continue
                 output_grad = scale if self.last else grads.pop(action.micro_batch)
-                input_grad, loss = self.backward(
-                    x, batch.position_ids, batch.segment_ids, batch.labels, batch.loss_mask, output_grad
+                input_grad, loss, *statistics = self.backward(
+                    x, batch.position_ids, batch.segment_ids, batch.labels, batch.loss_mask, output_grad, scale,
+                    batch.router_noise,
                 )
+                if statistics:
+                    _add_routing(routing, statistics[0].asnumpy(), self.routing_rows)
                 inputs.pop(action.micro_batch)
                 if self.last:
                     summed += float(loss.asnumpy())

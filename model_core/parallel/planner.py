@@ -310,8 +310,6 @@ def layout_problems(params: PipelineParams, dp: int, tp: int, pp: int, devices_p
         problems.append(f"pipeline_parallel={pp} does not divide model.num_layers={model.num_layers}")
     if micro_batches < pp:
         problems.append(f"parallel.micro_batches={micro_batches} is fewer than pipeline_parallel={pp}")
-    if model.moe_layers and pp > 1:
-        problems.append(f"model.moe trains with data, tensor and expert parallelism only for now (pipeline_parallel={pp})")
     return problems
 
 
@@ -323,9 +321,10 @@ def degrees(devices: int) -> list[tuple[int, int, int]]:
 
 def candidates(dp: int, tp: int, pp: int, model: ModelParams | None = None, devices_per_node: int = 8) -> list[Candidate]:
     """ZeRO stages 0-3 where there is a dp group to shard over (only 0 for dp=1), each with and without recompute;
-    0 to 2 for a model with MoE blocks (the stages they train with so far; 2 only without ep), each under every
+    0 to 2 for a model with MoE blocks (the stages they train with so far; 2 with ep only without pp), each under every
     expert-parallel degree that divides dp and the experts and keeps the ep group (ep x tp ranks) inside a node;
-    and with ZeRO-2/3 each also with optimizer offload."""
+    and with ZeRO-2/3 each also with optimizer offload (not under ep, whose two optimizers one offload file
+    cannot hold)."""
     stages = range(4) if dp > 1 else (0,)
     expert_degrees = [1]
     moe = model is not None and bool(model.moe_layers)
@@ -336,10 +335,10 @@ def candidates(dp: int, tp: int, pp: int, model: ModelParams | None = None, devi
         Candidate(dp, tp, pp, stage, mode, ep=ep)
         for ep in expert_degrees
         for stage in stages
-        if not moe or stage < 2 or (stage == 2 and ep == 1)
+        if not moe or stage < 2 or (stage == 2 and (ep == 1 or pp == 1))
         for mode in RECOMPUTE_MODES
     ]
-    return plain + [replace(c, offload=True) for c in plain if c.zero_stage >= 2]
+    return plain + [replace(c, offload=True) for c in plain if c.zero_stage >= 2 and c.ep == 1]
 
 
 # ----------------------------------------------------------------------------------------- estimates
@@ -362,15 +361,20 @@ def expert_parameters(model: ModelParams) -> int:
     return sum(row.size for row in placement_table(model, Layout()) if row.expert)
 
 
-def all_to_all_bytes_per_step(params: PipelineParams, ep: int) -> int:
-    """Bytes one rank sends per optimizer step through expert parallelism's all-to-alls (module docstring)."""
+def all_to_all_bytes_per_step(params: PipelineParams, ep: int, pp: int = 1, stage: int = 0) -> int:
+    """Bytes one rank of pipeline stage `stage` sends per optimizer step through expert parallelism's all-to-alls
+    (module docstring): its stage's MoE blocks only, and under pp six exchanges per block and micro-batch, not
+    four, as a stage's backward recomputes its forward."""
     model = params.model
     if ep == 1 or not model.moe_layers:
         return 0
     tokens = params.train.micro_batch_size * model.seq_len
     buffer = model.moe.num_experts * model.moe.capacity(tokens) * model.hidden_size * _DTYPE_BYTES[params.precision.compute_dtype]
     micro_batches = params.parallel.micro_batches * params.train.grad_accum_steps
-    return 4 * len(model.moe_layers) * micro_batches * buffer * (ep - 1) // ep
+    per_stage = model.num_layers // pp
+    blocks = sum(1 for layer in model.moe_layers if stage * per_stage <= layer < (stage + 1) * per_stage)
+    exchanges = 6 if pp > 1 else 4
+    return exchanges * blocks * micro_batches * buffer * (ep - 1) // ep
 
 
 def layer_activation_bytes(params: PipelineParams, tp: int) -> int:
@@ -480,7 +484,7 @@ def estimate(
     per_stage = [stage_memory(params, candidate, stage, kind, runtime) for stage in range(candidate.pp)]
     stage = max(range(candidate.pp), key=lambda s: per_stage[s].total)
     memory = per_stage[stage]
-    exchanged = all_to_all_bytes_per_step(params, candidate.ep)
+    exchanged = all_to_all_bytes_per_step(params, candidate.ep, candidate.pp, stage)
     if not candidate.offload:
         return Estimate(candidate, stage, memory, memory.total <= device_memory_bytes, all_to_all_bytes_per_step=exchanged)
     held = stage_parameters(params.model, candidate.tp, candidate.pp, stage)

@@ -234,9 +234,9 @@ class VocabParallelTokenLoss(nn.Cell):
         self.routed = bool(getattr(model, "has_moe", False))
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
 
-    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
+    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
         if self.routed:
-            logits, routing = self.model.routed(tokens, position_ids, segment_ids)  # [B, T, vocab / tp]
+            logits, routing = self.model.routed(tokens, position_ids, segment_ids, router_noise)  # [B, T, vocab / tp]
         else:
             logits = self.model(tokens, position_ids, segment_ids)
         per_token = self.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))[0]

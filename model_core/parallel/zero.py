@@ -183,8 +183,8 @@ class ShardedAccumulateGradients(AccumulateGradients):
         self.shard_length = shards.shard_length
 
     @ms.jit
-    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale):
-        outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale)
+    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
+        outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise)
         self.shards(grads)
         if self.routed:  # an MoE model's routing statistics ride along, as in `AccumulateGradients`
             return outputs[1], outputs[2]

@@ -28,6 +28,7 @@ import mindspore as ms
 import numpy as np
 
 from model_core.data import open_split
+from model_core.model.moe import router_noise
 from model_core.model.weights import WeightMismatchError
 from model_core.optim.step import scalar
 from model_core.parallel import comm
@@ -250,7 +251,8 @@ class Trainer:
         micro = [self._batch(rows.take(np.arange(i, i + size))) for i in range(0, len(rows), size)]
         [counted] = sum_over(self.dp_group, [sum(batch.counted_tokens for batch in micro)])
         scale = scalar(self.loss_scale.scale / max(counted, 1))
-        summed = self.parallel.gradients([_micro_batch(batch) for batch in micro], scale)
+        noise = self._router_noise(len(rows), size, micro[0].tokens.shape[1])
+        summed = self.parallel.gradients([_micro_batch(batch, n) for batch, n in zip(micro, noise)], scale)
         [summed] = sum_over(self.dp_group, [summed])
         loss = summed / max(counted, 1)
         routing = self.parallel.routing_statistics()
@@ -286,6 +288,23 @@ class Trainer:
         tokens = sum(batch.tokens.size for batch in micro) * self.dp_group.size
         counters.tokens_seen += tokens
         return loss, grad_norm, tokens
+
+    def _router_noise(self, rows: int, size: int, seq: int) -> list[ms.Tensor | None]:
+        """The router jitter factors of each of this step's micro-batches (`size` of its `rows` rows of `seq`
+        tokens), None without jitter. This replica's rows come after the earlier replicas' in the step's global
+        batch (`ShuffledBatches.next_rows`), and each row's noise is keyed by its place there, so a resumed run
+        or another layout draws the same."""
+        model, steps = self.params.model, range(0, rows, size)
+        if model.moe is None or model.moe.router_jitter == 0:
+            return [None for _ in steps]
+        first = self.dp_group.index * rows
+        return [
+            ms.Tensor(router_noise(
+                model.moe.router_jitter, self.params.train.seed, self.counters.step,
+                range(first + start, first + min(start + size, rows)), len(model.moe_layers), seq, model.hidden_size,
+            ))
+            for start in steps
+        ]
 
     def _batch(self, rows) -> Batch:
         return make_batch(rows, self.params.tokenizer.pad_id, self.params.train.reset_at_document_boundaries)
@@ -434,5 +453,5 @@ def _inputs(batch: Batch) -> tuple:
     return ms.Tensor(batch.tokens), ms.Tensor(batch.labels), ms.Tensor(batch.loss_mask), positions, segments
 
 
-def _micro_batch(batch: Batch) -> MicroBatch:
-    return MicroBatch(*_inputs(batch))
+def _micro_batch(batch: Batch, router_noise: ms.Tensor | None = None) -> MicroBatch:
+    return MicroBatch(*_inputs(batch), router_noise)
