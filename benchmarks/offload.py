@@ -1,24 +1,32 @@
-"""Optimizer offload against none, side by side: peak RSS and step time of one process, and of dp2 under ZeRO-3.
+"""Optimizer (and parameter) offload against none, side by side: peak RSS and step time of one process, and of dp2
+under ZeRO-3.
 
 Every run trains the reference-size Llama (vocab 8000, hidden 512, 8 layers, 8 heads, FFN 1376, seq 256, tied;
 29.4M parameters, fp32) on the same global batch of 8 sequences (2048 tokens) with the real `Trainer`:
   baseline          one process, 2 threads;
   offload           the same with `parallel.optimizer_offload=true`;
   zero3_baseline    two msrun workers of 1 thread, dp2, ZeRO-3, 4 sequences each;
-  zero3_offload     the same with `parallel.optimizer_offload=true` (each rank offloads its shard's moments).
+  zero3_offload     the same with `parallel.optimizer_offload=true` (each rank offloads its shard's moments);
+  zero3_param_offload  the same with `parallel.param_offload=true` too (each rank's parameter shards as well).
 Peak RSS is each worker's own high-water mark (VmHWM) at the end of the run, summed over the workers of a job
 (msrun's scheduler process, the same in both ZeRO-3 jobs, is left out). Step seconds are the median over the steps
 after `--warmup` (the first compiles), and so are step CPU seconds (this process's user + system time a step, rank 0
 under ZeRO-3: less sensitive than wall time to other processes on a shared machine). `moment_mb` is the AdamW moments one process holds without offload (8 bytes
 a parameter; the two ZeRO-3 ranks hold half each, the same total). The target: offload lowers peak RSS by at least
-80% of moment_mb, at most 1.3x the step time.
+80% of moment_mb, at most 1.3x the step time. `zero3_param_mb` is the parameter shards the two ZeRO-3 ranks hold
+without parameter offload (4 bytes a parameter in all).
 
     flock /tmp/cpu.lock python benchmarks/offload.py [--steps 8] [--warmup 3] [--runs baseline,offload]
 
 The last line printed is one JSON object: `baseline_peak_rss_mb`, `offload_peak_rss_mb`, `moment_mb`,
 `baseline_step_s`, `offload_step_s`, the same four with a `zero3_` prefix, `*_step_cpu_s` beside each `*_step_s`, `saving_over_moments` and
 `zero3_saving_over_moments` ((baseline - offload) peak RSS / moment_mb), and the offloaded runs' bytes moved and
-staging seconds per step (`offload_bytes_per_step`, `offload_seconds_per_step`, and `zero3_` for rank 0).
+staging seconds per step (`offload_bytes_per_step`, `offload_seconds_per_step`, and `zero3_` for rank 0). The
+parameter-offload run's figures carry a `zero3_param_` prefix (`zero3_param_offload_peak_rss_mb`, `..._step_s`,
+`..._step_cpu_s`, `zero3_param_offload_bytes_per_step`, `zero3_param_offload_seconds_per_step`), beside
+`zero3_param_saving_over_params` ((zero3_offload - zero3_param_offload) peak RSS / zero3_param_mb),
+`zero3_param_saving_over_offloaded` ((zero3_baseline - zero3_param_offload) / (zero3_moment_mb + zero3_param_mb)) and
+`zero3_param_step_ratio`, `zero3_param_step_cpu_ratio` (against zero3_baseline).
 """
 
 from __future__ import annotations
@@ -47,6 +55,15 @@ RUNS = {
     "offload": (1, 2, ["train.micro_batch_size=8", *OFFLOAD]),
     "zero3_baseline": (2, 1, ZERO3),
     "zero3_offload": (2, 1, [*ZERO3, *OFFLOAD]),
+    "zero3_param_offload": (2, 1, [*ZERO3, *OFFLOAD, "parallel.param_offload=true"]),
+}
+# run -> (key prefix, kind): each offload run is compared with the baseline of its prefix's family
+KEYS = {
+    "baseline": ("", "baseline"),
+    "offload": ("", "offload"),
+    "zero3_baseline": ("zero3_", "baseline"),
+    "zero3_offload": ("zero3_", "offload"),
+    "zero3_param_offload": ("zero3_param_", "offload"),
 }
 MB = 1e6
 
@@ -66,13 +83,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="offload-bench-") as workdir:
         reports = measure(Path(workdir), args.steps, args.runs.split(","))
     summary = summarise(reports, args.warmup)
-    print(f"{'run':<16}{'peak RSS MB':>13}{'step s':>9}{'step CPU s':>12}{'offload MB/step':>17}{'staging s':>11}")
+    print(f"{'run':<21}{'peak RSS MB':>13}{'step s':>9}{'step CPU s':>12}{'offload MB/step':>17}{'staging s':>11}")
     for name in reports:
         offloaded = reports[name][0]["last"].get("offload_bytes_per_step")
         staging = reports[name][0]["last"].get("offload_seconds_per_step")
-        prefix = "zero3_" if name.startswith("zero3") else ""
-        kind = "offload" if name.endswith("offload") else "baseline"
-        print(f"{name:<16}{summary[f'{prefix}{kind}_peak_rss_mb']:>13,.1f}{summary[f'{prefix}{kind}_step_s']:>9.3f}"
+        prefix, kind = KEYS[name]
+        print(f"{name:<21}{summary[f'{prefix}{kind}_peak_rss_mb']:>13,.1f}{summary[f'{prefix}{kind}_step_s']:>9.3f}"
               f"{summary[f'{prefix}{kind}_step_cpu_s']:>12.3f}"
               f"{'' if offloaded is None else f'{offloaded / MB:.1f}':>17}{'' if staging is None else f'{staging:.3f}':>11}")
     print(json.dumps(summary))
@@ -107,8 +123,7 @@ def run(name: str, dataset: Path, out: Path, steps: int) -> list[dict]:
 def summarise(reports: dict[str, list[dict]], warmup: int) -> dict:
     summary = {}
     for name, ranks in reports.items():
-        prefix = "zero3_" if name.startswith("zero3") else ""
-        kind = "offload" if name.endswith("offload") else "baseline"
+        prefix, kind = KEYS[name]
         timed = ranks[0]["history"][warmup:]
         if not timed:
             raise ValueError(f"{len(ranks[0]['history'])} steps leave none to time after {warmup} warm-up steps")
@@ -117,18 +132,27 @@ def summarise(reports: dict[str, list[dict]], warmup: int) -> dict:
         summary[f"{prefix}{kind}_step_cpu_s"] = round(statistics.median(ranks[0]["step_cpu_seconds"][warmup:]), 3)
         if kind == "baseline":
             summary[f"{prefix}moment_mb"] = round(sum(r["moment_bytes"] for r in ranks) / MB, 1)
+            if prefix == "zero3_":
+                summary["zero3_param_mb"] = round(sum(r["shard_bytes"] for r in ranks) / MB, 1)
         else:
             summary[f"{prefix}offload_bytes_per_step"] = ranks[0]["last"]["offload_bytes_per_step"]
             summary[f"{prefix}offload_seconds_per_step"] = round(
                 statistics.median(r["offload_seconds_per_step"] for r in timed), 3
             )
-    for prefix in ("", "zero3_"):
-        if f"{prefix}baseline_step_s" not in summary or f"{prefix}offload_step_s" not in summary:
+    for prefix, base in (("", ""), ("zero3_", "zero3_"), ("zero3_param_", "zero3_")):
+        if f"{base}baseline_step_s" not in summary or f"{prefix}offload_step_s" not in summary:
             continue
-        saved = summary[f"{prefix}baseline_peak_rss_mb"] - summary[f"{prefix}offload_peak_rss_mb"]
-        summary[f"{prefix}saving_over_moments"] = round(saved / summary[f"{prefix}moment_mb"], 3)
-        summary[f"{prefix}step_ratio"] = round(summary[f"{prefix}offload_step_s"] / summary[f"{prefix}baseline_step_s"], 3)
-        cpu = summary[f"{prefix}offload_step_cpu_s"] / summary[f"{prefix}baseline_step_cpu_s"]
+        saved = summary[f"{base}baseline_peak_rss_mb"] - summary[f"{prefix}offload_peak_rss_mb"]
+        if prefix == "zero3_param_":
+            offloaded = summary["zero3_moment_mb"] + summary["zero3_param_mb"]
+            summary["zero3_param_saving_over_offloaded"] = round(saved / offloaded, 3)
+            if "zero3_offload_peak_rss_mb" in summary:
+                params_saved = summary["zero3_offload_peak_rss_mb"] - summary["zero3_param_offload_peak_rss_mb"]
+                summary["zero3_param_saving_over_params"] = round(params_saved / summary["zero3_param_mb"], 3)
+        else:
+            summary[f"{prefix}saving_over_moments"] = round(saved / summary[f"{prefix}moment_mb"], 3)
+        summary[f"{prefix}step_ratio"] = round(summary[f"{prefix}offload_step_s"] / summary[f"{base}baseline_step_s"], 3)
+        cpu = summary[f"{prefix}offload_step_cpu_s"] / summary[f"{base}baseline_step_cpu_s"]
         summary[f"{prefix}step_cpu_ratio"] = round(cpu, 3)
     return summary
 
@@ -153,7 +177,10 @@ def run_worker(name: str, dataset: str, out: Path, steps: int) -> None:
     held = optimizer.moment_bytes() if hasattr(optimizer, "moment_bytes") else moment_bytes(optimizer)
     cpu_marks = [_cpu_seconds()]
     history = trainer.run(on_metrics=lambda record: cpu_marks.append(_cpu_seconds())).history
+    zero3 = trainer.parallel.zero3  # the shards the rank holds in memory (under parameter offload: none)
+    shards = 0 if zero3 is None or zero3.offloaded is not None else sum(4 * int(p.shape[0]) for p in zero3.shards.values())
     report = {"history": history, "last": history[-1], "peak_rss_bytes": peak_rss_bytes(), "moment_bytes": held,
+              "shard_bytes": shards,
               "step_cpu_seconds": [after - before for before, after in zip(cpu_marks, cpu_marks[1:])]}
     (out / f"rank{trainer.rank}.json").write_text(json.dumps(report))
 

@@ -387,10 +387,34 @@ class ParallelParams(StrictModel):
         "update; the result and the checkpoints are bit-identical to the run without it. Saves the moments' "
         "bytes (8 per trainable parameter, /dp under ZeRO) for a slower update; see README 'Offload'.",
     )
+    param_offload: bool = Field(
+        False,
+        description="ZeRO-3 only, with optimizer_offload: keep this rank's parameter shards (fp32, so also the "
+        "master weights) in a memory-mapped file under the temp directory and read each one where the step "
+        "gathers it (forward and backward) and in the update; bit-identical to the run without it. Takes the "
+        "shards' bytes (4 per parameter / dp) out of memory for reading them twice a micro-batch, though peak RSS "
+        "on the reference model fell by a third of them at best; see README 'Offload'.",
+    )
 
     @property
     def world_size(self) -> int:
         return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
+
+    @model_validator(mode="after")
+    def _param_offload_under_zero3(self) -> ParallelParams:
+        if not self.param_offload:
+            return self
+        if self.zero_stage != 3 or self.data_parallel < 2:
+            raise ValueError(
+                f"parallel.param_offload=true needs ZeRO-3 over at least 2 ranks (the shards are what it offloads): "
+                f"parallel.zero_stage={self.zero_stage}, parallel.data_parallel={self.data_parallel}"
+            )
+        if not self.optimizer_offload:
+            raise ValueError(
+                "parallel.param_offload=true needs parallel.optimizer_offload=true (the update reads the shards from "
+                "the file bucket by bucket with the moments): parallel.optimizer_offload=false"
+            )
+        return self
 
     @model_validator(mode="after")
     def _enough_micro_batches(self) -> ParallelParams:

@@ -103,8 +103,9 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     """Train with params `tiny` + `--set` overrides, resuming from `--resume` (default: start fresh); write
     this rank's metrics history, held parameter, optimizer-state and gradient-buffer bytes (read back from the
     arrays), and its weights as held at the start and the end (rank<r>_initial.npz, rank<r>_final.npz; ZeRO-3
-    shards under ZeRO-3)."""
+    shards under ZeRO-3, their gradient buffers under parameter offload), and how many offload files it still maps."""
     from model_core.model.weights import model_weights, named_weights
+    from model_core.optim.offload import offload_mappings
     from model_core.parallel.zero import moment_bytes
     from model_core.train.trainer import Trainer
     from params import load_params
@@ -123,6 +124,7 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     report = {
         "history": result.history, "moment_bytes": held, "gradient_bytes": gradient_bytes,
         "parameter_bytes": parameter_bytes, "checkpoint": str(result.checkpoint),
+        "offload_mappings_after_run": len(offload_mappings()),
     }
     (out_dir / f"rank{trainer.rank}.json").write_text(json.dumps(report))
 

@@ -1,5 +1,7 @@
 """Optimizer offload: the update, the run and its checkpoints equal those without offload bit for bit (one process,
-and dp2 under ZeRO-1/2/3), a resumed offloaded run repeats the straight one, and no offload file outlives its run."""
+and dp2 under ZeRO-1/2/3), a resumed offloaded run repeats the straight one, and no offload file outlives its run.
+Parameter offload's pieces in one process: the update of weights kept in a file, and a ZeRO-3 step (over a group of
+one) fetching its shards from the file; tests/test_offload_msrun.py trains with it under dp2."""
 
 from __future__ import annotations
 
@@ -14,11 +16,15 @@ from mindspore import Parameter, ParameterTuple, Tensor, ops
 from safetensors.numpy import load_file
 
 from model_core.data import prepare_dataset
+from model_core.model.llama import Llama
 from model_core.model.weights import model_weights
 from model_core.optim import offload
 from model_core.optim.adamw import AdamW
 from model_core.optim.offload import FILE_PREFIX, OffloadedAdamW, Slot, offload_mappings
-from model_core.optim.step import ApplyGradients
+from model_core.optim.step import AccumulateGradients, ApplyGradients
+from model_core.parallel import comm
+from model_core.parallel.param_offload import ShardFile, offload_parameters
+from model_core.parallel.zero3 import shard_parameters
 from model_core.train.trainer import Trainer
 from params import OptimizerParams, load_params
 
@@ -93,6 +99,75 @@ def test_the_update_equals_adamw_when_buckets_cut_weights_mid_row():
         np.testing.assert_array_equal(state[("adam_m", k)], m.asnumpy().reshape(-1))
         np.testing.assert_array_equal(state[("adam_v", k)], v.asnumpy().reshape(-1))
     offloaded.close()
+    assert not offload_mappings()
+
+
+def test_the_update_of_weights_kept_in_a_file_equals_it_in_memory():
+    rng = np.random.default_rng(1)
+    shapes = {"w0": (2048,), "w1": (256,), "w2": (768,)}  # flat ZeRO-3 shards; w0 spans two buckets
+    initial = {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
+    gradients = [{name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()} for _ in range(3)]
+    buffers = {name: Parameter(Tensor(np.zeros(shape, np.float32)), name=f"g.{name}", requires_grad=False)
+               for name, shape in shapes.items()}
+    in_memory = {name: Parameter(Tensor(value.copy()), name=name) for name, value in initial.items()}
+    in_file = ShardFile(initial)
+    optimizer = OptimizerParams(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+    def adamw(weights):
+        slots = [Slot(name, weights[name], 0, initial[name].size, buffers[name], 0, name != "w1") for name in shapes]
+        return OffloadedAdamW(slots, optimizer, bucket_elements=1024)
+
+    updates = [adamw(in_memory), adamw(in_file.weights)]
+    for step in range(3):
+        for update in updates:
+            for name, buffer in buffers.items():
+                ops.assign(buffer, Tensor(gradients[step][name]))
+            update.step(Tensor(1e-2, ms.float32), Tensor(step + 1, ms.float32), Tensor(0.5, ms.float32))
+    assert updates[1].last_bytes == updates[0].last_bytes + 2 * 4 * 3072  # the weights read and written too
+    for name in shapes:
+        assert not np.array_equal(in_memory[name].asnumpy(), initial[name])
+        np.testing.assert_array_equal(in_file.weights[name].read(), in_memory[name].asnumpy(), err_msg=name)
+    for update in updates:
+        update.close()
+    in_file.close()
+    assert not offload_mappings()
+
+
+def test_a_zero3_step_with_its_shards_in_a_file_equals_it_with_them_in_memory():
+    """Over a group of one: the fetched shards give the same loss and the same shard gradients, bit for bit, in the
+    compiled step and in an evaluation forward, and checkpoints read and write the file."""
+    params = load_params("tiny", SMALL_MODEL)
+    group = comm.group((0,))
+    rng = np.random.default_rng(2)
+    tokens = Tensor(rng.integers(0, params.model.vocab_size, (2, params.model.seq_len)).astype(np.int32))
+    inputs = (tokens, tokens, Tensor(np.ones(tokens.shape, np.float32)), None, None, Tensor(0.01, ms.float32))
+    results = []
+    for offloaded in (False, True):
+        ms.set_seed(0)
+        model = Llama(params.model)
+        sharded = shard_parameters(model, group)
+        if offloaded:
+            sharded = offload_parameters(model, sharded)
+            step = AccumulateGradients(model, ParameterTuple(model.trainable_params()))
+        else:
+            step = AccumulateGradients(model)
+        summed = [float(step(*inputs).asnumpy()) for _ in range(2)]
+        evaluated = float(step.loss(*inputs)[1].asnumpy())
+        gradients = {name: buffer.asnumpy() for name, buffer in zip(sharded.shards, step.buffers)}
+        results.append((summed, evaluated, gradients, sharded.full_weights(), sharded))
+    (summed, evaluated, gradients, weights, _), (summed_again, evaluated_again, gradients_again, weights_again, sharded) = results
+    assert summed_again == summed and evaluated_again == evaluated
+    assert gradients_again.keys() == gradients.keys()
+    for name, gradient in gradients.items():
+        assert np.any(gradient), name
+        np.testing.assert_array_equal(gradients_again[name], gradient, err_msg=name)
+    for name, value in weights.items():
+        np.testing.assert_array_equal(weights_again[name], value, err_msg=name)
+    shards = sharded.offloaded
+    assert shards.fetched_bytes > 2 * shards.nbytes  # every shard fetched in each forward and each backward
+    sharded.load_full_weights({name: value * 2 for name, value in weights.items()})
+    np.testing.assert_array_equal(shards.weights["norm.weight"].read(), weights["norm.weight"] * 2)
+    shards.close()
     assert not offload_mappings()
 
 

@@ -1,12 +1,15 @@
-"""Optimizer offload over two msrun workers: dp2 under ZeRO-2 and -3 with the moments offloaded equals the same
-job without offload, bit for bit: metrics, final weights (ZeRO-3: shards) and checkpoint."""
+"""Offload over two msrun workers: dp2 under ZeRO-2 and -3 with the moments offloaded, and under ZeRO-3 with the
+parameter shards offloaded too, equals the same job without offload bit for bit (metrics, final weights where the
+model holds them, checkpoint); a resumed parameter-offload job repeats the uninterrupted one; no offload file
+outlives its job."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_parallel_msrun import assert_same_blocks, dataset_dir, train_job
+from test_parallel_msrun import assert_resumed_tail, assert_same_blocks, dataset_dir, resume_from_step, train_job
 
+from model_core.optim.offload import FILE_PREFIX
 from model_core.train.checkpoint import Checkpoint
 
 pytestmark = pytest.mark.slow
@@ -15,20 +18,82 @@ __all__ = ["dataset_dir"]  # the module fixture shared with the dp tests
 
 STEPS = 10
 KEYS = ("step", "loss", "grad_norm", "lr", "validation_loss")
+PARAM_OFFLOAD = ("parallel.optimizer_offload=true", "parallel.param_offload=true")
+
+
+def layout(zero_stage: int) -> tuple[str, ...]:
+    return ("parallel.data_parallel=2", "parallel.micro_batches=2", f"parallel.zero_stage={zero_stage}", f"train.steps={STEPS}")
+
+
+def metrics(report: dict) -> list[list]:
+    return [[record.get(key) for key in KEYS] for record in report["history"]]
+
+
+def checkpoint(run, step: int = STEPS) -> Checkpoint:
+    return Checkpoint(run / "out" / "checkpoints" / f"step-{step:08d}", step)
+
+
+@pytest.fixture(scope="module")
+def plain_job(dataset_dir, tmp_path_factory):
+    """job(zero_stage): (its directory, its reports) of the job without offload, run once for the tests that
+    compare against it."""
+    jobs = {}
+
+    def job(zero_stage: int):
+        if zero_stage not in jobs:
+            out = tmp_path_factory.mktemp(f"plain-zero{zero_stage}")
+            jobs[zero_stage] = out, train_job(out, dataset_dir, *layout(zero_stage))
+        return jobs[zero_stage]
+
+    return job
+
+
+@pytest.fixture
+def offload_dir(tmp_path, monkeypatch):
+    """The workers' temp directory, where their offload files are made (and unlinked at once)."""
+    directory = tmp_path / "offload-tmp"
+    directory.mkdir()
+    monkeypatch.setenv("TMPDIR", str(directory))
+    return directory
+
+
+def leftover_files(directory) -> list[str]:
+    return [path.name for path in directory.iterdir() if path.name.startswith(FILE_PREFIX)]
 
 
 @pytest.mark.parametrize("zero_stage", [2, 3])  # ZeRO-1 shares all but the gradient source with ZeRO-2
-def test_dp2_zero_with_offload_equals_the_job_without(dataset_dir, tmp_path, zero_stage):
-    layout = ("parallel.data_parallel=2", "parallel.micro_batches=2", f"parallel.zero_stage={zero_stage}", f"train.steps={STEPS}")
-    plain = train_job(tmp_path / "plain", dataset_dir, *layout)
-    offloaded = train_job(tmp_path / "offloaded", dataset_dir, *layout, "parallel.optimizer_offload=true")
+def test_dp2_zero_with_offload_equals_the_job_without(dataset_dir, plain_job, tmp_path, zero_stage):
+    plain_dir, plain = plain_job(zero_stage)
+    offloaded = train_job(tmp_path / "offloaded", dataset_dir, *layout(zero_stage), "parallel.optimizer_offload=true")
     for before, again in zip(plain, offloaded, strict=True):
-        assert [[r.get(k) for k in KEYS] for r in again["history"]] == [[r.get(k) for k in KEYS] for r in before["history"]]
+        assert metrics(again) == metrics(before)
         assert again["history"][-1]["offload_bytes_per_step"] > 0
     for rank in (0, 1):
-        final = [np.load(tmp_path / run / "out" / f"rank{rank}_final.npz") for run in ("plain", "offloaded")]
+        final = [np.load(run / "out" / f"rank{rank}_final.npz") for run in (plain_dir, tmp_path / "offloaded")]
         for name in final[0]:
             np.testing.assert_array_equal(final[1][name], final[0][name], err_msg=name)
-    name = f"step-{STEPS:08d}"
-    checkpoints = [Checkpoint(tmp_path / run / "out" / "checkpoints" / name, STEPS) for run in ("plain", "offloaded")]
-    assert_same_blocks(checkpoints[1], checkpoints[0], blocks=1)
+    assert_same_blocks(checkpoint(tmp_path / "offloaded"), checkpoint(plain_dir), blocks=1)
+
+
+def test_dp2_zero3_with_param_offload_equals_the_job_without(dataset_dir, plain_job, tmp_path, offload_dir):
+    plain_dir, plain = plain_job(3)
+    offloaded = train_job(tmp_path / "offloaded", dataset_dir, *layout(3), *PARAM_OFFLOAD)
+    for before, again in zip(plain, offloaded, strict=True):
+        assert metrics(again) == metrics(before)
+        # the moments and the shards the update reads and writes, and the shards the step's gathers fetch
+        assert again["history"][-1]["offload_bytes_per_step"] > 2 * before["moment_bytes"]
+        assert again["parameter_bytes"] == before["parameter_bytes"]  # in the model: the shards' gradient buffers
+        assert again["offload_mappings_after_run"] == 0
+    assert_same_blocks(checkpoint(tmp_path / "offloaded"), checkpoint(plain_dir), blocks=1)
+    assert leftover_files(offload_dir) == []
+
+
+@pytest.mark.extended
+def test_dp2_zero3_with_param_offload_resumes_bit_exactly(dataset_dir, tmp_path, offload_dir):
+    every_5 = (*layout(3), *PARAM_OFFLOAD, "train.checkpoint_interval=5", "train.eval_interval=5")
+    straight = train_job(tmp_path / "straight", dataset_dir, *every_5)
+    start = resume_from_step(checkpoint(tmp_path / "straight").path.parent, 5, tmp_path / "resumed" / "out" / "checkpoints")
+    resumed = train_job(tmp_path / "resumed", dataset_dir, *every_5, resume=start)
+    assert_resumed_tail(straight, resumed, after=5)
+    assert_same_blocks(checkpoint(tmp_path / "resumed"), checkpoint(tmp_path / "straight"), blocks=1)
+    assert leftover_files(offload_dir) == []

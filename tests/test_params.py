@@ -6,7 +6,15 @@ import pytest
 from pydantic import ValidationError
 
 from params import ParamsError, PipelineParams, flatten, load_params, params_hash, preset_names, to_yaml
-from params.schema import StrictModel, DataSource, ModelParams, OptimizerParams, ParallelParams, RecomputeParams, TokenizerParams
+from params.schema import (
+    DataSource,
+    ModelParams,
+    OptimizerParams,
+    ParallelParams,
+    RecomputeParams,
+    StrictModel,
+    TokenizerParams,
+)
 
 
 def test_tiny_preset_equals_schema_defaults():
@@ -41,6 +49,19 @@ def test_override_types_come_from_yaml():
     assert params.train.steps == 7
     assert params.optimizer.grad_clip is None
     assert params.lora.target_modules == ["q", "v"]
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["parallel.data_parallel=2", "parallel.zero_stage=2"], "parallel.zero_stage=2, parallel.data_parallel=2"),
+    (["parallel.zero_stage=3"], "parallel.zero_stage=3, parallel.data_parallel=1"),
+    (["parallel.data_parallel=2", "parallel.zero_stage=3", "parallel.optimizer_offload=false"],
+     "needs parallel.optimizer_offload=true"),
+])
+def test_param_offload_needs_zero3_over_dp_and_optimizer_offload(overrides, message):
+    with pytest.raises(ParamsError, match=message):
+        load_params("tiny", ["parallel.param_offload=true", "parallel.optimizer_offload=true", *overrides])
+    both = ["parallel.data_parallel=2", "parallel.zero_stage=3", "parallel.optimizer_offload=true"]
+    assert load_params("tiny", [*both, "parallel.param_offload=true"]).parallel.param_offload
 
 
 def test_misspelt_key_in_file_names_file_line_and_field(tmp_path):

@@ -81,6 +81,10 @@ def test_rank_bytes_split_the_model_over_tp_pp_and_zero():
     assert zero1["parameters"] == 4 * elements and zero1["optimizer"] == 8 * shards
     offloaded = placement_table(PARAMS.model, Layout(dp=2), zero_stage=2, optimizer_offload=True).rank_bytes(0)
     assert offloaded["optimizer"] == 0 and offloaded["offloaded"] == 8 * shards  # the moments on disk, not in memory
+    both = placement_table(PARAMS.model, Layout(dp=2), zero_stage=3, optimizer_offload=True, param_offload=True)
+    assert both.rank_bytes(1) == {"parameters": 0, "gradients": 4 * shards, "optimizer": 0, "offloaded": 12 * shards}
+    with pytest.raises(ValueError, match="zero_stage=2, dp=2"):
+        placement_table(PARAMS.model, Layout(dp=2), zero_stage=2, param_offload=True)
 
 
 # ------------------------------------------------------------------------- building a rank's shard

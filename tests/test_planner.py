@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -354,3 +355,19 @@ def test_offload_is_advised_only_within_twenty_percent_of_the_device_and_says_wh
     far = plan(params, devices=8, device_memory_bytes=smallest)
     assert far.recommended is None and any(e.fits for e in far.estimates)
     assert "change the layout instead" in format_plan_table(far)
+
+
+def test_param_offload_is_a_zero3_candidate_after_optimizer_offload_and_counts_its_reads():
+    params = load_params("llama2_7b_dp8", ["train.micro_batch_size=1", "model.seq_len=512"])
+    everything = plan(params, devices=8, device_memory_bytes=10**15)
+    both = [e for e in everything.estimates if e.candidate.param_offload]
+    assert both and all(e.candidate.zero_stage == 3 and e.candidate.pp == 1 and e.candidate.offload for e in both)
+    for e in both:
+        twin = next(o for o in everything.estimates if o.candidate == replace(e.candidate, param_offload=False))
+        assert e.candidate.preference() > twin.candidate.preference()
+        shard = math.ceil(stage_parameters(params.model, e.candidate.tp, 1, 0) / e.candidate.dp)
+        assert e.memory.parameters == 0 and twin.memory.parameters == 4 * shard
+        micro_batches = params.global_batch_size // (params.train.micro_batch_size * e.candidate.dp)
+        # the moments read and written, and the shard read in every forward and backward and by the update
+        assert e.offload_bytes_per_step == 2 * 8 * shard + 4 * shard * (2 * micro_batches + 2)
+        assert str(e.candidate).endswith("offload=optimizer+parameters")

@@ -12,8 +12,10 @@ update, so the result is that update's, bit for bit; only the bucket is ever res
 
 What is updated is a list of `Slot`s: a range of one weight (flattened) and the matching range of its gradient
 buffer. One slot per whole weight is plain AdamW (or ZeRO-3, whose weights are the shards); ZeRO-1/2 give one slot
-per piece of this rank's shard of the flattened weights, and then gather the updated shards themselves. On the CPU
-backend, where host memory is the device, the file is the off-device store (ZeRO-Infinity's NVMe offload).
+per piece of this rank's shard of the flattened weights, and then gather the updated shards themselves. Under
+parameter offload (`model_core.parallel.param_offload`) a slot's weight is a `FileWeight`, a range of another
+`OffloadFile`, whose pieces are staged from and written back to that file the same way. On the CPU backend, where
+host memory is the device, the file is the off-device store (ZeRO-Infinity's NVMe offload).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ class Slot:
     gradient_start + end - start) of `gradient` (flattened); `name` keys the weight in the optimizer state."""
 
     name: str
-    weight: Parameter
+    weight: Parameter | FileWeight
     start: int
     end: int
     gradient: Parameter
@@ -87,25 +89,23 @@ def buckets_of(sizes: Sequence[int], bucket_elements: int) -> list[list[_Piece]]
     return buckets
 
 
-class MomentFile:
-    """m and v, `elements` fp32 each, in one unlinked, memory-mapped file under `directory` (the temp directory)."""
+class OffloadFile:
+    """`elements` fp32 values in one unlinked, memory-mapped file under `directory` (the temp directory), as `array`."""
 
     def __init__(self, elements: int, directory: str | None = None) -> None:
         self.elements = elements
-        self.nbytes = 2 * 4 * elements
+        self.nbytes = 4 * elements
         with tempfile.NamedTemporaryFile(prefix=FILE_PREFIX, dir=directory, delete=False) as handle:
             try:
                 handle.truncate(self.nbytes)
                 self._map = mmap.mmap(handle.fileno(), self.nbytes)
             finally:
                 os.unlink(handle.name)  # the mapping keeps the file; its name and its space go with the mapping
-        self._view = np.frombuffer(self._map, np.float32)
-        self.m, self.v = self._view[:elements], self._view[elements:]
+        self.array = np.frombuffer(self._map, np.float32)
 
-    def release(self, moment: np.ndarray, start: int, length: int) -> None:
-        """Drop elements [start, start + length) of `moment` (self.m or self.v) from this process's memory; their
-        values stay in the file. Only whole pages inside the range are dropped."""
-        first = (self.elements if moment is self.v else 0) + start
+    def release(self, first: int, length: int) -> None:
+        """Drop elements [first, first + length) of `array` from this process's memory; their values stay in the
+        file. Only whole pages inside the range are dropped."""
         begin = -(-first * 4 // mmap.PAGESIZE) * mmap.PAGESIZE
         end = (first + length) * 4 // mmap.PAGESIZE * mmap.PAGESIZE
         if end > begin:
@@ -118,8 +118,47 @@ class MomentFile:
     def close(self) -> None:
         if self._map.closed:
             return
-        self.m = self.v = self._view = None
+        self.array = None
         self._map.close()
+
+
+class MomentFile(OffloadFile):
+    """m and v, `elements` fp32 each, in one `OffloadFile`."""
+
+    def __init__(self, elements: int, directory: str | None = None) -> None:
+        super().__init__(2 * elements, directory)
+        self.m, self.v = self.array[:elements], self.array[elements:]
+
+    def release(self, moment: np.ndarray, start: int, length: int) -> None:
+        """Drop elements [start, start + length) of `moment` (self.m or self.v) from this process's memory."""
+        super().release((self.m.size if moment is self.v else 0) + start, length)
+
+    def close(self) -> None:
+        self.m = self.v = None
+        super().close()
+
+
+@dataclass(frozen=True)
+class FileWeight:
+    """A flat weight kept in an `OffloadFile` (parameter offload): elements [first, first + size) of its array.
+    `read` and `write` leave none of its pages in this process's memory."""
+
+    file: OffloadFile
+    first: int
+    size: int
+
+    def read(self, start: int = 0, length: int | None = None) -> np.ndarray:
+        """A copy of elements [start, start + length) of the weight (all of it by default)."""
+        length = self.size - start if length is None else length
+        first = self.first + start
+        values = self.file.array[first : first + length].copy()
+        self.file.release(first, length)
+        return values
+
+    def write(self, start: int, values: np.ndarray) -> None:
+        first = self.first + start
+        self.file.array[first : first + values.size] = values
+        self.file.release(first, values.size)
 
 
 class OffloadedAdamW:
@@ -152,6 +191,7 @@ class OffloadedAdamW:
         self.buckets = buckets_of([slot.size for slot in self.slots], self.bucket_elements)
         # Each bucket has a whole bucket's room in the file, so every bucket starts on a page boundary.
         self.file = MomentFile(len(self.buckets) * self.bucket_elements, directory)
+        self._file_weight_bytes = 4 * sum(slot.size for slot in self.slots if isinstance(slot.weight, FileWeight))
         self._offsets = np.cumsum([0, *(slot.size for slot in self.slots)])  # a slot's first element, end to end
         zeros = np.zeros(self.bucket_elements, np.float32)
         self._weights = Parameter(Tensor(zeros), name="offload.weights", requires_grad=False)
@@ -194,7 +234,7 @@ class OffloadedAdamW:
             staging += time.perf_counter() - begin
         if self.after_update is not None:
             self.after_update()
-        self.last_bytes = 2 * self.file.nbytes  # m and v read in and written back
+        self.last_bytes = 2 * self.file.nbytes + 2 * self._file_weight_bytes  # m, v (and offloaded weights) read and written
         self.last_seconds = staging
 
     def _stage(self, index: int, bucket: list[_Piece], keep: Tensor, grad_scale: Tensor) -> Tensor:
@@ -202,7 +242,10 @@ class OffloadedAdamW:
         for piece in bucket:
             slot = self.slots[piece.slot]
             start = slot.start + piece.offset
-            weight = slot.weight.reshape(-1)[start : start + piece.length]
+            if isinstance(slot.weight, FileWeight):
+                weight = Tensor(slot.weight.read(start, piece.length))
+            else:
+                weight = slot.weight.reshape(-1)[start : start + piece.length]
             weights.append(weight * keep if slot.decays else weight)
             start = slot.gradient_start + piece.offset
             gradients.append(slot.gradient.reshape(-1)[start : start + piece.length] * grad_scale)
@@ -219,7 +262,11 @@ class OffloadedAdamW:
     def _unstage(self, index: int, bucket: list[_Piece]) -> None:
         for piece in bucket:
             slot = self.slots[piece.slot]
-            write_flat(slot.weight, slot.start + piece.offset, self._weights[piece.at : piece.at + piece.length])
+            values = self._weights[piece.at : piece.at + piece.length]
+            if isinstance(slot.weight, FileWeight):
+                slot.weight.write(slot.start + piece.offset, values.asnumpy())
+            else:
+                write_flat(slot.weight, slot.start + piece.offset, values)
         first = index * self.bucket_elements
         for staged, moment in ((self._m, self.file.m), (self._v, self.file.v)):
             moment[first : first + self.bucket_elements] = staged.asnumpy()

@@ -151,7 +151,9 @@ def offloaded_optimizer(
     `buffers` and `names` as the gradient accumulation holds them (ZeRO-2: one buffer per piece of the shard cut
     with `shard_length`)."""
     if zero3 is not None:
-        slots = [Slot(name, w, 0, int(w.shape[0]), b, 0, zero3.decays[name]) for name, w, b in zip(names, weights, buffers)]
+        if zero3.offloaded is not None:  # the shards' values are in the parameter offload file
+            weights = [zero3.offloaded.weights[name] for name in names]
+        slots = [Slot(name, w, 0, int(b.shape[0]), b, 0, zero3.decays[name]) for name, w, b in zip(names, weights, buffers)]
         adamw = OffloadedAdamW(slots, optimizer)
         shapes = [zero3.shapes[name] for name in names]
         return OffloadedOptimizer(adamw, names, shapes, "zero3", group)

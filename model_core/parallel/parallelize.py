@@ -13,6 +13,8 @@ order (torchtitan's: describe the whole model, cut it, then make only what is ke
                  tp block, or of an expert stack its ep block (then, under ZeRO-3, its dp shard of that block),
                  read from the initial weights on disk one block at a time (`storage.read_block`), or drawn from the weight's own (seed, path)
                  generator and cut (`model_core.model.init`).
+                 With parameter offload (ZeRO-3) the shards then move to the rank's parameter offload file and
+                 gradient buffers take their place (`param_offload.offload_parameters`).
 A rank therefore holds its share plus, while one weight is being drawn or read, that one whole weight.
 
 `parallelize(params, layout, rank, ...)` then composes the whole training step on that shard in one fixed
@@ -47,6 +49,7 @@ from model_core.parallel.expert import (
 from model_core.parallel.gradient_norm import ParallelGradientNorm
 from model_core.parallel.layout import Layout, ParallelConfigError
 from model_core.parallel.offload import OffloadedOptimizer, offloaded_optimizer
+from model_core.parallel.param_offload import offload_parameters
 from model_core.parallel.pipeline import MicroBatch, PipelineStage, SummedVocabParallelLoss, prune_to_stage
 from model_core.parallel.pipeline import SummedTokenLoss as StageTokenLoss
 from model_core.parallel.placement import PlacementTable, placement_table
@@ -111,6 +114,8 @@ def build_shard(
     materialize(model, table, rank, seed, source)
     if zero3 is not None:  # the shards are now the Parameters `materialize` made
         zero3 = replace(zero3, shards={name: weight for name, weight in named_weights(model).items() if name in zero3.shards})
+        if table.param_offload:
+            zero3 = offload_parameters(model, zero3)
     return Shard(model, parallelism, adaptation, zero3)
 
 
@@ -184,9 +189,10 @@ def parallelize(
       7.   recompute marked on the chosen blocks this rank holds;
       8.   the step: the loss for this rank's logits, gradient accumulation (through the pipeline schedule
            under pp; reduce-scattered per micro-batch under ZeRO-2, expert shards' over expert-dp), AdamW
-           (moments sharded under ZeRO-1/2/3, in a memory-mapped file with `parallel.optimizer_offload`; under
-           ep the expert shards' own AdamW, ZeRO-1/2 over expert-dp), the dp gradient sum (expert shards': over
-           expert-dp) and the global gradient norm, each read from the placement table.
+           (moments sharded under ZeRO-1/2/3, in a memory-mapped file with `parallel.optimizer_offload`, reading
+           the weights from theirs with `parallel.param_offload`; under ep the expert shards' own AdamW, ZeRO-1/2
+           over expert-dp), the dp gradient sum (expert shards': over expert-dp) and the global gradient norm,
+           each read from the placement table.
     Every layout supports every feature (LoRA included); `Layout.from_params` has already refused a layout
     that cannot run, naming both numbers."""
     dp_group, tp_group = comm.group(layout.dp_group(rank)), comm.group(layout.tp_group(rank))
@@ -196,8 +202,16 @@ def parallelize(
             f"parallel.optimizer_offload with parallel.expert_parallel={ep_group.size}: the offload file holds one "
             "optimizer's moments, expert parallelism keeps two (dense over dp, experts over expert-dp)"
         )
+    if params.parallel.param_offload and (layout.pp > 1 or lora is not None):
+        raise ParallelConfigError(
+            f"parallel.param_offload with parallel.pipeline_parallel={layout.pp} and LoRA "
+            f"{'on' if lora is not None else 'off'}: parameter offload runs without pipeline stages and without LoRA "
+            "(a stage's schedule keeps its own gradient buffers; LoRA's frozen weights have none to stand in for them)"
+        )
     zero_stage = params.parallel.zero_stage if dp_group.size > 1 else 0
-    table = placement_table(params.model, layout, zero_stage, lora, params.parallel.optimizer_offload)
+    table = placement_table(
+        params.model, layout, zero_stage, lora, params.parallel.optimizer_offload, params.parallel.param_offload
+    )
     shard = build_shard(
         params.model, table, rank, params.train.seed, params.precision.compute_dtype, initial_weights, dp_group
     )
@@ -223,6 +237,8 @@ def parallelize(
         accumulate = ExpertShardedAccumulateGradients(model, expert_positions(model, table), dp_group, expert_dp_group, loss)
     elif zero_stage == 2:  # gradients reduce-scattered per micro-batch into this rank's shard
         accumulate = ShardedAccumulateGradients(model, dp_group, loss=loss)
+    elif table.param_offload:  # the model's shard Parameters are the gradient buffers (`param_offload`)
+        accumulate = AccumulateGradients(model, ParameterTuple(model.trainable_params()), loss)
     else:
         accumulate = AccumulateGradients(model, loss=loss)
     names = {id(param): name for name, param in named_weights(model).items()}
@@ -335,6 +351,8 @@ class Parallelized:
         """Forward and backward of a step's micro-batches, gradients added into the buffers and summed over dp
         where the layout sums once per step (and over tp where a rank's gradient is a share: `tp_partial`); the
         summed token loss of this replica's micro-batches."""
+        if self.zero3 is not None and self.zero3.offloaded is not None:  # count this step's parameter fetches
+            self.zero3.offloaded.fetched_bytes = 0
         if self.pipeline is not None:
             per_pass = self.micro_batches_per_pass
             passes = [micro_batches[i : i + per_pass] for i in range(0, len(micro_batches), per_pass)]
@@ -370,9 +388,19 @@ class Parallelized:
         self._zero()
 
     def close(self) -> None:
-        """Release the optimizer offload file, if there is one (no update can run after this)."""
+        """Release the offload files, if there are any (no step can run after this)."""
         if self.offload is not None:
             self.offload.close()
+        if self.zero3 is not None and self.zero3.offloaded is not None:
+            self.zero3.offloaded.close()
+
+    def offload_bytes(self) -> int:
+        """Bytes the last step moved between the offload files and memory: its update's, and its forwards' and
+        backwards' parameter fetches."""
+        moved = self.offload.last_bytes if self.offload is not None else 0
+        if self.zero3 is not None and self.zero3.offloaded is not None:
+            moved += self.zero3.offloaded.fetched_bytes
+        return moved
 
     def discard_gradients(self) -> None:
         self._zero()

@@ -26,7 +26,8 @@ and with tied embeddings the last stage holds a copy of the embedding table too.
 
 A row's AdamW moments live where the row's ZeRO sharding puts them (every rank, or this rank's 1/dp), in memory
 or, with `optimizer_offload`, in the rank's offload file on local disk (`model_core/optim/offload.py`), which
-holds all of them or none.
+holds all of them or none. Under ZeRO-3 with `param_offload` the rows' parameter shards live in a second file of
+the rank (`model_core/parallel/param_offload.py`), all of them.
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class PlacementTable:
     rows: tuple[Placement, ...]
     lora: LoraParams | None = None
     optimizer_offload: bool = False  # every trainable row's moments in the offload file, not in memory
+    param_offload: bool = False  # ZeRO-3: every row's parameter shard in the parameter offload file, not in memory
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {row.name: row for row in self.rows})
@@ -131,7 +133,8 @@ class PlacementTable:
     def rank_bytes(self, rank: int) -> dict[str, int]:
         """Bytes rank `rank` holds of parameters, fp32 gradient buffers of the trainable ones and their two fp32
         Adam moments, from the table alone; with optimizer offload the moments count as `offloaded` (on disk),
-        not `optimizer` (the update's fixed staging bucket is not counted)."""
+        not `optimizer` (the update's fixed staging bucket is not counted), and with parameter offload the ZeRO-3
+        parameter shards too, not `parameters` (the shard fetched for a gather is not counted)."""
         at = self.layout.coordinates(rank)
         layout = self.layout
         moments = "offloaded" if self.optimizer_offload else "optimizer"
@@ -139,7 +142,8 @@ class PlacementTable:
         for row in self.on_stage(at.pp):
             elements = math.prod(row.block_shape(layout.tp, layout.ep))
             shard = math.ceil(elements / (layout.dp // layout.ep if row.expert else layout.dp))
-            held["parameters"] += (shard if self.zero_stage == 3 and row.zero_sharded else elements) * _BYTES[row.dtype]
+            parameters = "offloaded" if self.param_offload and row.zero_sharded else "parameters"
+            held[parameters] += (shard if self.zero_stage == 3 and row.zero_sharded else elements) * _BYTES[row.dtype]
             if row.trainable:
                 held["gradients"] += 4 * (shard if self.zero_stage >= 2 else elements)
                 held[moments] += 2 * 4 * (shard if self.zero_stage >= 1 else elements)
@@ -148,10 +152,10 @@ class PlacementTable:
 
 def placement_table(
     model: ModelParams, layout: Layout, zero_stage: int = 0, lora: LoraParams | None = None,
-    optimizer_offload: bool = False,
+    optimizer_offload: bool = False, param_offload: bool = False,
 ) -> PlacementTable:
     """The table of a model with these params under `layout`; `lora` adds its adapters when enabled;
-    `optimizer_offload` puts the moments in the offload file."""
+    `optimizer_offload` puts the moments in the offload file, `param_offload` (ZeRO-3) the parameter shards."""
     sizes = layout.stage_sizes(model.num_layers)
     last = len(sizes) - 1
     zero = zero_stage > 0 and layout.dp > 1
@@ -187,7 +191,10 @@ def placement_table(
     rows.append(row("norm.weight", (hidden,), None, (last,)))
     if not model.tie_embeddings:
         rows.append(row("lm_head.weight", (model.vocab_size, hidden), 0, (last,)))
-    return PlacementTable(layout, zero_stage if layout.dp > 1 else 0, tuple(rows), lora, optimizer_offload)
+    zero_stage = zero_stage if layout.dp > 1 else 0
+    if param_offload and zero_stage != 3:
+        raise ValueError(f"param_offload places ZeRO-3 shards in a file; zero_stage={zero_stage}, dp={layout.dp}")
+    return PlacementTable(layout, zero_stage, tuple(rows), lora, optimizer_offload, param_offload)
 
 
 def _expert_shapes(model: ModelParams) -> dict[str, tuple[int, ...]]:

@@ -38,7 +38,11 @@ file on local disk), and the update streams them through 3 staging buckets of 4 
 copy of their shard either. Each step reads and writes them, 2 x 8P/dp bytes, timed at the stated offload
 bandwidth. Offload comes after every layout that fits without it, and is recommended only when the same
 layout without it needs at most `OFFLOAD_GAP` (20%) more than the device has: a larger gap means the layout
-is wrong (more tensor or pipeline parallelism, more devices), which is what the plan then says.
+is wrong (more tensor or pipeline parallelism, more devices), which is what the plan then says. Under ZeRO-3
+without pipeline stages parameter offload (`parallel.param_offload`, `model_core/parallel/param_offload.py`) comes
+after it: the rank's fp32 parameter shards (4P/dp) leave the device too, each read back for the forward's and
+the backward's gather of every micro-batch and read and written by the update: 4P/dp x (2 x micro-batches + 2)
+more bytes a step.
 
 A rank peaks either in the backward (activations, fresh gradients, gradient buckets) or in the update (no
 activations, but ZeRO's all-gather); the estimate is the larger of the two, on the busiest stage. A device
@@ -162,18 +166,22 @@ class Candidate:
     recompute: str
     offload: bool = False  # the optimizer's moments off the device
     ep: int = 1  # expert-parallel ranks, out of dp
+    param_offload: bool = False  # ZeRO-3: the parameter shards off the device too (with `offload`)
 
     def preference(self) -> tuple[int, ...]:
-        """Smaller is preferred: no offload, then no ZeRO beyond stage 1, then fewer pipeline stages, then less
-        tensor parallelism, then less expert parallelism, then no recompute; with dp > 1, ZeRO-1 before ZeRO-0."""
+        """Smaller is preferred: no offload (then optimizer offload alone), then no ZeRO beyond stage 1, then fewer
+        pipeline stages, then less tensor parallelism, then less expert parallelism, then no recompute; with dp > 1,
+        ZeRO-1 before ZeRO-0."""
         beyond_one = max(self.zero_stage - 1, 0)
         unsharded_dp = int(self.dp > 1 and self.zero_stage == 0)
         return (
-            int(self.offload), beyond_one, self.pp, self.tp, self.ep, RECOMPUTE_MODES.index(self.recompute), unsharded_dp
+            int(self.offload) + int(self.param_offload), beyond_one, self.pp, self.tp, self.ep,
+            RECOMPUTE_MODES.index(self.recompute), unsharded_dp,
         )
 
     def __str__(self) -> str:
         offload = " offload=optimizer" if self.offload else ""
+        offload += "+parameters" if self.param_offload else ""
         experts = f" ep{self.ep}" if self.ep > 1 else ""
         return f"dp{self.dp} tp{self.tp} pp{self.pp}{experts} zero{self.zero_stage} recompute={self.recompute}{offload}"
 
@@ -206,7 +214,7 @@ class Estimate:
     stage: int
     memory: Memory
     fits: bool
-    offload_bytes_per_step: int = 0  # moments read and written per step (offload candidates)
+    offload_bytes_per_step: int = 0  # moments (and parameter shards) read and written per step (offload candidates)
     without_offload: int = 0  # bytes the same layout needs without offload (offload candidates)
     all_to_all_bytes_per_step: int = 0  # sent by one rank through expert parallelism's all-to-alls
 
@@ -253,7 +261,8 @@ class Plan:
         if chosen is not None and chosen.candidate.offload:
             seconds = chosen.offload_bytes_per_step / self.offload_bandwidth
             return (
-                f"offload moves {_gib(chosen.offload_bytes_per_step)} GiB of optimizer state per step "
+                f"offload moves {_gib(chosen.offload_bytes_per_step)} GiB of optimizer state"
+                f"{' and parameters' if chosen.candidate.param_offload else ''} per step "
                 f"({seconds:.2f} s at {self.offload_bandwidth / 1e9:.0f} GB/s); without it this layout needs "
                 f"{_gib(chosen.without_offload)} GiB, {chosen.offload_gap(self.device_memory_bytes):.0%} over"
             )
@@ -324,7 +333,7 @@ def candidates(dp: int, tp: int, pp: int, model: ModelParams | None = None, devi
     0 to 2 for a model with MoE blocks (the stages they train with so far; 2 with ep only without pp), each under every
     expert-parallel degree that divides dp and the experts and keeps the ep group (ep x tp ranks) inside a node;
     and with ZeRO-2/3 each also with optimizer offload (not under ep, whose two optimizers one offload file
-    cannot hold)."""
+    cannot hold), with ZeRO-3 and pp = 1 also with parameter offload."""
     stages = range(4) if dp > 1 else (0,)
     expert_degrees = [1]
     moe = model is not None and bool(model.moe_layers)
@@ -338,7 +347,8 @@ def candidates(dp: int, tp: int, pp: int, model: ModelParams | None = None, devi
         if not moe or stage < 2 or (stage == 2 and (ep == 1 or pp == 1))
         for mode in RECOMPUTE_MODES
     ]
-    return plain + [replace(c, offload=True) for c in plain if c.zero_stage >= 2 and c.ep == 1]
+    offloaded = [replace(c, offload=True) for c in plain if c.zero_stage >= 2 and c.ep == 1]
+    return plain + offloaded + [replace(c, param_offload=True) for c in offloaded if c.zero_stage == 3 and c.pp == 1]
 
 
 # ----------------------------------------------------------------------------------------- estimates
@@ -431,7 +441,7 @@ def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind:
     dense, experts = stage_parameter_split(params.model, candidate.tp, candidate.pp, stage, candidate.ep)
     held = dense + experts
     shard = math.ceil(dense / dp) + math.ceil(experts / (dp // candidate.ep))  # expert shards over expert-dp
-    masters = 4 * (shard if zero == 3 else held)
+    masters = 0 if candidate.param_offload else 4 * (shard if zero == 3 else held)  # a fetched shard: communication
     compute_copies = c * held if c != 4 and zero < 3 else 0
     layers = params.model.num_layers // candidate.pp
     recompute_graph = kind.recompute_bytes_per_layer * layers if candidate.recompute == "all" else 0
@@ -488,8 +498,12 @@ def estimate(
     if not candidate.offload:
         return Estimate(candidate, stage, memory, memory.total <= device_memory_bytes, all_to_all_bytes_per_step=exchanged)
     held = stage_parameters(params.model, candidate.tp, candidate.pp, stage)
-    without = estimate(params, replace(candidate, offload=False), device_memory_bytes, kind, runtime)
-    traffic = 2 * 8 * math.ceil(held / candidate.dp)  # the moments of this rank's shard, read and written back
+    without = estimate(params, replace(candidate, offload=False, param_offload=False), device_memory_bytes, kind, runtime)
+    shard = math.ceil(held / candidate.dp)
+    traffic = 2 * 8 * shard  # the moments of this rank's shard, read and written back
+    if candidate.param_offload:  # the shard, read for each micro-batch's forward and backward and by the update
+        micro_batches = math.ceil(params.global_batch_size / (params.train.micro_batch_size * candidate.dp))
+        traffic += 4 * shard * (2 * micro_batches + 2)
     return Estimate(candidate, stage, memory, memory.total <= device_memory_bytes, traffic, without.memory.total)
 
 

@@ -57,7 +57,8 @@ def layout_params(params: PipelineParams, estimate: Estimate) -> PipelineParams:
         )
     raw = params.model_dump(mode="json")
     raw["parallel"].update(data_parallel=c.dp, tensor_parallel=c.tp, pipeline_parallel=c.pp, pipeline_layers=None,
-                           zero_stage=c.zero_stage, optimizer_offload=c.offload)
+                           zero_stage=c.zero_stage, optimizer_offload=c.offload,
+                           param_offload=c.param_offload)
     raw["recompute"] = {"mode": c.recompute}
     raw["train"]["grad_accum_steps"] = accumulation
     return PipelineParams.model_validate(raw)

@@ -26,7 +26,8 @@ buffers, `ParallelGradientNorm` sums their squares over dp, and `Zero3AdamW` is 
 weight decay decided by each full parameter's ndim. Checkpoints stay layout-independent: `full_weights` and
 `Zero3AdamW.state_dict` gather whole tensors under the usual names (collectives: every rank calls them), and
 `load_full_weights` / `Zero3AdamW.load_state_dict` take this rank's shards of whole tensors, whatever layout
-wrote them.
+wrote them. Parameter offload (`model_core.parallel.param_offload`) keeps the shards' values in a file instead and
+has each gather fetch its shard from there.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
@@ -50,6 +52,9 @@ from model_core.parallel.tensor import (
     VocabParallelHead,
 )
 from params.schema import OptimizerParams
+
+if TYPE_CHECKING:
+    from model_core.parallel.param_offload import ShardFile
 
 
 def shard_length(size: int, shards: int) -> int:
@@ -72,11 +77,14 @@ def join_shards(shards: np.ndarray, shape: Sequence[int]) -> np.ndarray:
 
 
 class ParameterShards(nn.Cell):
-    """Between one parameter of `shape` and this rank's shard of it over `group`: the gather of the full value
-    and the reduce-scatter of its gradient."""
+    """Between one parameter (its `path`) of `shape` and this rank's shard of it over `group`: the gather of the full value
+    and the reduce-scatter of its gradient. With parameter offload `fetch` reads the shard's values from the offload
+    file (`model_core.parallel.param_offload`) and the shard passed in is its gradient buffer, which only orders it."""
 
-    def __init__(self, shape: Sequence[int], group: Group) -> None:
+    def __init__(self, shape: Sequence[int], group: Group, path: str) -> None:
         super().__init__()
+        self.path = path
+        self.fetch = None
         self.shape = tuple(shape)
         self.size = int(np.prod(self.shape))
         self.padding = shard_length(self.size, group.size) * group.size - self.size
@@ -84,6 +92,8 @@ class ParameterShards(nn.Cell):
 
     def gather(self, shard):
         """The full parameter from every rank's shard."""
+        if self.fetch is not None:
+            shard = self.fetch(shard[:1]).astype(shard.dtype)
         return self.group.all_gather(shard)[: self.size].reshape(self.shape)
 
     def scatter_gradient(self, gradient):
@@ -100,10 +110,10 @@ class WithGatheredWeight(nn.Cell):
     gather waits for dout, which also keeps jit from merging it with the forward's) and reduce-scatters the
     weight's gradient to the shard."""
 
-    def __init__(self, inner: nn.Cell, shape: Sequence[int], group: Group) -> None:
+    def __init__(self, inner: nn.Cell, shape: Sequence[int], group: Group, path: str) -> None:
         super().__init__()
         self.inner = inner
-        self.shards = ParameterShards(shape, group)
+        self.shards = ParameterShards(shape, group, path)
 
     def construct(self, x, shard):
         return self.inner(x, self.shards.gather(shard))
@@ -118,10 +128,10 @@ class GatheredLookup(nn.Cell):
     """Token id -> row of the [vocab, hidden] table gathered from a shard. The backward needs no table: the
     rows' gradients are added into a table-shaped gradient and reduce-scattered to the shard."""
 
-    def __init__(self, shape: Sequence[int], group: Group) -> None:
+    def __init__(self, shape: Sequence[int], group: Group, path: str) -> None:
         super().__init__()
         self.vocab_size, self.hidden_size = shape
-        self.shards = ParameterShards(shape, group)
+        self.shards = ParameterShards(shape, group, path)
 
     def construct(self, tokens, shard):
         return ops.gather(self.shards.gather(shard), tokens, 0)
@@ -135,10 +145,10 @@ class GatheredLookup(nn.Cell):
 class GatheredEmbedding(nn.Cell):
     """Token id -> row of the table; `weight` is this rank's shard of it."""
 
-    def __init__(self, weight: Parameter, shape: Sequence[int], group: Group) -> None:
+    def __init__(self, weight: Parameter, shape: Sequence[int], group: Group, path: str) -> None:
         super().__init__()
         self.weight = weight
-        self.lookup = GatheredLookup(shape, group)
+        self.lookup = GatheredLookup(shape, group, path)
 
     def construct(self, tokens):
         return self.lookup(tokens, self.weight)
@@ -147,23 +157,33 @@ class GatheredEmbedding(nn.Cell):
 @dataclass(frozen=True)
 class ShardedParameters:
     """What `shard_parameters` did: this rank's shard of every weight by path, the full shapes, and whether
-    each full weight is decayed (decided before it was flattened)."""
+    each full weight is decayed (decided before it was flattened). With parameter offload the shards' values are
+    in `offloaded` (`model_core.parallel.param_offload`) and `shards` are their gradient buffers."""
 
     group: Group
     shards: dict[str, Parameter]
     shapes: dict[str, tuple[int, ...]]
     decays: dict[str, bool]
+    offloaded: ShardFile | None = None
 
     def full_weights(self) -> dict[str, np.ndarray]:
         """Every full weight by path, gathered from the shards. A collective: every rank of the group calls it."""
-        full = gather_full(list(self.shards.values()), [self.shapes[name] for name in self.shards], self.group)
+        if self.offloaded is not None:
+            values = [Tensor(self.offloaded.weights[name].read()) for name in self.shards]
+        else:
+            values = [shard.value() for shard in self.shards.values()]
+        full = gather_full(values, [self.shapes[name] for name in self.shards], self.group)
         return dict(zip(self.shards, full))
 
     def load_full_weights(self, weights: Mapping[str, np.ndarray]) -> None:
         """Take this rank's shard of every full weight (in place, so compiled graphs keep seeing them)."""
         _check_full(weights, self.shapes, "checkpoint weights")
         for name, shard in self.shards.items():
-            ops.assign(shard, Tensor(take_shard(weights[name], self.group.size, self.group.index)))
+            values = take_shard(weights[name], self.group.size, self.group.index)
+            if self.offloaded is not None:
+                self.offloaded.weights[name].write(0, values)
+            else:
+                ops.assign(shard, Tensor(values))
 
 
 def shard_parameters(model: Llama, group: Group) -> ShardedParameters:
@@ -192,33 +212,34 @@ def shard_parameters(model: Llama, group: Group) -> ShardedParameters:
         if isinstance(cell, LoraLinear):  # the frozen projection and both adapters, each gathered where used
             for attribute, function in (("weight", "linear"), ("lora_a", "linear_a"), ("lora_b", "linear_b")):
                 setattr(cell, attribute, own_shard(f"{name}.{attribute}", cell, attribute))
-                setattr(cell, function, WithGatheredWeight(getattr(cell, function), shapes[f"{name}.{attribute}"], group))
+                shard = f"{name}.{attribute}"
+                setattr(cell, function, WithGatheredWeight(getattr(cell, function), shapes[shard], group, shard))
         elif isinstance(cell, (Linear, RowParallelLinear)):
             cell.weight = own_shard(path, cell)
-            cell.linear = WithGatheredWeight(cell.linear, shapes[path], group)
+            cell.linear = WithGatheredWeight(cell.linear, shapes[path], group, path)
         elif isinstance(cell, RMSNorm):
             cell.weight = own_shard(path, cell)
             function = cell.rms_norm
             if isinstance(function, ThenCopyToTensorParallel):  # the gather goes inside, the tp copy after it
-                function.inner = WithGatheredWeight(function.inner, shapes[path], group)
+                function.inner = WithGatheredWeight(function.inner, shapes[path], group, path)
             else:
-                cell.rms_norm = WithGatheredWeight(function, shapes[path], group)
+                cell.rms_norm = WithGatheredWeight(function, shapes[path], group, path)
     if _holds(model, "embed_tokens"):  # the first stage, or the last holding a tied table
         embedding = model.embed_tokens
         shard = own_shard("embed_tokens.weight", embedding)
         if isinstance(embedding, VocabParallelEmbedding):
             embedding.weight = shard
-            embedding.lookup = GatheredLookup(shapes["embed_tokens.weight"], group)
+            embedding.lookup = GatheredLookup(shapes["embed_tokens.weight"], group, "embed_tokens.weight")
         elif isinstance(embedding, Embedding):
-            model.embed_tokens = GatheredEmbedding(shard, shapes["embed_tokens.weight"], group)
+            model.embed_tokens = GatheredEmbedding(shard, shapes["embed_tokens.weight"], group, "embed_tokens.weight")
         else:
             raise TypeError(f"ZeRO-3 shards an Embedding or VocabParallelEmbedding, not {type(embedding).__name__}")
     if _holds(model, "norm"):  # the stage with the head
-        shape = shapes["embed_tokens.weight" if model.tie_embeddings else "lm_head.weight"]
+        head = "embed_tokens.weight" if model.tie_embeddings else "lm_head.weight"
         if isinstance(model.head, VocabParallelHead):  # the tp copy of its input stays outside the gather
-            model.head.linear = WithGatheredWeight(model.head.linear, shape, group)
+            model.head.linear = WithGatheredWeight(model.head.linear, shapes[head], group, head)
         else:
-            model.head = WithGatheredWeight(model.head, shape, group)
+            model.head = WithGatheredWeight(model.head, shapes[head], group, head)
     return ShardedParameters(group, shards, shapes, decays)
 
 
@@ -244,7 +265,7 @@ class Zero3AdamW(AdamW):
     def state_dict(self) -> dict[str, np.ndarray]:
         state = {}
         for prefix, moments in (("adam_m", self.exp_avg), ("adam_v", self.exp_avg_sq)):
-            full = gather_full(list(moments), self.full_shapes, self.group)
+            full = gather_full([moment.value() for moment in moments], self.full_shapes, self.group)
             state.update({f"{prefix}.{name}": value for name, value in zip(self.param_names, full)})
         return state
 
@@ -260,10 +281,10 @@ class Zero3AdamW(AdamW):
                 ops.assign(moment, Tensor(take_shard(state[f"{prefix}.{name}"], self.group.size, self.group.index)))
 
 
-def gather_full(shards: Sequence[Parameter], shapes: Sequence[tuple[int, ...]], group: Group) -> list[np.ndarray]:
+def gather_full(shards: Sequence[Tensor], shapes: Sequence[tuple[int, ...]], group: Group) -> list[np.ndarray]:
     """The full arrays of `shards` (one per parameter, this rank's), with one all-gather for all of them."""
     lengths = [int(shard.shape[0]) for shard in shards]
-    gathered = group.all_gather(ops.cat([shard.value().reshape(1, -1) for shard in shards], axis=1)).asnumpy()
+    gathered = group.all_gather(ops.cat([shard.reshape(1, -1) for shard in shards], axis=1)).asnumpy()
     offsets = np.cumsum([0, *lengths])
     return [
         join_shards(gathered[:, start:end].reshape(-1), shape).copy()

@@ -328,8 +328,8 @@ class Trainer:
             record["mfu_peak_measured"] = float(self.peak.measured)
         record.update(self.last_routing)
         offload = self.parallel.offload
-        if offload is not None:  # of the last update: moments read from and written to the file, and the staging time
-            record["offload_bytes_per_step"] = offload.last_bytes
+        if offload is not None:  # moments (and parameter shards) read from and written to the files, and the staging time
+            record["offload_bytes_per_step"] = self.parallel.offload_bytes()
             record["offload_seconds_per_step"] = offload.last_seconds
         if self.parallel.pipeline is not None:  # of the step's last pipeline pass
             record["pipeline_bubble"] = self.parallel.pipeline.last_timing.bubble()  # over all stages
