@@ -390,7 +390,7 @@ class Llama(nn.Cell):
         visible = mint.logical_and(causal, columns >= padding.reshape(-1, 1, 1)).unsqueeze(1)  # [B, 1, n, S]
         cos = ops.gather(self.rope_cos, positions, 0).unsqueeze(1).astype(self.compute_dtype)  # [B, 1, n, D]
         sin = ops.gather(self.rope_sin, positions, 0).unsqueeze(1).astype(self.compute_dtype)
-        rope = (cos, sign_first_half(sin), self.swap_halves)
+        rope = (cos, sign_first_half(sin), self.swap_halves.astype(self.compute_dtype))
         sequence = ops.arange(batch * heads, dtype=ms.int32).reshape(batch, heads, 1)  # b * H_kv + h
         rows = sequence * slots + new_slots.reshape(1, 1, -1)  # [B, H_kv, n]: the new slots' rows of the flat caches
         x = self.embed_tokens(tokens).astype(self.compute_dtype)  # [B, n, hidden]
