@@ -105,7 +105,7 @@ def sampling_probabilities(logits: np.ndarray, config: GenerationConfig) -> np.n
 
 def _candidates(logits: np.ndarray, config: GenerationConfig) -> tuple[np.ndarray, np.ndarray]:
     """The ids top-k keeps (all of them without top-k), ascending, and their `sampling_probabilities`. The work
-    after top-k runs on its k ids only: a few microseconds a row instead of ~0.3 ms over an 8,000-id vocabulary."""
+    after top-k runs on its k ids only, not over the whole vocabulary, for every row at every step."""
     scaled = logits / config.temperature
     ids = np.flatnonzero(top_k_mask(scaled, config.top_k))
     kept = scaled[ids]
