@@ -3,6 +3,7 @@ runs and processes, held-out loss and perplexity, and the report files."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import shutil
@@ -29,7 +30,15 @@ from model_core.eval import (
     write_report,
 )
 from model_core.eval.evaluate import evaluate_checkpoint, evaluate_model, load_model
-from model_core.eval.generate import PREFILL_CHUNK, penalize_repetition, sampling_probabilities, top_k_mask, top_p_mask
+from model_core.eval.generate import (
+    CACHE_SLOT_STEP,
+    PREFILL_CHUNK,
+    cache_slots,
+    penalize_repetition,
+    sampling_probabilities,
+    top_k_mask,
+    top_p_mask,
+)
 from model_core.eval.perplexity import HeldOutLoss
 from model_core.model import Llama, document_positions
 from model_core.model.lora import apply_lora, base_sha256, lora_layers, save_adapters
@@ -37,6 +46,8 @@ from model_core.model.weights import model_weights
 from model_core.storage import write_safetensors
 from params import load_params
 from params.schema import EvalParams, ModelParams
+
+generate_module = importlib.import_module("model_core.eval.generate")  # the package's `generate` is the function
 
 VOCAB, SEQ = 512, 64
 EOS = 2
@@ -124,14 +135,35 @@ def test_decode_writes_the_cache_in_place_and_a_new_cache_starts_empty(tied_mode
     assert all(param.name.startswith(("embed_tokens", "layers", "norm")) for param in tied_model.get_parameters())
 
 
+def test_a_cache_smaller_than_seq_len_gives_the_full_forward_logits(model):
+    """32 slots, batch 2: the graphs of the sized-cache generation test below, so neither compiles its own."""
+    tokens = np.random.default_rng(2).integers(0, VOCAB, (2, 20)).astype(np.int32)
+    cache, pieces = model.empty_cache(2, [0, 3], slots=32), []
+    for start, stop in [(0, PREFILL_CHUNK), *((t, t + 1) for t in range(PREFILL_CHUNK, 20))]:
+        pieces.append(model.decode(ms.Tensor(tokens[:, start:stop]), cache).asnumpy())
+    together = np.concatenate(pieces, axis=1)
+    np.testing.assert_allclose(together[0], model(ms.Tensor(tokens[:1])).asnumpy()[0], rtol=0, atol=1e-5)
+    np.testing.assert_allclose(together[1, 3:], model(ms.Tensor(tokens[1:, 3:])).asnumpy()[0], rtol=0, atol=1e-5)
+    cache.length = 31
+    with pytest.raises(ValueError, match="2 new tokens after 31 cached positions exceed the cache's 32 slots"):
+        model.decode(ms.Tensor(tokens[:, :2]), cache)
+    with pytest.raises(ValueError, match=f"a KV cache of slots={SEQ + 1} must hold 1 to seq_len={SEQ} positions"):
+        model.empty_cache(1, slots=SEQ + 1)
+
+
+def test_cache_slots_cover_the_generation_in_steps_of_the_slot_step_up_to_seq_len():
+    assert cache_slots(12, 64, 256) == 2 * CACHE_SLOT_STEP and cache_slots(64, 0, 256) == CACHE_SLOT_STEP
+    assert cache_slots(19, 64, 256) >= 19 + 64 and cache_slots(200, 64, 256) == 256
+
+
 def test_decode_refuses_to_go_past_seq_len_and_a_cache_of_another_batch(tied_model):
     nearly_full = tied_model.empty_cache(1)
     nearly_full.length = SEQ - 1
-    with pytest.raises(ValueError, match=f"2 new tokens after {SEQ - 1} cached positions exceed model.seq_len={SEQ}"):
+    with pytest.raises(ValueError, match=f"2 new tokens after {SEQ - 1} cached positions exceed the cache's {SEQ} slots"):
         tied_model.decode(ms.Tensor(np.zeros((1, 2), np.int32)), nearly_full)
     with pytest.raises(ValueError, match="tokens hold 2 sequences but the KV cache was made for 1"):
         tied_model.decode(ms.Tensor(np.zeros((2, 1), np.int32)), tied_model.empty_cache(1))
-    with pytest.raises(ValueError, match=r"padding \[0, 64\] must hold 2 slot counts in \[0, seq_len=64\)"):
+    with pytest.raises(ValueError, match=r"padding \[0, 64\] must hold 2 slot counts in \[0, slots=64\)"):
         tied_model.empty_cache(2, [0, SEQ])
 
 
@@ -154,6 +186,18 @@ def test_a_batch_of_prompts_generates_what_each_prompt_generates_alone(model, co
     assert together == alone
     recomputed = generate_batch(model, prompts, stopping, EOS, VOCAB, seed=4, use_cache=False, prompt_indices=[5, 6, 7, 8])
     assert recomputed == alone
+
+
+@pytest.mark.parametrize("config", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_generation_in_a_cache_sized_to_it_equals_recomputation(model, config, monkeypatch):
+    """Slots in steps of 16: 3 or 20 prompt tokens and 12 new ones fit caches of 16 and 32 slots, below seq_len."""
+    monkeypatch.setattr(generate_module, "CACHE_SLOT_STEP", 16)
+    prompts = [prompt(3, seed=3), prompt(20, seed=20)]
+    together = generate_batch(model, prompts, config, -1, VOCAB, seed=4)
+    alone = [generate(model, ids, config, -1, VOCAB, seed=4, prompt_index=i) for i, ids in enumerate(prompts)]
+    recomputed = generate_batch(model, prompts, config, -1, VOCAB, seed=4, use_cache=False)
+    assert together == alone == recomputed
+    assert [len(out.token_ids) for out in together] == [12, 12]
 
 
 def test_rows_that_outlast_the_batch_columns_continue_to_their_own_context_limit(model):
@@ -237,6 +281,17 @@ def test_sampled_tokens_stay_inside_top_k_and_top_p():
     allowed = np.flatnonzero(sampling_probabilities(logits, nucleus))
     draws = {choose_token(logits, [], nucleus, 50, rng) for _ in range(400)}
     assert draws == set(allowed.tolist()) and 1 < len(allowed) < 50
+
+
+@pytest.mark.parametrize("top_k", [0, 40])
+def test_a_draw_is_the_inverse_cdf_of_the_whole_vocabulary_distribution_at_the_generators_uniform(top_k):
+    """choose_token draws among top-k's ids only; it picks what the cumulative distribution over every id picks."""
+    logits = np.random.default_rng(3).standard_normal(8000) * 3
+    config = GenerationConfig(max_new_tokens=1, temperature=0.8, top_k=top_k, top_p=0.9)
+    cumulative = np.cumsum(sampling_probabilities(logits, config))
+    for seed in range(200):
+        expected = np.searchsorted(cumulative, np.random.default_rng(seed).random() * cumulative[-1], side="right")
+        assert choose_token(logits, [], config, 8000, np.random.default_rng(seed)) == expected
 
 
 def test_temperature_zero_is_argmax_with_ties_to_the_lowest_id():

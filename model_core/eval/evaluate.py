@@ -11,7 +11,7 @@ import sentencepiece as spm
 
 from model_core.convert.checkpoint import PARAMS
 from model_core.data import open_split
-from model_core.eval.generate import GenerationConfig, generate
+from model_core.eval.generate import GenerationConfig, generate_batch
 from model_core.eval.perplexity import held_out_loss
 from model_core.eval.report import EvalReport, PromptOutput
 from model_core.model import Llama
@@ -72,13 +72,12 @@ def evaluate_model(
             model, rows, params.train.micro_batch_size, params.eval.batches, params.tokenizer.pad_id, reset
         )
     config = GenerationConfig.from_params(params.eval)
-    outputs = []
-    for index, (prompt, prompt_ids) in enumerate(zip(params.eval.prompts, prompts)):
-        generation = generate(
-            model, prompt_ids, config, params.tokenizer.eos_id, vocab_limit, params.eval.seed, prompt_index=index
-        )
-        text = tokenizer.decode(generation.token_ids)
-        outputs.append(PromptOutput(prompt, prompt_ids, generation.token_ids, text, generation.stopped_by))
+    # One batch: each prompt's output is the one it generates alone (prompt i seeded by (seed, i)), in fewer steps.
+    generations = generate_batch(model, prompts, config, params.tokenizer.eos_id, vocab_limit, params.eval.seed)
+    outputs = [
+        PromptOutput(prompt, prompt_ids, generation.token_ids, tokenizer.decode(generation.token_ids), generation.stopped_by)
+        for prompt, prompt_ids, generation in zip(params.eval.prompts, prompts, generations)
+    ]
     return EvalReport(checkpoint, adapters, config, params.eval.seed, metrics, outputs)
 
 

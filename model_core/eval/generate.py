@@ -24,6 +24,10 @@ StopReason = Literal["eos", "stop_token", "max_new_tokens", "length"]
 # Prompts enter the KV cache in chunks of this many tokens, the rest one at a time: two compiled graphs
 # serve every prompt length (a graph per prompt length costs seconds of compiling each).
 PREFILL_CHUNK = 16
+# A KV cache holds the generation (longest prompt + max_new_tokens) rounded up to a multiple of this many slots,
+# at most model.seq_len: attention reads every slot at every step, and a few cache sizes (so a few compiled
+# graphs) serve every generation length.
+CACHE_SLOT_STEP = 64
 
 
 @dataclass(frozen=True)
@@ -93,12 +97,22 @@ def top_p_mask(probabilities: np.ndarray, p: float) -> np.ndarray:
 
 def sampling_probabilities(logits: np.ndarray, config: GenerationConfig) -> np.ndarray:
     """float64 probabilities after temperature, top-k and top-p (config.temperature must be > 0)."""
+    ids, kept = _candidates(logits, config)
+    probabilities = np.zeros(len(logits))
+    probabilities[ids] = kept
+    return probabilities
+
+
+def _candidates(logits: np.ndarray, config: GenerationConfig) -> tuple[np.ndarray, np.ndarray]:
+    """The ids top-k keeps (all of them without top-k), ascending, and their `sampling_probabilities`. The work
+    after top-k runs on its k ids only, not over the whole vocabulary, for every row at every step."""
     scaled = logits / config.temperature
-    scaled = np.where(top_k_mask(scaled, config.top_k), scaled, -np.inf)
-    probabilities = np.exp(scaled - scaled.max())
+    ids = np.flatnonzero(top_k_mask(scaled, config.top_k))
+    kept = scaled[ids]
+    probabilities = np.exp(kept - kept.max())
     probabilities /= probabilities.sum()
     probabilities = np.where(top_p_mask(probabilities, config.top_p), probabilities, 0.0)
-    return probabilities / probabilities.sum()
+    return ids, probabilities / probabilities.sum()
 
 
 def choose_token(
@@ -110,9 +124,10 @@ def choose_token(
     scores = penalize_repetition(logits[:vocab_limit].astype(np.float64), seen, config.repetition_penalty)
     if config.temperature == 0.0:
         return int(np.argmax(scores))  # the first maximum: ties go to the lowest id
-    cumulative = np.cumsum(sampling_probabilities(scores, config))
+    ids, probabilities = _candidates(scores, config)
+    cumulative = np.cumsum(probabilities)
     # side="right" never lands on an id of probability 0: its cumulative mass equals its predecessor's.
-    return int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
+    return int(ids[np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right")])
 
 
 # ------------------------------------------------------------------------------------------ decoding
@@ -206,16 +221,22 @@ def _decode_together(model: Llama, rows: list[_Row], config: GenerationConfig, e
     columns = np.zeros((len(rows), width), np.int32)
     for i, row in enumerate(rows):
         columns[i, padding[i] :] = row.context
-    cache = model.empty_cache(len(rows), padding)
+    cache = model.empty_cache(len(rows), padding, cache_slots(width, config.max_new_tokens, model.seq_len))
     logits = _prefill(model, columns, cache)
     while True:
         for i, row in enumerate(rows):
             if row.stopped_by is None:
                 row.choose(logits[i], config, eos_id, vocab_limit)
-        if not _settle(rows, config, model.seq_len) or cache.length == model.seq_len:
+        if not _settle(rows, config, model.seq_len) or cache.length == cache.slots:
             return
         last = np.array([[row.context[-1]] for row in rows], np.int32)
         logits = model.decode(ms.Tensor(last), cache).asnumpy()[:, -1]
+
+
+def cache_slots(prompt_width: int, max_new_tokens: int, seq_len: int) -> int:
+    """Slots of the KV cache for prompts up to `prompt_width` tokens and max_new_tokens more (see CACHE_SLOT_STEP)."""
+    needed = prompt_width + max_new_tokens
+    return min(seq_len, -(-needed // CACHE_SLOT_STEP) * CACHE_SLOT_STEP)
 
 
 def _prefill(model: Llama, columns: np.ndarray, cache: KVCache) -> np.ndarray:

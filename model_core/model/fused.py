@@ -165,17 +165,17 @@ class HeadsLast(nn.Cell):
 
 def apply_rotary(x, cos, sin):
     """RoPE: rotate each (x[i], x[i + D/2]) pair by its angle. x: [B, H, T, D]; cos, sin broadcast to it."""
-    return x * expand(cos, x) + _swap_halves(x) * expand(_sign_first_half(sin), x)
+    return x * expand(cos, x) + _swap_halves(x) * expand(sign_first_half(sin), x)
 
 
 def _swap_halves(x):
-    """[x[D/2:], x[:D/2]] over the last axis: rotate_half without its minus sign, which `_sign_first_half` moves
+    """[x[D/2:], x[:D/2]] over the last axis: rotate_half without its minus sign, which `sign_first_half` moves
     onto the [T, D] sine table (one Neg of the table per step instead of one per rotated [B, H, T, D] tensor)."""
     half = x.shape[-1] // 2
     return mint.cat((x[..., half:], x[..., :half]), dim=-1)
 
 
-def _sign_first_half(sin):
+def sign_first_half(sin):
     """sin with its first half negated, so that rotate_half(x) * sin == _swap_halves(x) * it, bit for bit."""
     half = sin.shape[-1] // 2
     return mint.cat((-sin[..., :half], sin[..., half:]), dim=-1)
@@ -189,7 +189,7 @@ class RotaryFunction(nn.Cell):
 
     def bprop(self, x, cos, sin, out, dout):
         # rotate_half^T(dout * sin) = _swap_halves(dout * sin with its first half negated)
-        dx = dout * expand(cos, dout) + _swap_halves(dout * expand(_sign_first_half(sin), dout))
+        dx = dout * expand(cos, dout) + _swap_halves(dout * expand(sign_first_half(sin), dout))
         return dx, ops.zeros_like(cos), ops.zeros_like(sin)
 
 

@@ -7,10 +7,13 @@ table. q/k/v and gate/up stay separate matrices so tensor parallelism can split 
 Dtypes: parameters are fp32; the residual stream and matmuls run in `compute_dtype`; RMSNorm, softmax
 and the returned logits are fp32. RoPE tables and the causal mask are built once, at construction.
 
-Generation uses a second path through the same weights: `Llama.decode` runs only the new tokens and reads
-the keys and values of earlier positions from a `KVCache`, writing the new ones into it in place. The cache
-has one fixed-size slot per position (params.seq_len of them), so every decoding step has the same shapes
-and compiles once; slots a query may not see are masked out exactly as the causal mask does in `construct`.
+Generation uses a second path through the same weights: `Llama.decode` runs only the new tokens, writes
+their keys and values into a `KVCache` in place and attends over it, as one compiled graph a step. The cache
+has one fixed-size slot per position (params.seq_len of them, or fewer when a generation needs fewer), so
+every decoding step has the same shapes and compiles once; slots a query may not see are masked out exactly
+as the causal mask does in `construct`. Decoding runs a few rows through many small kernels, each costing
+more to launch than to run, so its RMSNorm and RoPE are the plain formulas in the fewest kernels (the
+training path's are shaped for thousands of rows and a backward).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from model_core.model.fused import (
     RMSNormFunction,
     RotaryFunction,
     SwiGLUFunction,
+    sign_first_half,
 )
 from model_core.model.init import new_weight
 from model_core.model.moe import MoE
@@ -75,6 +79,12 @@ class RMSNorm(nn.Cell):
     def construct(self, x: Tensor) -> Tensor:
         return self.rms_norm(x.astype(ms.float32), self.weight).astype(x.dtype)
 
+    def construct_cached(self, x: Tensor) -> Tensor:
+        """`construct` for decoding's few rows, in 6 kernels instead of 11: the training path's fp64 matmul mean and
+        matmul expansions pay off on thousands of rows, here each kernel's launch costs more than its work."""
+        x32 = x.astype(ms.float32)
+        return (x32 * mint.rsqrt(mint.mean(x32 * x32, -1, keepdim=True) + self.rms_norm.eps) * self.weight).astype(x.dtype)
+
 
 def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[Tensor, Tensor]:
     """cos and sin of RoPE angles, [max_positions, head_dim], in the rotate-half layout Hugging Face uses."""
@@ -82,6 +92,20 @@ def rope_tables(head_dim: int, max_positions: int, theta: float) -> tuple[Tensor
     angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)  # [P, D/2]
     angles = np.concatenate([angles, angles], axis=-1)  # [P, D]: the two halves share frequencies
     return Tensor(np.cos(angles), ms.float32), Tensor(np.sin(angles), ms.float32)
+
+
+def _rotate(x, rope):
+    """RoPE of x [B, H, n, D] for decoding: x cos + rotate_half(x) sin, rotate_half as a matmul with one term
+    per output (exact), the same bits as `apply_rotary`."""
+    cos, signed_sin, swap_halves = rope
+    swapped = ops.matmul(x.reshape(-1, x.shape[-1]), swap_halves).reshape(x.shape)
+    return x * cos + swapped * signed_sin
+
+
+def swap_halves_matrix(head_dim: int) -> Tensor:
+    """[D, D] with x @ it == [x[D/2:], x[:D/2]]: the swap of `fused.apply_rotary`, its sign left on the sine."""
+    half = head_dim // 2
+    return Tensor(np.roll(np.eye(head_dim, dtype=np.float32), half, axis=1))
 
 
 class SelfAttention(nn.Cell):
@@ -107,21 +131,25 @@ class SelfAttention(nn.Cell):
         out = self.attention(self.rotary(q, cos, sin), self.rotary(k, cos, sin), v, mask)
         return self.o_proj(self.heads_last(out).reshape(batch, seq, self.num_heads * self.head_dim))
 
-    def construct_cached(self, x, cos, sin, visible, keys, values):
-        """Attention of n new tokens over the cached keys and values and their own.
+    def construct_cached(self, x, rope, visible, cache, rows):
+        """Attention of n new tokens over the KV cache, after writing their keys and values into it.
 
-        x: [B, n, hidden]; cos, sin: [B, 1, n, D]; visible: bool [B, 1, n, S + n], which of the S cache slots and
-        then the n new tokens each new token sees; keys, values: the layer's cache [B, H_kv, S, D], only read.
-        Returns (out [B, n, hidden], the new tokens' keys (after RoPE) and values [B, H_kv, n, D]) for
-        `Llama.decode` to store. No backward runs here, so heads move by plain swapaxes.
+        x: [B, n, hidden]; rope: (cos, sin with its first half negated, both [B, 1, n, D], and the [D, D] signed
+        permutation that rotates halves: RoPE in 4 kernels, not the 13 of the training path's slices); visible:
+        bool [B, 1, n, S], which cache slots each new token sees; cache: the layer's (keys, values) as
+        [B, H_kv, S, D] views for reading, then as flat Parameters [B * H_kv * S, D] for writing, and rows
+        [B, H_kv, n], the new slots' rows in them (see `KVCache`). No backward runs here, so heads move by swapaxes.
         """
         batch, seq, _ = x.shape
+        keys, values, flat_keys, flat_values = cache
         q = self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim).swapaxes(1, 2)  # [B, H, n, D]
         k = self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim).swapaxes(1, 2)  # [B, H_kv, n, D]
         v = self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim).swapaxes(1, 2)
-        k = self.rotary(k, cos, sin)
-        out = cached_attention(self.rotary(q, cos, sin), (keys, k), (values, v), visible)  # [B, H, n, D]
-        return self.o_proj(out.swapaxes(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)), k, v
+        # The views alias the Parameters, which the graph does not know: depend() orders the reads after the writes.
+        keys = ops.depend(keys, _write_rows(flat_keys, rows, _rotate(k, rope)))
+        values = ops.depend(values, _write_rows(flat_values, rows, v))
+        out = cached_attention(_rotate(q, rope), keys, values, visible)  # [B, H, n, D]
+        return self.o_proj(out.swapaxes(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
 
 
 class SwiGLU(nn.Cell):
@@ -161,15 +189,12 @@ class Block(nn.Cell):
             return x + out, routing
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def construct_cached(self, x, cos, sin, visible, keys, values):
-        """`construct` for new tokens only, reading this layer's cached keys and values; also returns the new
-        tokens' keys and values."""
-        normed = self.input_layernorm(x)
-        attended, keys, values = self.self_attn.construct_cached(normed, cos, sin, visible, keys, values)
-        x = x + attended
+    def construct_cached(self, x, rope, visible, cache, rows):
+        """`construct` for new tokens only, through this layer's KV cache (see `SelfAttention.construct_cached`)."""
+        x = x + self.self_attn.construct_cached(self.input_layernorm.construct_cached(x), rope, visible, cache, rows)
         if self.is_moe:
-            return x + self.mlp(self.post_attention_layernorm(x))[0], keys, values
-        return x + self.mlp(self.post_attention_layernorm(x)), keys, values
+            return x + self.mlp(self.post_attention_layernorm.construct_cached(x))[0]
+        return x + self.mlp(self.post_attention_layernorm.construct_cached(x))
 
 
 @dataclass
@@ -182,9 +207,9 @@ class KVCache:
     may not see (its padding, and those from `length` on) hold zeros or stale values that no query reads.
     """
 
-    keys: tuple[Parameter, ...]  # num_layers x [B * H_kv * seq_len, head_dim], row (b * H_kv + h) * seq_len + s
+    keys: tuple[Parameter, ...]  # num_layers x [B * H_kv * slots, head_dim], row (b * H_kv + h) * slots + s
     values: tuple[Parameter, ...]  # the same shapes; compute dtype
-    # The keys then the values as [B, H_kv, seq_len, head_dim] views of the same memory, for reading: reshaping a
+    # The keys then the values as [B, H_kv, slots, head_dim] views of the same memory, for reading: reshaping a
     # Parameter inside a compiled graph copies it.
     views: tuple[Tensor, ...]
     padding: Tensor  # [B] int32
@@ -193,6 +218,10 @@ class KVCache:
     @property
     def batch(self) -> int:
         return self.padding.shape[0]
+
+    @property
+    def slots(self) -> int:
+        return self.views[0].shape[2]
 
 
 class Llama(nn.Cell):
@@ -224,9 +253,10 @@ class Llama(nn.Cell):
         self.takes_tokens, self.returns_logits = True, True
         self.rope_cos, self.rope_sin = rope_tables(params.head_dim, params.seq_len, params.rope_theta)
         self.causal_mask = Tensor(np.tril(np.ones((params.seq_len, params.seq_len), dtype=bool)))
+        self.swap_halves = swap_halves_matrix(params.head_dim)  # decoding's RoPE, see `SelfAttention.construct_cached`
         self.vocab_mask = vocab_mask(params) if params.vocab_padding else None
-        # Generation's KV-cache Parameters by batch size (`empty_cache`); a plain dict, so not model weights.
-        self._cache_slots: dict[int, tuple[tuple[Parameter, ...], ...]] = {}  # keys, values, views
+        # Generation's KV-cache Parameters by (batch, slots) (`empty_cache`); a plain dict, so not model weights.
+        self._cache_slots: dict[tuple[int, int], tuple[tuple[Parameter, ...], ...]] = {}  # keys, values, views
 
     def construct(self, tokens: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> Tensor:
         """`tokens`: [B, T] ids, or on a pipeline stage after the first the previous stage's [B, T, hidden]."""
@@ -271,8 +301,10 @@ class Llama(nn.Cell):
 
     def _logits(self, x: Tensor) -> Tensor:
         """Final norm, head and, with a padded vocabulary, the padding rows' logits pushed out of the softmax."""
-        x = self.norm(x)
-        head = self.embed_tokens.weight if self.tie_embeddings else self.lm_head.weight
+        return self._head_logits(self.norm(x), self.embed_tokens.weight if self.tie_embeddings else self.lm_head.weight)
+
+    def _head_logits(self, x: Tensor, head: Tensor) -> Tensor:
+        """`_logits` after the final norm."""
         logits = self.head(x, head.astype(x.dtype)).astype(ms.float32)
         if self.vocab_mask is not None:
             logits = logits + self.vocab_mask
@@ -303,29 +335,34 @@ class Llama(nn.Cell):
 
     # ------------------------------------------------------------------------------- cached decoding
 
-    def empty_cache(self, batch: int, padding: Sequence[int] | None = None) -> KVCache:
-        """A cache for `batch` sequences with no slots filled; row b's sequence starts at slot padding[b] (0).
+    def empty_cache(self, batch: int, padding: Sequence[int] | None = None, slots: int | None = None) -> KVCache:
+        """A cache of `slots` positions (default params.seq_len) for `batch` sequences with none filled; row b's
+        sequence starts at slot padding[b] (0). Attention reads every slot at every step, so a cache sized to the
+        generation (prompt + new tokens) costs less per step than one of seq_len slots.
 
-        The model keeps one set of cache Parameters per batch size and every cache of that size shares it: the
+        The model keeps one set of cache Parameters per (batch, slots) and every cache of that size shares it: the
         compiled decode step is specialised to the Parameter objects it is given, so fresh ones would compile it
-        again (seconds). Starting a cache therefore ends the previous one of the same batch size.
+        again (seconds). Starting a cache therefore ends the previous one of the same size.
         """
-        padding = [0] * batch if padding is None else [int(slots) for slots in padding]
-        if len(padding) != batch or not all(0 <= slots < self.seq_len for slots in padding):
-            raise ValueError(f"padding {padding} must hold {batch} slot counts in [0, seq_len={self.seq_len})")
-        if batch not in self._cache_slots:
+        slots = self.seq_len if slots is None else int(slots)
+        if not 0 < slots <= self.seq_len:
+            raise ValueError(f"a KV cache of slots={slots} must hold 1 to seq_len={self.seq_len} positions")
+        padding = [0] * batch if padding is None else [int(count) for count in padding]
+        if len(padding) != batch or not all(0 <= count < slots for count in padding):
+            raise ValueError(f"padding {padding} must hold {batch} slot counts in [0, slots={slots})")
+        if (batch, slots) not in self._cache_slots:
             attention = self.layers[0].self_attn
-            shape = (batch * attention.num_kv_heads * self.seq_len, attention.head_dim)
+            shape = (batch * attention.num_kv_heads * slots, attention.head_dim)
 
-            def slots(name: str, layer: int) -> Parameter:
-                name = f"kv_cache.{batch}.{name}.{layer}"
+            def flat(name: str, layer: int) -> Parameter:
+                name = f"kv_cache.{batch}x{slots}.{name}.{layer}"
                 return Parameter(ops.zeros(shape, self.compute_dtype), name, requires_grad=False)
 
-            keys = tuple(slots("keys", layer) for layer in range(len(self.layers)))
-            values = tuple(slots("values", layer) for layer in range(len(self.layers)))
-            views = tuple(param.view(batch, attention.num_kv_heads, self.seq_len, -1) for param in keys + values)
-            self._cache_slots[batch] = keys, values, views
-        keys, values, views = self._cache_slots[batch]
+            keys = tuple(flat("keys", layer) for layer in range(len(self.layers)))
+            values = tuple(flat("values", layer) for layer in range(len(self.layers)))
+            views = tuple(param.view(batch, attention.num_kv_heads, slots, -1) for param in keys + values)
+            self._cache_slots[batch, slots] = keys, values, views
+        keys, values, views = self._cache_slots[batch, slots]
         return KVCache(keys, values, views, Tensor(np.asarray(padding, np.int32)))
 
     def decode(self, tokens: Tensor, cache: KVCache) -> Tensor:
@@ -338,54 +375,39 @@ class Llama(nn.Cell):
         batch, new = tokens.shape
         if cache.batch != batch:
             raise ValueError(f"tokens hold {batch} sequences but the KV cache was made for {cache.batch}")
-        if cache.length + new > self.seq_len:
-            raise ValueError(
-                f"{new} new tokens after {cache.length} cached positions exceed model.seq_len={self.seq_len}"
-            )
+        if cache.length + new > cache.slots:
+            raise ValueError(f"{new} new tokens after {cache.length} cached positions exceed the cache's {cache.slots} slots")
+        head = self.embed_tokens.weight if self.tie_embeddings else self.lm_head.weight
+        # The head enters as a view: a graph with writes that reads one Parameter twice (the tied table: embedding and
+        # head) copies it, 16 MB a step on the reference model.
         start = Tensor(cache.length, ms.int32)
-        logits, keys, values = self._decode(tokens, start, cache.padding, *cache.views)
-        self._store(start, *keys, *values, *cache.keys, *cache.values)
+        logits = self._decode(tokens, start, cache.padding, head.view(head.shape), *cache.views, *cache.keys, *cache.values)
         cache.length += new
         return logits
 
-    # Two graphs: one computes with the cache only read, one writes the new keys and values into it. A graph that
-    # both writes and reads the cache Parameters copies them (and the embedding table) to order the reads after
-    # the writes: ~5x the cache's bytes a step.
-
     @ms.jit
-    def _decode(self, tokens, start, padding, *caches):
-        """Logits of `decode` and the new tokens' keys and values per layer, as one compiled graph per (batch,
-        number of new tokens); `start` is an int32 scalar Tensor. The caches arrive as separate Tensors
-        (`KVCache.views`, keys of every layer, then values): a tuple argument of them is not accepted."""
+    def _decode(self, tokens, start, padding, head, *caches):
+        """`decode` as one compiled graph per (batch, number of new tokens, cache slots); `start` is an int32 scalar
+        Tensor. `caches` (a tuple argument of them is not accepted): the `KVCache.views` to read, keys of every
+        layer then values, then the flat Parameters to write, keys then values."""
         batch, new = tokens.shape
         layers = len(self.layers)
-        slots = ops.arange(new, dtype=ms.int32) + start  # [n]
-        positions = mint.clamp(slots.reshape(1, -1) - padding.reshape(-1, 1), 0, self.seq_len - 1)  # [B, n]
-        columns = mint.cat((ops.arange(self.seq_len, dtype=ms.int32), slots)).reshape(1, 1, -1)  # [1, 1, S + n]
-        cached = ops.arange(self.seq_len + new, dtype=ms.int32).reshape(1, 1, -1) < self.seq_len  # cache or new
-        causal = mint.where(cached, columns < start, columns <= slots.reshape(1, -1, 1))  # [1, n, S + n]
-        visible = mint.logical_and(causal, columns >= padding.reshape(-1, 1, 1)).unsqueeze(1)  # [B, 1, n, S + n]
+        heads, slots = caches[0].shape[1], caches[0].shape[2]
+        new_slots = ops.arange(new, dtype=ms.int32) + start  # [n]
+        positions = mint.clamp(new_slots.reshape(1, -1) - padding.reshape(-1, 1), 0, self.seq_len - 1)  # [B, n]
+        columns = ops.arange(slots, dtype=ms.int32).reshape(1, 1, -1)  # [1, 1, S]
+        causal = columns <= new_slots.reshape(1, -1, 1)  # [1, n, S]
+        visible = mint.logical_and(causal, columns >= padding.reshape(-1, 1, 1)).unsqueeze(1)  # [B, 1, n, S]
         cos = ops.gather(self.rope_cos, positions, 0).unsqueeze(1).astype(self.compute_dtype)  # [B, 1, n, D]
         sin = ops.gather(self.rope_sin, positions, 0).unsqueeze(1).astype(self.compute_dtype)
-        x = self.embed_tokens(tokens).astype(self.compute_dtype)  # [B, n, hidden]
-        new_keys, new_values = (), ()
-        for i in range(layers):
-            x, keys, values = self.layers[i].construct_cached(x, cos, sin, visible, caches[i], caches[layers + i])
-            new_keys, new_values = new_keys + (keys,), new_values + (values,)
-        return self._logits(x), new_keys, new_values
-
-    @ms.jit
-    def _store(self, start, *tensors):
-        """Write the new keys and values [B, H_kv, n, D] of every layer (the first half of `tensors`) into the
-        flat cache Parameters (the second half, see `KVCache`) at slots [start, start + n), in place."""
-        layers = len(tensors) // 2
-        batch, heads, new, head_dim = tensors[0].shape
-        slots = ops.arange(new, dtype=ms.int32) + start
+        rope = (cos, sign_first_half(sin), self.swap_halves.astype(self.compute_dtype))
         sequence = ops.arange(batch * heads, dtype=ms.int32).reshape(batch, heads, 1)  # b * H_kv + h
-        index = sequence * self.seq_len + slots.reshape(1, 1, -1)  # [B, H_kv, n]: rows of the flat caches
+        rows = sequence * slots + new_slots.reshape(1, 1, -1)  # [B, H_kv, n]: the new slots' rows of the flat caches
+        x = self.embed_tokens(tokens).astype(self.compute_dtype)  # [B, n, hidden]
         for i in range(layers):
-            _write_rows(tensors[layers + i], index, tensors[i])
-        return start
+            cache = (caches[i], caches[layers + i], caches[2 * layers + i], caches[3 * layers + i])
+            x = self.layers[i].construct_cached(x, rope, visible, cache, rows)
+        return self._head_logits(self.norm.construct_cached(x), head)
 
 
 # In place on a Parameter, along its first axis: only the new rows are written. (ScatterNdUpdate, which could
