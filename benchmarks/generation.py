@@ -7,7 +7,9 @@ op_tuning.threads_num, torch.set_num_threads), decode the same prompts (`--batch
 different lengths, left-padded on both sides) for exactly `--new-tokens` tokens each (EOS disabled), greedy and
 sampled (temperature 0.8, top-k 40: speed only, the two samplers draw differently). Greedy outputs must be the
 same token for token (`greedy_identical`). transformers runs in a child process of its own, loading the converted
-weights from a temporary directory, so that MindSpore's kernel threads do not share its process.
+weights from a temporary directory, so that MindSpore's kernel threads do not share its process. The child stays up
+and the two sides take turns case by case, `--rounds` times (transformers first in odd rounds, ours first in even
+ones), so each pair of figures meets the same load on a shared machine; each side's rate is the median over rounds.
 
     python benchmarks/generation.py                       # batch 1 and 8, greedy and sampled, ~3 min here
     python benchmarks/generation.py --batches 8 --new-tokens 32
@@ -137,12 +139,24 @@ def cases(batches: str):
 
 
 def hf_worker(args) -> None:
-    """The transformers side, in a process of its own: MindSpore's kernel threads, idle or spinning, are not in it."""
+    """The transformers side, in a process of its own: MindSpore's kernel threads, idle or spinning, are not in it.
+    Reads one case a line ([batch size, sampled]) and answers each with one line, [rate, outputs]."""
     model = load_hf(Path(args.hf_worker))
-    results = {}
-    for batch_size, sampled, suffix in cases(args.batches):
-        results[suffix] = hf(model, prompts(batch_size), args.new_tokens, sampled, args.repeats)
-    print(json.dumps(results))
+    print("ready", flush=True)
+    for line in sys.stdin:
+        batch_size, sampled = json.loads(line)
+        print(json.dumps(hf(model, prompts(batch_size), args.new_tokens, sampled, args.repeats)), flush=True)
+
+
+def ask(worker: subprocess.Popen, batch_size: int, sampled: bool) -> tuple[float, list[list[int]]]:
+    """One case decoded by the transformers child."""
+    worker.stdin.write(json.dumps([batch_size, sampled]) + "\n")
+    worker.stdin.flush()
+    answer = worker.stdout.readline()
+    if not answer:
+        raise RuntimeError(f"the transformers worker stopped:\n{worker.stderr.read()[-3000:]}")
+    rate, outputs = json.loads(answer)
+    return rate, outputs
 
 
 def main() -> None:
@@ -150,24 +164,42 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8", help="comma-separated batch sizes")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=2, help="turns each side takes at every case")
     parser.add_argument("--hf-worker", help=argparse.SUPPRESS)  # internal: run the transformers side on this dir
     args = parser.parse_args()
     if args.hf_worker:
         return hf_worker(args)
     with tempfile.TemporaryDirectory() as hf_dir:
         model = build_ours(Path(hf_dir))
-        command = [sys.executable, __file__, "--hf-worker", hf_dir, "--batches", args.batches,
-                   "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats)]
-        worker = subprocess.run(command, capture_output=True, text=True, check=False)
-        if worker.returncode != 0:
-            raise RuntimeError(f"the transformers worker failed:\n{worker.stderr[-3000:]}")
-        theirs = json.loads(worker.stdout.strip().splitlines()[-1])
+        command = [sys.executable, __file__, "--hf-worker", hf_dir, "--new-tokens", str(args.new_tokens),
+                   "--repeats", str(args.repeats)]
+        worker = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True)
+        try:
+            if worker.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"the transformers worker failed:\n{worker.stderr.read()[-3000:]}")
+            measured = {}
+            for batch_size, sampled, suffix in cases(args.batches):
+                turns = {"ours": [], "hf": []}
+                for round_index in range(args.rounds):
+                    order = ("hf", "ours") if round_index % 2 == 0 else ("ours", "hf")
+                    for side in order:
+                        if side == "hf":
+                            turns["hf"].append(ask(worker, batch_size, sampled))
+                        else:
+                            batch = prompts(batch_size)
+                            turns["ours"].append(ours(model, batch, args.new_tokens, sampled, args.repeats))
+                measured[suffix] = {
+                    side: (statistics.median(rate for rate, _ in runs), runs[-1][1]) for side, runs in turns.items()
+                }
+        finally:
+            worker.stdin.close()
+            worker.wait(timeout=60)
     results, identical = {}, True
     print("| batch | decoding | ours tokens/s | transformers tokens/s | ours / transformers |")
     print("|---:|---|---:|---:|---:|")
     for batch_size, sampled, suffix in cases(args.batches):
-        ours_rate, ours_out = ours(model, prompts(batch_size), args.new_tokens, sampled, args.repeats)
-        hf_rate, hf_out = theirs[suffix]
+        (ours_rate, ours_out), (hf_rate, hf_out) = measured[suffix]["ours"], measured[suffix]["hf"]
         results[f"ours_{suffix}_tokens_per_s"] = round(ours_rate, 1)
         results[f"hf_{suffix}_tokens_per_s"] = round(hf_rate, 1)
         if not sampled:

@@ -152,7 +152,10 @@ def launch(
         msrun = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     watch = _Watch()
     try:
-        finished = _supervise(msrun, watch, log_dir / f"worker_{node_rank * local}.log", grace_s, echo or sys.stdout, quiet)
+        streamed = log_dir / f"worker_{node_rank * local}.log"
+        # Only node 0 runs the scheduler; on a shared log directory another node would read its earlier log.
+        scheduler_log = log_dir / "scheduler.log" if node_rank == 0 else None
+        finished = _supervise(msrun, watch, streamed, scheduler_log, grace_s, echo or sys.stdout, quiet)
     finally:
         _kill_all(msrun, watch)
     if not finished:
@@ -165,9 +168,11 @@ def launch(
 
 
 def _supervise(
-    msrun: subprocess.Popen, watch: _Watch, streamed: Path, grace_s: float, echo: TextIO, quiet: bool
+    msrun: subprocess.Popen, watch: _Watch, streamed: Path, scheduler_log: Path | None, grace_s: float,
+    echo: TextIO, quiet: bool,
 ) -> bool:
-    """Stream the log and track processes until msrun exits (True) or the grace after a first exit runs out."""
+    """Stream the log and track processes until msrun exits (True), the grace after a first exit runs out, or
+    this node's scheduler (`scheduler_log`, node 0's) gives up on a silent node."""
     offset = 0
     while True:
         done = msrun.poll() is not None
@@ -177,7 +182,7 @@ def _supervise(
         _track(msrun.pid, watch, streamed.parent)
         if watch.first_exit is not None and time.monotonic() - watch.first_exit > grace_s:
             return False
-        if watch.lost_node(streamed.parent / "scheduler.log"):
+        if scheduler_log is not None and watch.lost_node(scheduler_log):
             return False  # the job cannot go on without that node's ranks: no grace to wait out
         time.sleep(0.2)
 
@@ -308,22 +313,9 @@ def _copy_new_text(path: Path, offset: int, echo: TextIO, quiet: bool = False, w
 
 
 def _kill_all(msrun: subprocess.Popen, watch: _Watch) -> None:
-    """SIGKILL what is left of the job: each worker's session, then (once the workers are gone) the scheduler and
-    msrun's group. The workers go first so that they, not the scheduler, close the connections: the side that
-    closes first holds its port in TIME_WAIT for a minute, and the scheduler's port is the one a rerun of the
-    job (`--resume auto`) binds again at once."""
-    ranks = {pid: process for pid, process in watch.processes.items() if process.role != "scheduler"}
-    for pid, process in ranks.items():
-        if _alive(pid, process):
-            try:
-                os.killpg(os.getpgid(pid), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-    deadline = time.monotonic() + 5.0
-    while any(_alive(pid, process) for pid, process in ranks.items()) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    """SIGKILL what is left of the job: each worker's session, then msrun's group (scheduler included)."""
     for pid, process in watch.processes.items():
-        if process.role == "scheduler" and _alive(pid, process):
+        if _alive(pid, process):
             try:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
