@@ -60,12 +60,16 @@ class GradientAllReduce(nn.Cell):
     def construct(self):
         for bucket in self.buckets:
             flat = ops.cat([self.buffers[i].reshape(-1) for i in bucket])
-            total = self.group.all_reduce(flat)
-            offset = 0
-            for i in bucket:
-                ops.assign(self.buffers[i], total[offset : offset + self.sizes[i]].reshape(self.shapes[i]))
-                offset += self.sizes[i]
+            write_back(self.buffers, bucket, self.group.all_reduce(flat), self.sizes, self.shapes)
         return True
+
+
+def write_back(buffers, bucket, flat, sizes, shapes) -> None:
+    """Buffers `bucket` (indices) take their consecutive pieces of the flat summed bucket."""
+    offset = 0
+    for i in bucket:
+        ops.assign(buffers[i], flat[offset : offset + sizes[i]].reshape(shapes[i]))
+        offset += sizes[i]
 
 
 class AccumulateAndSumGradients(nn.Cell):
@@ -105,10 +109,7 @@ class AccumulateAndSumGradients(nn.Cell):
             flat = ops.cat([(self.buffers[i] + grads[i]).reshape(-1) for i in bucket])
             for group in self.kinds[kind]:
                 flat = group.all_reduce(flat)
-            offset = 0
-            for i in bucket:
-                ops.assign(self.buffers[i], flat[offset : offset + self.sizes[i]].reshape(self.shapes[i]))
-                offset += self.sizes[i]
+            write_back(self.buffers, bucket, flat, self.sizes, self.shapes)
         for i in self.accumulated_only:
             ops.assign_add(self.buffers[i], grads[i])
         if self.routed:
