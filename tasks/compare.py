@@ -10,8 +10,8 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
+from model_core.tables import fixed_width, markdown
 from tasks.plots import overlay_png
-from tasks.tables import fixed_width, markdown
 
 # Headline columns shown first when present, in this order; the evaluate stage's perplexities follow.
 HEADLINES = (

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import math
 
+from model_core.tables import fixed_width
 from tasks.convert import ConvertResult
 from tasks.data import DataResult
 from tasks.evaluate import EvaluateStageResult
 from tasks.finetune import FinetuneStageResult
 from tasks.progress import StageFigures, duration
-from tasks.tables import fixed_width
 from tasks.train import TrainStageResult
 
 HEADER = ["stage", "steps", "loss", "validation loss", "perplexity", "tokens/s", "wall", "result"]

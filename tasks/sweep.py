@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from params.sweep import SweepParams, Trial, sweep_yaml
 from tasks.compare import compare, render, write_loss_overlay
-from tasks.tracking import StageRun, Tracking, _experiment_id, git_commit, tracking_uri
+from tasks.tracking import StageRun, Tracking, ensure_experiment, git_commit, tracking_uri
 
 TrialStatus = Literal["finished", "stopped", "failed"]
 
@@ -55,7 +55,7 @@ def open_sweep_run(
     base = trials[0].params
     uri = tracking_uri(base)
     client = MlflowClient(tracking_uri=uri)
-    experiment_id = _experiment_id(client, base)
+    experiment_id = ensure_experiment(client, base)
     tags = {
         "llmflow.kind": "sweep",
         "llmflow.sweep": sweep.name,

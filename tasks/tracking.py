@@ -55,7 +55,8 @@ def git_commit() -> str:
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
-def _experiment_id(client: MlflowClient, params: PipelineParams) -> str:
+def ensure_experiment(client: MlflowClient, params: PipelineParams) -> str:
+    """The id of the params' experiment, created (and tagged as model training) on first use."""
     name = params.tracking.experiment
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
@@ -75,7 +76,7 @@ def open_pipeline_run(
     """Create the parent run: named after the flow run, tagged, with flattened params and the params YAML."""
     uri = tracking_uri(params)
     client = MlflowClient(tracking_uri=uri)
-    experiment_id = _experiment_id(client, params)
+    experiment_id = ensure_experiment(client, params)
     tags = {
         "prefect.flow_run_id": flow_run_id,
         "prefect.flow_run_name": flow_run_name,

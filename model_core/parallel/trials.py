@@ -22,6 +22,7 @@ from typing import TextIO
 
 from model_core.parallel.launch import RANK_MEMORY, LaunchError, launch_training
 from model_core.parallel.planner import GIB, Estimate, Plan
+from model_core.tables import fixed_width
 from params.loading import to_yaml
 from params.schema import PipelineParams
 
@@ -154,10 +155,7 @@ def format_trials_table(trials: list[LayoutTrial], steps: int) -> str:
             f"{trial.tokens_per_second:.1f}" if measured else "-",
             f"{trial.peak_memory_bytes / GIB:.2f}" if measured else "-",
         ])
-    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
-    lines = [f"layout trials: {steps} steps each, tokens/s the median after the first step"]
-    lines += ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in [header, *rows]]
-    lines.insert(2, "  ".join("-" * width for width in widths))
+    lines = [f"layout trials: {steps} steps each, tokens/s the median after the first step", fixed_width([header, *rows])]
     lines += [f"{trial.estimate.candidate}: {trial.problem}" for trial in trials if trial.problem]
     return "\n".join(lines)
 

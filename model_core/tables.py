@@ -1,4 +1,5 @@
-"""Tables for people: fixed-width for the console, Markdown for MLflow and READMEs. The first row is the header."""
+"""Tables for people, shared by tasks and model_core: fixed-width for the console, Markdown for MLflow and
+READMEs. The first row is the header."""
 
 from __future__ import annotations
 
