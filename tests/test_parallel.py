@@ -105,6 +105,21 @@ def test_a_lost_node_is_named_with_its_host_and_a_rerun_sets_the_earlier_logs_as
     assert not (tmp_path / "worker_2.log").exists() and (tmp_path / "scheduler.log").exists()
 
 
+def test_a_rank_stopped_by_msrun_on_another_node_points_at_node_0(tmp_path):
+    """On node 1, a rank ended by SIGTERM is what msrun does when node 0's scheduler goes away: the message
+    sends the reader to node 0's log; on node 0, or for another code, it does not."""
+    (tmp_path / "msrun-node1.log").write_text("Worker process 4242 exit with exception. Error code: -15\n")
+    watch = launcher._Watch()
+    watch.processes[4242] = launcher._Process("rank 1", tmp_path / "worker_1.log", 0.0)
+    message = launcher._failed_process(tmp_path / "msrun-node1.log", watch, 1, node_rank=1, master_addr="192.0.2.1")
+    assert message.startswith("rank 1 exited with code -15 (SIGTERM: msrun stops this node's ranks when the job's")
+    assert "scheduler on node 0, 192.0.2.1, goes away" in message and "msrun-node0.log" in message
+    (tmp_path / "msrun-node1.log").write_text("Worker process 4242 exit with exception. Error code: 1\n")
+    assert "SIGTERM" not in launcher._failed_process(tmp_path / "msrun-node1.log", watch, 1, node_rank=1)
+    (tmp_path / "msrun-node1.log").write_text("Worker process 4242 exit with exception. Error code: -15\n")
+    assert "SIGTERM" not in launcher._failed_process(tmp_path / "msrun-node1.log", watch, 1, node_rank=0)
+
+
 def _simulate(contribution, finish, inputs):
     """Run a fallback on every simulated rank: contributions, their all-reduce sum, each rank's result."""
     total = sum(contribution(ms.Tensor(x), rank).asnumpy() for rank, x in enumerate(inputs))

@@ -159,12 +159,12 @@ def launch(
     finally:
         _kill_all(msrun, watch)
     if not finished:
-        reason = _failed_process(msrun_log, watch, local)
+        reason = _failed_process(msrun_log, watch, local, node_rank, master_addr)
         if watch.first_exit is not None:
             reason += f"\n(the job was killed {grace_s:.0f} s after that exit)"
         raise LaunchError(reason)
     if msrun.returncode != 0:
-        raise LaunchError(_failed_process(msrun_log, watch, local))
+        raise LaunchError(_failed_process(msrun_log, watch, local, node_rank, master_addr))
 
 
 def _supervise(
@@ -219,9 +219,12 @@ def _alive(pid: int, process: _Process) -> bool:
         return False
 
 
-def _failed_process(msrun_log: Path, watch: _Watch, ranks_per_node: int) -> str:
+def _failed_process(
+    msrun_log: Path, watch: _Watch, ranks_per_node: int, node_rank: int = 0, master_addr: str = "127.0.0.1"
+) -> str:
     """A rank the scheduler lost (on node 0, which runs it: another node died), else the failed worker msrun
-    names by pid, else the first process seen to exit."""
+    names by pid, else the first process seen to exit. On another node, a rank ended by SIGTERM was most
+    likely stopped by msrun because node 0's scheduler went away, which the message says."""
     scheduler_log = msrun_log.parent / "scheduler.log"
     lost = _RANK_LOST.search(scheduler_log.read_text(errors="replace")) if scheduler_log.exists() else None
     if lost:
@@ -234,7 +237,13 @@ def _failed_process(msrun_log: Path, watch: _Watch, ranks_per_node: int) -> str:
         )
     found = _WORKER_FAILED.search(msrun_log.read_text(errors="replace"))
     if found and int(found[1]) in watch.processes:
-        return _describe(watch.processes[int(found[1])], f"exited with code {found[2]}")
+        what = f"exited with code {found[2]}"
+        if node_rank != 0 and int(found[2]) == -signal.SIGTERM:
+            what += (
+                f" (SIGTERM: msrun stops this node's ranks when the job's scheduler on node 0, {master_addr}, goes "
+                f"away, so node 0's log, msrun-node0.log, most likely says why the job ended)"
+            )
+        return _describe(watch.processes[int(found[1])], what)
     exited = [p for p in watch.processes.values() if p.exited_at]
     if exited:
         return _describe(min(exited, key=lambda p: p.exited_at), "exited first")
