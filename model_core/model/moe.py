@@ -17,7 +17,7 @@ Dispatch and combine have hand-written backwards (`Dispatch`, `Combine`) that ga
 scatter-add: a slot holds at most one choice, so a slot's gradient is one token's gradient times one gate, and a
 token's is the sum of its k choices' slot gradients. With them, experts whose weights are multiplied without
 transposed copies (`BatchMatMul(transpose_b=True)`) and the SwiGLU of `model_core.model.fused`, the layer's step
-took 0.63x the CPU time of the derived version (benchmarks/README.md, "Mixture-of-experts layer").
+takes less CPU time than with the derived backwards (benchmarks/README.md, "Mixture-of-experts layer").
 
 Router jitter (Switch Transformer's, `router_jitter`) multiplies the router's input element-wise by noise drawn
 from uniform [1 - eps, 1 + eps] in training; the experts see the token as it is (Hugging Face Mixtral jitters
