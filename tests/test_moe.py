@@ -10,7 +10,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 from conftest import SMALL_MODEL
-from mindspore import Tensor
+from mindspore import Tensor, nn, ops
 from pydantic import ValidationError
 
 from model_core.data import prepare_dataset
@@ -93,6 +93,47 @@ def test_the_routed_block_equals_a_per_token_reference_and_drops_what_the_rule_s
         assert expected_dropped == 0
     else:
         assert params.moe.capacity(16) == math.ceil(0.5 * 16 * 2 / 4) == 4 and expected_dropped > 0
+
+
+class DerivedDispatch(nn.Cell):
+    """`Dispatch` with MindSpore's derived backward (a scatter of the slot gradients)."""
+
+    def construct(self, flat, filler, slot, kept):
+        return ops.gather(flat, filler, 0)
+
+
+class DerivedCombine(nn.Cell):
+    """`Combine` with MindSpore's derived backward."""
+
+    def __init__(self, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+
+    def construct(self, done, slot, gate, filler, slot_gate):
+        return (ops.gather(done, slot, 0) * gate.reshape(-1, 1)).reshape(self.top_k, -1, done.shape[-1]).sum(0)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.5], ids=["dropless", "capacity"])
+def test_the_hand_written_dispatch_and_combine_backwards_equal_the_derived_ones(capacity_factor):
+    params = moe_params(capacity_factor=capacity_factor)
+    ms.set_seed(3)
+    block = MoE(params, output_std=0.02, dense=SwiGLU)
+    x = Tensor(np.random.default_rng(0).standard_normal((2, 8, 16)).astype(np.float32))
+    upstream = Tensor(np.random.default_rng(1).standard_normal((2, 8, 16)).astype(np.float32))
+
+    def objective(x):
+        out, (aux, _, _, dropped) = block(x)
+        return (out * upstream).sum() + 0.1 * aux, dropped
+
+    def gradients():
+        (_, dropped), grads = ms.value_and_grad(objective, 0, block.trainable_params(), has_aux=True)(x)
+        return float(dropped.asnumpy()), [grads[0].asnumpy()] + [g.asnumpy() for g in grads[1]]
+
+    dropped, ours = gradients()
+    block.dispatch, block.combine = DerivedDispatch(), DerivedCombine(params.moe.experts_per_token)
+    assert gradients()[0] == dropped and (dropped > 0) == (capacity_factor is not None)
+    for mine, derived in zip(ours, gradients()[1], strict=True):
+        np.testing.assert_allclose(mine, derived, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize(("gating", "least_skewed_aux"), [("softmax", 3.9), ("sigmoid", 1.5)])

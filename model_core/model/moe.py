@@ -13,6 +13,12 @@ every expert as many slots as there are tokens, so nothing is ever dropped, at t
 times the active FFN FLOPs on slots that mostly hold nothing; a capacity factor bounds that work and drops
 the choices past an expert's capacity (their weight is lost; the token keeps its residual).
 
+Dispatch and combine have hand-written backwards (`Dispatch`, `Combine`) that gather where the derived ones
+scatter-add: a slot holds at most one choice, so a slot's gradient is one token's gradient times one gate, and a
+token's is the sum of its k choices' slot gradients. With them, experts whose weights are multiplied without
+transposed copies (`BatchMatMul(transpose_b=True)`) and the SwiGLU of `model_core.model.fused`, the layer's step
+takes less CPU time than with the derived backwards (benchmarks/README.md, "Mixture-of-experts layer").
+
 Router jitter (Switch Transformer's, `router_jitter`) multiplies the router's input element-wise by noise drawn
 from uniform [1 - eps, 1 + eps] in training; the experts see the token as it is (Hugging Face Mixtral jitters
 their input too). The block draws nothing itself: the trainer passes the noise in (`router_noise`), drawn from
@@ -43,6 +49,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, mint, nn, ops
 
+from model_core.model.fused import SwiGLUFunction, expand_rows
 from model_core.model.init import new_weight
 from params.schema import ModelParams
 
@@ -67,16 +74,64 @@ class Experts(nn.Cell):
         self.gate_proj = new_weight((experts, inner, hidden), params.init_std)
         self.up_proj = new_weight((experts, inner, hidden), params.init_std)
         self.down_proj = new_weight((experts, hidden, inner), output_std)
+        self.swiglu = SwiGLUFunction()
 
     def construct(self, x: Tensor) -> Tensor:
-        return swiglu_experts(x, self.gate_proj, self.up_proj, self.down_proj)
+        return swiglu_experts(x, self.gate_proj, self.up_proj, self.down_proj, self.swiglu)
 
 
-def swiglu_experts(x: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor) -> Tensor:
-    """Expert e's SwiGLU on its slots: x [E, C, hidden], weights [E, F, hidden] (down [E, hidden, F]) -> [E, C, hidden]."""
-    gate = ops.bmm(x, mint.transpose(gate_proj.astype(x.dtype), 1, 2))  # [E, C, F]
-    up = ops.bmm(x, mint.transpose(up_proj.astype(x.dtype), 1, 2))
-    return ops.bmm(mint.nn.functional.silu(gate) * up, mint.transpose(down_proj.astype(x.dtype), 1, 2))
+_bmm_nt = ops.BatchMatMul(transpose_b=True)  # x @ w^T per expert, and its backward, without transposed copies
+
+
+def swiglu_experts(x: Tensor, gate_proj: Tensor, up_proj: Tensor, down_proj: Tensor, swiglu: nn.Cell) -> Tensor:
+    """Expert e's SwiGLU on its slots: x [E, C, hidden], weights [E, F, hidden] (down [E, hidden, F]) -> [E, C, hidden].
+    `swiglu`: a `SwiGLUFunction`."""
+    gate = _bmm_nt(x, gate_proj.astype(x.dtype))  # [E, C, F]
+    up = _bmm_nt(x, up_proj.astype(x.dtype))
+    return _bmm_nt(swiglu(gate, up), down_proj.astype(x.dtype))
+
+
+def sum_choices(rows: Tensor, k: int) -> Tensor:
+    """[k * N, hidden] rows, choice j of token n at row j * N + n -> [N, hidden], each token's k rows summed."""
+    return rows.reshape(k, -1, rows.shape[-1]).sum(0)
+
+
+class Dispatch(nn.Cell):
+    """flat [N, hidden] -> the dispatch buffer [S, hidden], slot s holding token filler[s].
+
+    The backward gathers instead of scattering: token n's gradient is the sum of its kept choices' slot gradients
+    (`slot` [kN], `kept` [kN] 1.0 or 0.0), because each slot holds at most one choice."""
+
+    def construct(self, flat, filler, slot, kept):
+        return ops.gather(flat, filler, 0)
+
+    def bprop(self, flat, filler, slot, kept, out, dout):
+        back = ops.gather(dout, slot, 0)  # [kN, hidden]
+        dflat = sum_choices(back * expand_rows(kept, back), slot.shape[0] // flat.shape[0])
+        return dflat, ops.zeros_like(filler), ops.zeros_like(slot), ops.zeros_like(kept)
+
+
+class Combine(nn.Cell):
+    """done [S, hidden] (the experts' outputs by slot) -> [N, hidden], each token's choices' outputs weighted by
+    `gate` [kN] (0 for a dropped choice, whose `slot` may then be any slot) and summed.
+
+    The backward gathers instead of scattering, as `Dispatch` does: slot s's gradient is the gradient of the token
+    filling it (`filler` [S]) times that choice's gate (`slot_gate` [S], 0 for an empty slot)."""
+
+    def __init__(self, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+
+    def construct(self, done, slot, gate, filler, slot_gate):
+        picked = ops.gather(done, slot, 0)  # [kN, hidden]
+        return sum_choices(picked * expand_rows(gate, picked), self.top_k)
+
+    def bprop(self, done, slot, gate, filler, slot_gate, out, dout):
+        k = self.top_k
+        ddone = ops.gather(dout, filler, 0)
+        ddone = ddone * expand_rows(slot_gate, ddone)
+        dgate = mint.sum(ops.gather(done, slot, 0) * mint.cat((dout,) * k), dim=-1)
+        return ddone, ops.zeros_like(slot), dgate, ops.zeros_like(filler), ops.zeros_like(slot_gate)
 
 
 ROUTER_NOISE_STREAM = 0x6A6974  # "jit": keeps these draws apart from any other generator keyed by the seed
@@ -109,6 +164,7 @@ class MoE(nn.Cell):
         self.sigmoid_gating = moe.gating == "sigmoid"
         self.router = Router(params.hidden_size, self.num_experts, params.init_std)
         self.experts = Experts(params, output_std)
+        self.dispatch, self.combine = Dispatch(), Combine(self.top_k)
         self.has_shared_expert = moe.shared_expert_ffn_hidden_size is not None
         self.has_shared_gate = self.has_shared_expert and moe.shared_expert_gate
         if self.has_shared_expert:
@@ -138,17 +194,20 @@ class MoE(nn.Cell):
         picked = ops.one_hot(choice, experts, Tensor(1.0, ms.float32), Tensor(0.0, ms.float32))  # [kN, E]
         position = ((ops.cumsum(picked, 0) - 1.0) * picked).sum(-1).astype(ms.int32)  # its place in its expert's queue
         kept = position < slots
-        trash = experts * slots  # one extra slot that dropped choices point at; it is cut off below
+        keep = kept.astype(ms.float32)
+        trash = experts * slots  # one extra slot that dropped choices are written to; it is cut off below
         slot = mint.where(kept, choice * slots + position, ops.ones_like(position) * trash)  # [kN]
         token = ops.arange(k * tokens, dtype=ms.int32) % tokens
-        # Which token fills each slot; empty slots read token N, a row of zeros appended to the input.
-        filler = ops.tensor_scatter_update(ops.ones((trash + 1,), ms.int32) * tokens, slot.reshape(-1, 1), token)
-        padded = mint.cat([flat, mint.zeros((1, hidden), dtype=flat.dtype)])
-        dispatched = ops.gather(padded, filler[:trash], 0).reshape(experts, slots, hidden)
+        gate = (weights.T.reshape(-1) * keep).astype(x.dtype)  # [kN]
+        # Which token fills each slot, and with what weight. An empty slot holds token 0 at weight 0: its output
+        # is never read, and its gradient is zero.
+        filler = ops.tensor_scatter_update(ops.zeros((trash + 1,), ms.int32), slot.reshape(-1, 1), token)[:trash]
+        slot_gate = ops.tensor_scatter_update(
+            ops.zeros((trash + 1,), x.dtype), slot.reshape(-1, 1), ops.stop_gradient(gate))[:trash]
+        slot = slot % trash  # a dropped choice reads slot 0 at weight 0
+        dispatched = self.dispatch(flat, filler, slot, keep.astype(x.dtype)).reshape(experts, slots, hidden)
         done = self.experts(dispatched).reshape(trash, hidden)
-        done = mint.cat([done, mint.zeros((1, hidden), dtype=done.dtype)])  # the trash slot reads zeros
-        gate = (weights.T.reshape(-1) * kept.astype(ms.float32)).astype(x.dtype)  # [kN]
-        combined = (ops.gather(done, slot, 0) * gate.reshape(-1, 1)).reshape(k, tokens, hidden).sum(0)
+        combined = self.combine(done, slot, gate, filler, slot_gate)
         if self.has_shared_expert:
             shared = self.shared_expert(flat)
             if self.has_shared_gate:

@@ -51,6 +51,7 @@ class ExpertParallelExperts(nn.Cell):
     def __init__(self, experts: Experts, group: Group) -> None:
         super().__init__()
         self.gate_proj, self.up_proj, self.down_proj = experts.gate_proj, experts.up_proj, experts.down_proj
+        self.swiglu = experts.swiglu
         self.ep = group.size
         self.exchange = AllToAll(group)
 
@@ -59,7 +60,7 @@ class ExpertParallelExperts(nn.Cell):
         local = experts // self.ep
         received = self.exchange(x)  # [ep * local, C, hidden]: block j holds rank j's slots for this rank's experts
         mine = mint.transpose(received.reshape(self.ep, local, slots, hidden), 0, 1).reshape(local, self.ep * slots, hidden)
-        done = swiglu_experts(mine, self.gate_proj, self.up_proj, self.down_proj)
+        done = swiglu_experts(mine, self.gate_proj, self.up_proj, self.down_proj, self.swiglu)
         back = mint.transpose(done.reshape(local, self.ep, slots, hidden), 0, 1).reshape(experts, slots, hidden)
         return self.exchange(back)
 
