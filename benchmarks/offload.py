@@ -27,11 +27,18 @@ parameter-offload run's figures carry a `zero3_param_` prefix (`zero3_param_offl
 `zero3_param_saving_over_params` ((zero3_offload - zero3_param_offload) peak RSS / zero3_param_mb),
 `zero3_param_saving_over_offloaded` ((zero3_baseline - zero3_param_offload) / (zero3_moment_mb + zero3_param_mb)) and
 `zero3_param_step_ratio`, `zero3_param_step_cpu_ratio` (against zero3_baseline).
+Where the memory is, per run (summed over its workers): `*_built_rss_mb` (RSS once the `Trainer` is built, before
+the first step compiles), and at the end `*_end_rss_anon_mb`, `*_end_rss_file_mb` (anonymous and file-backed pages,
+the offload files' mapped pages among the latter) and `*_end_heap_in_use_mb`, `*_end_heap_free_mb` (glibc's heap:
+allocated, and freed but kept resident; MindSpore's 1 GiB memory pool is a mapping of its own, in neither).
+`zero3_param_built_rss_saving_over_params` and `zero3_param_end_heap_in_use_saving_over_params` compare those of
+the two offloaded ZeRO-3 runs as `zero3_param_saving_over_params` compares their peaks.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import statistics
@@ -128,12 +135,16 @@ def summarise(reports: dict[str, list[dict]], warmup: int) -> dict:
         if not timed:
             raise ValueError(f"{len(ranks[0]['history'])} steps leave none to time after {warmup} warm-up steps")
         summary[f"{prefix}{kind}_peak_rss_mb"] = round(sum(r["peak_rss_bytes"] for r in ranks) / MB, 1)
+        summary[f"{prefix}{kind}_built_rss_mb"] = round(sum(r["built"]["rss"] for r in ranks) / MB, 1)
+        for field in ("rss_anon", "rss_file", "heap_in_use", "heap_free"):
+            if all(field in r["end"] for r in ranks):
+                summary[f"{prefix}{kind}_end_{field}_mb"] = round(sum(r["end"][field] for r in ranks) / MB, 1)
         summary[f"{prefix}{kind}_step_s"] = round(statistics.median(2048 / r["tokens_per_second"] for r in timed), 3)
         summary[f"{prefix}{kind}_step_cpu_s"] = round(statistics.median(ranks[0]["step_cpu_seconds"][warmup:]), 3)
+        if prefix == "zero3_":  # the shards both ZeRO-3 runs without parameter offload hold
+            summary["zero3_param_mb"] = round(sum(r["shard_bytes"] for r in ranks) / MB, 1)
         if kind == "baseline":
             summary[f"{prefix}moment_mb"] = round(sum(r["moment_bytes"] for r in ranks) / MB, 1)
-            if prefix == "zero3_":
-                summary["zero3_param_mb"] = round(sum(r["shard_bytes"] for r in ranks) / MB, 1)
         else:
             summary[f"{prefix}offload_bytes_per_step"] = ranks[0]["last"]["offload_bytes_per_step"]
             summary[f"{prefix}offload_seconds_per_step"] = round(
@@ -146,14 +157,18 @@ def summarise(reports: dict[str, list[dict]], warmup: int) -> dict:
         if prefix == "zero3_param_":
             offloaded = summary["zero3_moment_mb"] + summary["zero3_param_mb"]
             summary["zero3_param_saving_over_offloaded"] = round(saved / offloaded, 3)
-            if "zero3_offload_peak_rss_mb" in summary:
-                params_saved = summary["zero3_offload_peak_rss_mb"] - summary["zero3_param_offload_peak_rss_mb"]
-                summary["zero3_param_saving_over_params"] = round(params_saved / summary["zero3_param_mb"], 3)
         else:
             summary[f"{prefix}saving_over_moments"] = round(saved / summary[f"{prefix}moment_mb"], 3)
         summary[f"{prefix}step_ratio"] = round(summary[f"{prefix}offload_step_s"] / summary[f"{base}baseline_step_s"], 3)
         cpu = summary[f"{prefix}offload_step_cpu_s"] / summary[f"{base}baseline_step_cpu_s"]
         summary[f"{prefix}step_cpu_ratio"] = round(cpu, 3)
+    if "zero3_offload_peak_rss_mb" in summary and "zero3_param_offload_peak_rss_mb" in summary:
+        for measure in ("peak_rss", "built_rss", "end_heap_in_use"):
+            key = f"zero3_param_offload_{measure}_mb"
+            if key in summary and f"zero3_offload_{measure}_mb" in summary:
+                params_saved = summary[f"zero3_offload_{measure}_mb"] - summary[key]
+                name = "saving_over_params" if measure == "peak_rss" else f"{measure}_saving_over_params"
+                summary[f"zero3_param_{name}"] = round(params_saved / summary["zero3_param_mb"], 3)
     return summary
 
 
@@ -170,6 +185,7 @@ def run_worker(name: str, dataset: str, out: Path, steps: int) -> None:
     params = load_params("tiny", [*MODEL, *overrides, f"train.steps={steps}", "train.log_interval=1",
                                   "train.eval_interval=100000", "train.checkpoint_interval=100000"])
     trainer = Trainer(params, dataset, out / "checkpoints")
+    built = _memory()
     # The final checkpoint and validation are not part of a step (and the checkpoint's barriers are collectives).
     trainer.save = lambda: None
     trainer.evaluate = lambda: float("nan")
@@ -180,9 +196,31 @@ def run_worker(name: str, dataset: str, out: Path, steps: int) -> None:
     zero3 = trainer.parallel.zero3  # the shards the rank holds in memory (under parameter offload: none)
     shards = 0 if zero3 is None or zero3.offloaded is not None else sum(4 * int(p.shape[0]) for p in zero3.shards.values())
     report = {"history": history, "last": history[-1], "peak_rss_bytes": peak_rss_bytes(), "moment_bytes": held,
-              "shard_bytes": shards,
+              "shard_bytes": shards, "built": built, "end": _memory(),
               "step_cpu_seconds": [after - before for before, after in zip(cpu_marks, cpu_marks[1:])]}
     (out / f"rank{trainer.rank}.json").write_text(json.dumps(report))
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(field, ctypes.c_size_t) for field in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _memory() -> dict[str, int]:
+    """This process's resident bytes now (`rss`: anonymous + file pages) and glibc's heap: `heap_in_use` (allocated
+    by malloc, without its mmapped blocks) and `heap_free` (freed, kept by malloc, resident once touched)."""
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    kb = {name: int(fields[name].split()[0]) * 1024 for name in ("VmRSS", "RssAnon", "RssFile")}
+    memory = {"rss": kb["VmRSS"], "rss_anon": kb["RssAnon"], "rss_file": kb["RssFile"]}
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        info = libc.mallinfo2()
+        memory.update(heap_in_use=info.uordblks, heap_free=info.fordblks)
+    except (OSError, AttributeError):  # not glibc >= 2.33
+        pass
+    return memory
 
 
 def _cpu_seconds() -> float:
