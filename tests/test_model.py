@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from model_core.convert.llama import from_hf
-from model_core.model import Attention, Llama, count_parameters, document_positions, token_cross_entropy
-from model_core.model import fused
+from model_core.model import Attention, Llama, count_parameters, document_positions, fused, token_cross_entropy
 from model_core.model.fused import apply_rotary
-from model_core.model.llama import rope_tables
+from model_core.model.llama import RMSNorm, SwiGLU, rope_tables, rotation_basis, rotation_matrices
 from params.schema import ModelParams
 
 VOCAB, SEQ = 256, 16
@@ -384,6 +383,24 @@ def test_fused_forwards_are_bit_for_bit_the_plain_formulation():
     gate, up = x, x * 0.5 + 1.0
     plain_swiglu = ms.mint.nn.functional.silu(gate) * up
     np.testing.assert_array_equal(fused.SwiGLUFunction()(gate, up).asnumpy(), plain_swiglu.asnumpy())
+
+
+def test_decodings_fewer_kernel_forms_compute_the_plain_formulas():
+    """RoPE as per-position rotation matrices, RMSNorm and SwiGLU through Addcmul: what `Llama.decode` runs."""
+    rng = np.random.default_rng(3)
+    x = ms.Tensor((rng.standard_normal((3, 1, 64)) * 3).astype(np.float32))  # [B, n, hidden]
+    norm = RMSNorm(64, 1e-5)
+    norm.weight.set_data(ms.Tensor(rng.uniform(0.5, 1.5, 64).astype(np.float32)))
+    np.testing.assert_allclose(norm.construct_cached(x).asnumpy(), _plain_rms_norm(x, norm.weight).asnumpy(), rtol=1e-6)
+
+    mlp = SwiGLU(tiny_params(hidden_size=64, ffn_hidden_size=96), output_std=0.02)
+    np.testing.assert_allclose(mlp.construct_cached(x).asnumpy(), mlp(x).asnumpy(), rtol=1e-5, atol=1e-7)
+
+    cos, sin = (table[[5, 0, 17]] for table in rope_tables(64, 32, theta=10_000.0))  # three positions
+    rotations = rotation_matrices(cos, fused.sign_first_half(sin), rotation_basis(64))  # [3, 64, 64]
+    q = ms.Tensor(rng.standard_normal((3, 4, 64)).astype(np.float32))  # [positions, heads, D]
+    elementwise = apply_rotary(q, cos.unsqueeze(1), sin.unsqueeze(1))
+    np.testing.assert_allclose(ms.ops.matmul(q, rotations).asnumpy(), elementwise.asnumpy(), rtol=0, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------ Hugging Face

@@ -63,13 +63,13 @@ def cached_attention(q: ms.Tensor, keys: ms.Tensor, values: ms.Tensor, visible: 
     """`Attention` of a few new queries over a KV cache that already holds their own keys and values, for decoding
     (no backward).
 
-    q: [B, H, n, D]; keys, values: the cache [B, H_kv, S, D] with S >> n; visible: bool [B, 1, n, S]. The scores
+    q: [B, H, n, D], already scaled by 1 / sqrt(D) (decoding folds that into RoPE); keys, values: the cache
+    [B, H_kv, S, D] with S >> n; visible: bool [B, 1, n, S]. The scores
     are computed as keys q^T, a matmul whose transposed operand is the small q: q keys^T has the CPU kernel
     transpose the whole cache (measured ~5 ms a layer at batch 8 against ~1.7 ms).
     """
     num_heads = q.shape[1]
     keys, values = repeat_kv(keys, num_heads), repeat_kv(values, num_heads)
-    q = q * (1.0 / math.sqrt(q.shape[-1]))
     scores = ops.matmul(keys, q.swapaxes(2, 3)).swapaxes(2, 3).astype(ms.float32)  # [B, H, n, S]
     bias = ops.logical_not(visible).astype(ms.float32) * _MASKED_SCORE
     return ops.matmul(ops.softmax(scores + bias, -1).astype(q.dtype), values)
