@@ -164,7 +164,8 @@ class LineCachedEncoder:
         self.later_lines = spm.SentencePieceProcessor(model_proto=proto.SerializeToString())
         self.newline = processor.piece_to_id("\n")
         self._known: tuple[dict[str, int], dict[str, int]] = ({}, {})  # line -> its entry, per processor
-        self._starts: list[int] = [0]  # entry i's ids are ids[starts[i]:starts[i + 1]]
+        self._entries_so_far = 0
+        self._starts = np.zeros(1 << 12, dtype=np.int64)  # entry i's ids are ids[starts[i]:starts[i + 1]]
         self._ids = np.empty(1 << 16, dtype=np.int32)
         self._lock = threading.Lock()
 
@@ -187,8 +188,8 @@ class LineCachedEncoder:
         is_first = np.zeros(len(entries), dtype=bool)
         is_first[text_starts] = True
         entries[is_first], entries[~is_first] = first_entries, later_entries
-        with self._lock:
-            starts, ids = np.asarray(self._starts, dtype=np.int64), self._ids
+        with self._lock:  # views of the arrays as they are now: one grown later keeps its old copy alive
+            starts, ids = self._starts[: self._entries_so_far + 1], self._ids
         return _joined_lines(ids, starts[entries], np.diff(starts)[entries], text_starts, self.newline)
 
     def _entries(
@@ -208,16 +209,26 @@ class LineCachedEncoder:
         lengths = list(map(len, encoded))
         flat = np.fromiter(chain.from_iterable(encoded), dtype=np.int32, count=sum(lengths))
         with self._lock:
-            end = self._starts[-1] + len(flat)
-            if end > len(self._ids):  # grown into a new array: a thread gathering from the old one keeps it
-                grown = np.empty(max(2 * len(self._ids), end), dtype=np.int32)
-                grown[: self._starts[-1]] = self._ids[: self._starts[-1]]
-                self._ids = grown
-            self._ids[self._starts[-1] : end] = flat
-            first_entry = len(self._starts) - 1
-            self._starts.extend((np.cumsum(lengths, dtype=np.int64) + self._starts[-1]).tolist())
+            first_entry = self._entries_so_far
+            start = int(self._starts[first_entry])
+            self._ids = _room_for(self._ids, start, start + len(flat))
+            self._ids[start : start + len(flat)] = flat
+            self._starts = _room_for(self._starts, first_entry + 1, first_entry + 1 + len(lines))
+            np.cumsum(lengths, out=self._starts[first_entry + 1 : first_entry + 1 + len(lines)])
+            self._starts[first_entry + 1 : first_entry + 1 + len(lines)] += start
+            self._entries_so_far += len(lines)
             # A line that another thread added meanwhile points here from now on: both copies hold its ids.
             known.update(zip(lines, range(first_entry, first_entry + len(lines))))
+
+
+def _room_for(values: np.ndarray, used: int, needed: int) -> np.ndarray:
+    """`values`, or a copy of its first `used` elements twice as large, so that it holds `needed`. A new array,
+    never a resize in place: views that other threads took of the old one stay valid."""
+    if needed <= len(values):
+        return values
+    grown = np.empty(max(2 * len(values), needed), dtype=values.dtype)
+    grown[:used] = values[:used]
+    return grown
 
 
 def _joined_lines(
