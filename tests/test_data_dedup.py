@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from model_core.data import dedup
 from model_core.data.dedup import (
     _band_pairs,
     exact_duplicate_mask,
@@ -92,6 +93,15 @@ def test_shingles_do_not_span_document_boundaries():
     doc = random_doc(5, 40)
     signatures = minhash_signatures(*flat([random_doc(6, 40), doc, random_doc(9, 3), doc]), 5, 64)
     np.testing.assert_array_equal(signatures[1], signatures[3])
+
+
+def test_signatures_do_not_depend_on_how_many_windows_are_hashed_at_a_time(monkeypatch):
+    # Blocks of 1 and 7 windows cut every document, and the windows across its end, at many places.
+    docs = [random_doc(seed, tokens) for seed, tokens in enumerate((40, 3, 1, 17, 300, 5, 4, 90))]
+    whole = minhash_signatures(*flat(docs), 5, 64)
+    for block in (1, 7):
+        monkeypatch.setattr(dedup, "_SHINGLES_AT_A_TIME", block)
+        np.testing.assert_array_equal(minhash_signatures(*flat(docs), 5, 64), whole)
 
 
 @pytest.mark.parametrize(("permutations", "threshold"), [(64, 0.8), (64, 0.5), (128, 0.9), (8, 0.8)])

@@ -32,6 +32,7 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _CANDIDATE_RECALL = 0.99  # LSH bands are chosen so a pair at the threshold is a candidate this often
 _MAX_PAIRS_PER_DOCUMENT = 16  # more candidate pairs than this: some key is shared very widely
 _PAIRS_AT_A_TIME = 1 << 16  # signature pairs compared at once, to bound the memory
+_SHINGLES_AT_A_TIME = 1 << 15  # windows hashed at a time: a block's uint64 arrays fit in a core's L2 cache
 
 
 def exact_duplicate_mask(texts: list[str], seen: set[str] | None = None) -> np.ndarray:
@@ -122,26 +123,88 @@ def minhash_signatures(
 ) -> np.ndarray:
     """(documents, permutations) uint32 one-permutation MinHash signatures of the token-shingle sets."""
     lengths = np.asarray(lengths, dtype=np.int64)
+    token_ids = np.asarray(token_ids)
     documents = len(lengths)
-    hashes, rows = _shingle_hashes(np.asarray(token_ids), lengths, shingle_tokens)
+    table = _mix64(np.arange(1, int(token_ids.max(initial=0)) + 2, dtype=np.uint64))
     # Row `documents` is a spare that takes the windows across a document boundary and is dropped.
     signatures = np.full((documents + 1) * permutations, np.iinfo(np.uint32).max, dtype=np.uint32)
     filled = np.zeros(len(signatures), dtype=bool)
-    for shingles, slots in zip(hashes, rows):
-        # Bin from the high 32 bits (multiply-shift onto [0, permutations)), value from the low 32. In place
-        # as far as it goes: the rows become the slots, and the bins' memory then holds the values (every
-        # new array of a batch's size is also new pages to fault in).
-        bins = shingles >> np.uint64(32)
-        bins *= np.uint64(permutations)
-        bins >>= np.uint64(32)
-        slots *= permutations
-        slots += bins.view(np.int64)
-        values = bins.view(np.uint32)[: len(shingles)]
-        np.copyto(values, shingles, casting="unsafe")  # the low 32 bits
-        np.minimum.at(signatures, slots, values)
-        filled[slots] = True
+    windows = _Windows(table, shingle_tokens, min(_SHINGLES_AT_A_TIME, len(token_ids)))
+    rows = _window_rows(lengths, shingle_tokens)
+    # A block of windows at a time: each of the ~25 passes over a block then stays in the cache, where
+    # passes over the whole batch (a shard's tokens, 8 bytes each) went to memory every time; the result
+    # is the same, as the bins' minimum does not depend on the order the shingles come in.
+    for first in range(0, len(rows), _SHINGLES_AT_A_TIME):
+        hashes = windows.hashes(token_ids, first, min(first + _SHINGLES_AT_A_TIME, len(rows)))
+        _add_shingles(signatures, filled, hashes, rows[first : first + len(hashes)], permutations)
+    short = np.flatnonzero(lengths < shingle_tokens)
+    if len(short):
+        _add_shingles(signatures, filled, _short_shingle_hashes(table, token_ids, lengths, short, shingle_tokens), short, permutations)
     used = documents * permutations
     return signatures[_densified(filled[:used], permutations)].reshape(documents, permutations)
+
+
+class _Windows:
+    """Hashes of the windows of `shingle_tokens` consecutive token ids, a block at a time, in buffers
+    reused from block to block (new arrays are new pages to fault in)."""
+
+    def __init__(self, table: np.ndarray, shingle_tokens: int, block: int) -> None:
+        self.table, self.shingle_tokens = table, shingle_tokens
+        self.mixed = np.empty(block + shingle_tokens - 1, dtype=np.uint64)
+        self.windows = np.empty(block, dtype=np.uint64)
+
+    def hashes(self, token_ids: np.ndarray, first: int, end: int) -> np.ndarray:
+        """64-bit hashes of the windows starting at stream positions [first, end)."""
+        count = end - first
+        mixed = self.mixed[: count + self.shingle_tokens - 1]
+        self.table.take(token_ids[first : end + self.shingle_tokens - 1], out=mixed)
+        windows = self.windows[:count]
+        np.copyto(windows, mixed[:count])
+        for offset in range(1, self.shingle_tokens):
+            windows *= _GOLDEN
+            windows += mixed[offset : offset + count]
+        # The token hashes are not needed any more: their memory is the scratch of the mix.
+        return _mix64(windows, scratch=mixed[:count])
+
+
+def _window_rows(lengths: np.ndarray, shingle_tokens: int) -> np.ndarray:
+    """The signature row of the window starting at every position of the stream: first each document's
+    whole windows, then those running into the next document, which go to the spare row len(lengths)."""
+    documents = len(lengths)
+    count = max(int(lengths.sum()) - shingle_tokens + 1, 0)
+    whole = np.maximum(lengths - shingle_tokens + 1, 0)
+    labels = np.stack([np.arange(documents), np.full(documents, documents)], axis=1).reshape(-1)
+    return np.repeat(labels, np.stack([whole, lengths - whole], axis=1).reshape(-1))[:count]
+
+
+def _short_shingle_hashes(
+    table: np.ndarray, token_ids: np.ndarray, lengths: np.ndarray, short: np.ndarray, shingle_tokens: int
+) -> np.ndarray:
+    """One zero-padded shingle of all the tokens of each `short` document (shorter than a window)."""
+    starts = np.cumsum(lengths) - lengths
+    padded = np.zeros(len(short), dtype=np.uint64)
+    for offset in range(shingle_tokens):
+        present = offset < lengths[short]
+        ids = token_ids.take(np.minimum(starts[short] + offset, len(token_ids) - 1))
+        padded = padded * _GOLDEN + np.where(present, table.take(ids), 0)
+    return _mix64(padded)
+
+
+def _add_shingles(
+    signatures: np.ndarray, filled: np.ndarray, hashes: np.ndarray, rows: np.ndarray, permutations: int
+) -> None:
+    """Fold shingle hashes into the flat signatures of their rows: the bin from the high 32 bits
+    (multiply-shift onto [0, permutations)), the value from the low 32. In place as far as it goes: the
+    bins' memory then holds the values."""
+    bins = hashes >> np.uint64(32)
+    bins *= np.uint64(permutations)
+    bins >>= np.uint64(32)
+    slots = rows * permutations
+    slots += bins.view(np.int64)
+    values = bins.view(np.uint32)[: len(hashes)]
+    np.copyto(values, hashes, casting="unsafe")  # the low 32 bits
+    np.minimum.at(signatures, slots, values)
+    filled[slots] = True
 
 
 def rows_per_band(permutations: int, threshold: float) -> int:
@@ -180,37 +243,6 @@ def _probe_offsets(permutations: int) -> np.ndarray:
     fixed random probe order)."""
     probes = np.random.default_rng(_SEED).random((permutations, permutations)).argsort(axis=1).T
     return probes - np.arange(permutations)
-
-
-def _shingle_hashes(
-    token_ids: np.ndarray, lengths: np.ndarray, shingle_tokens: int
-) -> tuple[list[np.ndarray], list[np.ndarray]]:
-    """64-bit hashes of shingles and the document (signature row) of each, in two parts: the window of
-    `shingle_tokens` consecutive ids starting at every position of the stream, where a window that
-    crosses a document boundary has row len(lengths); and one zero-padded shingle of all the tokens of
-    each document shorter than a window.
-    """
-    documents = len(lengths)
-    table = _mix64(np.arange(1, int(token_ids.max(initial=0)) + 2, dtype=np.uint64))
-    mixed = table.take(token_ids)
-    count = max(len(mixed) - shingle_tokens + 1, 0)
-    windows = mixed[:count].copy()
-    for offset in range(1, shingle_tokens):  # in place: this stream is the largest array here
-        windows *= _GOLDEN
-        windows += mixed[offset : offset + count]
-    # Each document's positions: first its whole windows, then those running into the next document.
-    whole = np.maximum(lengths - shingle_tokens + 1, 0)
-    labels = np.stack([np.arange(documents), np.full(documents, documents)], axis=1).reshape(-1)
-    window_rows = np.repeat(labels, np.stack([whole, lengths - whole], axis=1).reshape(-1))[:count]
-
-    short = np.flatnonzero(lengths < shingle_tokens)
-    starts = np.cumsum(lengths) - lengths
-    padded = np.zeros(len(short), dtype=np.uint64)
-    for offset in range(shingle_tokens):
-        present = offset < lengths[short]
-        padded = padded * _GOLDEN + np.where(present, mixed[np.minimum(starts[short] + offset, len(mixed) - 1)], 0)
-    # The token hashes are not needed any more: their memory is the scratch of the largest mix.
-    return [_mix64(windows, scratch=mixed[:count]), _mix64(padded)], [window_rows, short]
 
 
 def _mix64(values: np.ndarray, scratch: np.ndarray | None = None) -> np.ndarray:

@@ -141,7 +141,8 @@ def pack_shard(plan: Plan, scratch: Path, shard: int, packing: Packing, offsets:
     skip = first_row * length - start
     tokens, doc_starts = tokens[skip:], doc_starts[doc_starts >= skip] - skip
     count = end_row - first_row
-    body = np.full(count * length, packing.pad_id, dtype=np.int32)
+    # In the stored type from here on: the rows' shuffle then moves half the bytes, and saving them converts nothing.
+    body = np.full(count * length, packing.pad_id, dtype=token_dtype(packing.vocab_size))
     body[: min(len(tokens), len(body))] = tokens[: len(body)]
     rows_tokens = body.reshape(count, length)
     values, row_offsets = _row_doc_starts(doc_starts[doc_starts < min(len(tokens), len(body))], count, length)
