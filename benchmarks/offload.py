@@ -17,6 +17,7 @@ a parameter; the two ZeRO-3 ranks hold half each, the same total). The target: o
 without parameter offload (4 bytes a parameter in all).
 
     flock /tmp/cpu.lock python benchmarks/offload.py [--steps 8] [--warmup 3] [--runs baseline,offload]
+        [--model model.hidden_size=1024 ...]   (a larger model: the parameter shards grow, the step's ops do not)
 
 The last line printed is one JSON object: `baseline_peak_rss_mb`, `offload_peak_rss_mb`, `moment_mb`,
 `baseline_step_s`, `offload_step_s`, the same four with a `zero3_` prefix, `*_step_cpu_s` beside each `*_step_s`, `saving_over_moments` and
@@ -80,15 +81,17 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the median (compilation)")
     parser.add_argument("--runs", default=",".join(RUNS), help="comma-separated subset of " + ", ".join(RUNS))
+    parser.add_argument("--model", action="append", default=[], metavar="model.FIELD=VALUE",
+                        help="a change to the reference model (repeatable), e.g. model.hidden_size=1024")
     parser.add_argument("--run-worker", help=argparse.SUPPRESS)  # internal: one process of one run
     parser.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.run_worker:
         dataset, out = args.paths
-        run_worker(args.run_worker, dataset, Path(out), args.steps)
+        run_worker(args.run_worker, dataset, Path(out), args.steps, [*MODEL, *args.model])
         return
     with tempfile.TemporaryDirectory(prefix="offload-bench-") as workdir:
-        reports = measure(Path(workdir), args.steps, args.runs.split(","))
+        reports = measure(Path(workdir), args.steps, args.runs.split(","), args.model)
     summary = summarise(reports, args.warmup)
     print(f"{'run':<21}{'peak RSS MB':>13}{'step s':>9}{'step CPU s':>12}{'offload MB/step':>17}{'staging s':>11}")
     for name in reports:
@@ -101,20 +104,21 @@ def main() -> None:
     print(json.dumps(summary))
 
 
-def measure(workdir: Path, steps: int, names: list[str]) -> dict[str, list[dict]]:
+def measure(workdir: Path, steps: int, names: list[str], model: list[str]) -> dict[str, list[dict]]:
     from model_core.data import prepare_dataset
     from params import load_params
 
-    params = load_params("tiny", [*MODEL, f"data.output_dir={workdir / 'data'}"])
+    params = load_params("tiny", [*MODEL, *model, f"data.output_dir={workdir / 'data'}"])
     dataset = prepare_dataset(params.data, params.tokenizer, params.model).output_dir
-    return {name: run(name, dataset, workdir / name, steps) for name in names}
+    return {name: run(name, dataset, workdir / name, steps, model) for name in names}
 
 
-def run(name: str, dataset: Path, out: Path, steps: int) -> list[dict]:
+def run(name: str, dataset: Path, out: Path, steps: int, model: list[str]) -> list[dict]:
     """Every worker's report of one run, in rank order."""
     workers = RUNS[name][0]
     out.mkdir(parents=True)
-    command = [str(Path(__file__)), "--run-worker", name, "--steps", str(steps), str(dataset), str(out)]
+    changes = [arg for change in model for arg in ("--model", change)]
+    command = [str(Path(__file__)), "--run-worker", name, "--steps", str(steps), *changes, str(dataset), str(out)]
     if workers == 1:
         subprocess.run([sys.executable, *command], check=True, cwd=REPO)
     else:
@@ -172,7 +176,7 @@ def summarise(reports: dict[str, list[dict]], warmup: int) -> dict:
     return summary
 
 
-def run_worker(name: str, dataset: str, out: Path, steps: int) -> None:
+def run_worker(name: str, dataset: str, out: Path, steps: int, model: list[str]) -> None:
     import mindspore as ms
 
     from model_core.parallel.zero import moment_bytes
@@ -182,7 +186,7 @@ def run_worker(name: str, dataset: str, out: Path, steps: int) -> None:
 
     _, threads, overrides = RUNS[name]
     ms.device_context.cpu.op_tuning.threads_num(threads)
-    params = load_params("tiny", [*MODEL, *overrides, f"train.steps={steps}", "train.log_interval=1",
+    params = load_params("tiny", [*model, *overrides, f"train.steps={steps}", "train.log_interval=1",
                                   "train.eval_interval=100000", "train.checkpoint_interval=100000"])
     trainer = Trainer(params, dataset, out / "checkpoints")
     built = _memory()
