@@ -4,20 +4,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from sentencepiece import sentencepiece_model_pb2
 
 from model_core.data.cleaning import clean_text
 from model_core.data.docstrings import stdlib_files
 from model_core.data.errors import DataPrepError
 from model_core.data.sources import InputFile, read_input
-from model_core.data.tokenizer import (
-    document_encoder,
-    encode_documents,
-    encodes_lines_apart,
-    encoding_threads,
-    open_tokenizer,
-    train_tokenizer,
-)
+from model_core.data.tokenizer import encode_documents, encoding_threads, open_tokenizer, train_tokenizer
 from params.schema import TokenizerParams
 
 VOCAB = 512
@@ -57,46 +49,6 @@ def test_batches_sharing_native_threads_encode_as_one_text_at_a_time(texts, mode
     ids = [document for batch in encoded for document in batch]
     assert all(document.dtype == np.int32 for document in ids)
     assert [document.tolist() for document in ids] == expected
-
-
-def _whole(processor, texts):
-    return [processor.encode(text) for text in texts]
-
-
-def _split(ids, lengths):
-    return [part.tolist() for part in np.split(ids, np.cumsum(lengths)[:-1])] if len(lengths) else []
-
-
-def test_encoding_a_line_at_a_time_with_a_cache_gives_the_ids_of_whole_documents(texts, model):
-    processor = open_tokenizer(model, TokenizerParams(), VOCAB, "test")
-    assert encodes_lines_apart(model)
-    odd = [
-        "\nstarts with a newline", "ends with one\n", "blank\n\n\nlines", "  indented\n    deeper\n\tand a tab",
-        "Grüße 日本語 🙂\nbytes ✓\n🙂", "x", "", "\n", "trailing space \n next", "▁escaped\n▁too",
-    ]
-    repeated = [f"{texts[0]}\n{texts[1]}", texts[1], f"{texts[1]}\n{texts[0]}"]  # whole lines met again
-    samples = texts[:60] + odd + repeated
-    encode = document_encoder(model, processor)
-    threads = encoding_threads(2)
-    batches = [samples[first : first + 9] for first in range(0, len(samples), 9)]
-    with ThreadPoolExecutor(2) as callers:  # two batches in flight share one cache
-        encoded = list(callers.map(lambda batch: encode(batch, 2, threads), batches))
-    assert all(ids.dtype == np.int32 for ids, _ in encoded)
-    assert [document for ids, lengths in encoded for document in _split(ids, lengths)] == _whole(processor, samples)
-    assert encode([], 1)[0].shape == (0,)
-
-
-def test_models_whose_lines_interact_are_encoded_whole(texts, model):
-    proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(model)
-    proto.normalizer_spec.remove_extra_whitespaces = True  # a run of spaces across lines collapses
-    collapsing = proto.SerializeToString()
-    unigram = train_tokenizer(texts, TokenizerParams(model_type="unigram"), VOCAB, seed=0, num_threads=2)
-    for other in (collapsing, unigram):
-        assert not encodes_lines_apart(other)
-        processor = open_tokenizer(other, TokenizerParams(), VOCAB, "test")
-        samples = texts[:20] + ["two  \n  lines"]
-        assert _split(*document_encoder(other, processor)(samples, 1)) == _whole(processor, samples)
 
 
 def test_sampled_training_sentences_still_train(texts):

@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -34,13 +34,14 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import sentencepiece as spm
 
 from model_core.data import dedup
 from model_core.data.cleaning import clean_texts
 from model_core.data.input_shards import InputShard, read_shard
 from model_core.data.shards import token_dtype
 from model_core.data.sources import FileReport
-from model_core.data.tokenizer import document_encoder, encoding_threads, open_tokenizer
+from model_core.data.tokenizer import encode_documents, encoding_threads, open_tokenizer
 from params.schema import DataParams, TokenizerParams
 
 RESULT_NAME = "result.json"
@@ -231,8 +232,7 @@ def map_shard(job: ShardJob) -> dict:
     model_bytes = job.tokenizer_path.read_bytes()
     processor = open_tokenizer(model_bytes, job.tokenizer, job.vocab_size, f"tokenizer {job.tokenizer_path}", job.vocab_padding)
     report, counts, hashes = FileReport(job.shard.input.path), _Counts(job.data), []
-    encode = document_encoder(model_bytes, processor)  # its line cache lives as long as this shard's map step
-    token_ids, lengths, signatures = _encode(_documents(job, report, counts, hashes), encode, job.threads, job.data)
+    token_ids, lengths, signatures = _encode(_documents(job, report, counts, hashes), processor, job.threads, job.data)
     all_hashes = np.concatenate(hashes) if hashes else np.empty((0, 2), dtype=np.uint64)
     result = {
         **_report(job.shard, report, counts, shard_size(job.shard)),
@@ -276,7 +276,7 @@ def _building(final: Path) -> Iterator[Path]:
 
 
 def _encode(
-    chunks: Iterable[list[str]], encode: Callable, workers: int, data: DataParams
+    chunks: Iterable[list[str]], processor: spm.SentencePieceProcessor, workers: int, data: DataParams
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     """The token ids of all documents of all chunks concatenated (int32), the number of tokens of each,
     and (when near-dedup is on) their MinHash signatures.
@@ -290,9 +290,9 @@ def _encode(
     signatures = _Appended(np.uint32, data.minhash_permutations) if data.near_dup_threshold is not None else None
 
     def absorb(encoded: Future) -> None:
-        ids, ids_per_document = encoded.result()
-        batch_lengths = lengths.extend([ids_per_document])
-        batch_ids = token_ids.extend([ids])
+        pieces = encoded.result()
+        batch_lengths = lengths.extend([np.fromiter(map(len, pieces), dtype=np.int64, count=len(pieces))])
+        batch_ids = token_ids.extend(pieces)
         if signatures is not None:
             signatures.extend(
                 [dedup.minhash_signatures(batch_ids, batch_lengths, data.shingle_words, data.minhash_permutations)]
@@ -300,7 +300,7 @@ def _encode(
 
     def submit(documents: list[str]) -> None:
         nonlocal submitted
-        waiting.append(encoder.submit(encode, documents, workers, native_threads))
+        waiting.append(encoder.submit(encode_documents, processor, documents, workers, native_threads))
         submitted += len(documents)
 
     native_threads = encoding_threads(workers)
