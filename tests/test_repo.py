@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,10 @@ def test_model_core_packages_import_one_way(path):
         return
     below = set(MODEL_CORE_LAYERS[: MODEL_CORE_LAYERS.index(package)])
     assert _model_core_imports(path) <= below | {package}, f"{relative} imports a package above {package}"
+
+
+def test_the_cli_and_data_prep_load_no_mindspore():
+    """Prep's worker processes are spawned from the CLI's module and import the data tasks: MindSpore loaded
+    there costs each of them about 0.5 GB (the process tree's peak doubled once when the CLI imported it)."""
+    code = "import sys, flows.cli, tasks.data, model_core.data.prepare; sys.exit(int('mindspore' in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT).returncode == 0

@@ -29,6 +29,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
+from model_core.parallel.launch import COLLECTIVE_TIMEOUT_ENV
+
 # Which collectives each backend offers natively on a group other than the world group. On CPU (MCCL)
 # AllGather and Broadcast work on the world group only; ReduceScatter and Send/Receive not at all.
 _NATIVE_ON_SUBGROUPS = {"hccl": True, "nccl": True, "mccl": False}
@@ -62,9 +64,6 @@ def is_initialised() -> bool:
 
     return bool(GlobalComm.INITED)
 
-
-# Set by the launcher: the seconds a rank waits inside a CPU collective for a late peer (see parallel/launch.py).
-COLLECTIVE_TIMEOUT_ENV = "LLMFLOW_COLLECTIVE_TIMEOUT"
 
 
 def init() -> None:

@@ -39,7 +39,6 @@ from typing import TextIO
 
 import psutil
 
-from model_core.parallel import comm
 from model_core.parallel.layout import Layout, ParallelConfigError
 from params.schema import PipelineParams
 
@@ -52,6 +51,9 @@ _WORKER_FAILED = re.compile(r"Worker process (\d+) exit with exception\. Error c
 _RANK_LOST = re.compile(r"The node: (\d+) is timed out")
 # How long a rank waits inside a CPU collective for a late peer (PyTorch's process groups wait 10 minutes).
 COLLECTIVE_TIMEOUT_S = 600
+# The launcher's word for it to each rank, which `comm.init` applies. Kept here, not in comm: the CLI imports this
+# module, and comm imports MindSpore, which data-prep worker processes (started from the CLI) must not load.
+COLLECTIVE_TIMEOUT_ENV = "LLMFLOW_COLLECTIVE_TIMEOUT"
 
 
 class LaunchError(RuntimeError):
@@ -143,7 +145,7 @@ def launch(
     if quiet:
         env["GLOG_v"] = "3"  # MindSpore's log level: errors only
     env.setdefault("MS_NODE_TIMEOUT", str(node_timeout_s))
-    env.setdefault(comm.COLLECTIVE_TIMEOUT_ENV, str(collective_timeout_s))
+    env.setdefault(COLLECTIVE_TIMEOUT_ENV, str(collective_timeout_s))
     if nodes > 1:
         _note_this_node(log_dir, node_rank, master_addr)
     _set_aside_earlier_logs(log_dir, range(node_rank * local, (node_rank + 1) * local), node_rank == 0)
