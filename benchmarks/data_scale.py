@@ -385,13 +385,14 @@ def prepare(workdir: Path, corpus: Corpus, tokenizer: Path | None) -> tuple[Path
 
 
 def _stage_seconds(workdir: Path, dataset_dir: Path) -> float:
-    """The seconds the data-prep stage recorded in MLflow for the run that wrote this dataset."""
+    """The seconds the data-prep stage recorded in MLflow for the run that wrote this dataset (stage runs are
+    named `<flow run>/data_prep`)."""
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(_tracking_uri(workdir))
     experiments = [experiment.experiment_id for experiment in client.search_experiments()]
     runs = client.search_runs(
-        experiments, f"attributes.run_name = 'data_prep' and tags.`llmflow.dataset_dir` = '{dataset_dir}'",
+        experiments, f"attributes.run_name LIKE '%data_prep' and tags.`llmflow.dataset_dir` = '{dataset_dir}'",
         order_by=["attributes.start_time DESC"], max_results=1,
     )
     if not runs or "seconds" not in runs[0].data.metrics:
