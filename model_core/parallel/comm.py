@@ -65,7 +65,6 @@ def is_initialised() -> bool:
     return bool(GlobalComm.INITED)
 
 
-
 def init() -> None:
     """Join the msrun job (idempotent). MindSpore's CPU collectives read their wait for a late peer from
     MS_NODE_TIMEOUT, which the launcher keeps short for its scheduler: a rank's own wait replaces it here,
