@@ -15,8 +15,8 @@ as the causal mask does in `construct`. Decoding runs a few rows through many sm
 more to launch than to run, so its RMSNorm, RoPE and SwiGLU take the fewest kernels (the training path's are
 shaped for thousands of rows and a backward): RMSNorm and silu(gate) * up fold their products into Addcmul
 kernels, and RoPE is one [D, D] rotation per position, built once a step and applied to a layer's queries and
-keys by two batched matmuls, the queries' with the 1 / sqrt(D) of the scores folded in. A batch-1 step of the
-reference model runs 246 kernels (341 before).
+keys by two batched matmuls, the queries' with the 1 / sqrt(D) of the scores folded in (kernel counts in
+benchmarks/README.md, "Generation").
 """
 
 from __future__ import annotations
