@@ -192,7 +192,6 @@ class OffloadedAdamW:
         # Each bucket has a whole bucket's room in the file, so every bucket starts on a page boundary.
         self.file = MomentFile(len(self.buckets) * self.bucket_elements, directory)
         self._file_weight_bytes = 4 * sum(slot.size for slot in self.slots if isinstance(slot.weight, FileWeight))
-        self._offsets = np.cumsum([0, *(slot.size for slot in self.slots)])  # a slot's first element, end to end
         zeros = np.zeros(self.bucket_elements, np.float32)
         self._weights = Parameter(Tensor(zeros), name="offload.weights", requires_grad=False)
         self._m = Parameter(Tensor(zeros), name="offload.adam_m", requires_grad=False)
