@@ -20,8 +20,6 @@ from tasks.retry import retry_on_transient_io
 from tasks.runners import check_ray_nodes_reach_api, map_parallelism, map_task_runner, prefect_mapper
 from tasks.tracking import StageRun, Tracking, record_reuse, stage_run
 
-_BATCHES_PER_WORKER = 4  # task runs per map step and worker: few enough to cost little, enough to balance
-
 
 class DataResult(BaseModel):
     """What later stages need from data prep."""
@@ -68,7 +66,7 @@ def prepare_and_record(params: PipelineParams, tracking: Tracking) -> DataResult
         started = time.perf_counter()
         try:
             with forwarded_logs("model_core.data"):  # per-step documents/s, tokens/s, MB read and ETA
-                mapper = functools.partial(prefect_mapper, task_runs=_BATCHES_PER_WORKER * map_parallelism(params.data))
+                mapper = functools.partial(prefect_mapper, parallelism=map_parallelism(params.data))
                 result = prepare_dataset(params.data, params.tokenizer, params.model, progress, mapper)
         finally:
             progress.close()

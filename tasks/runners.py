@@ -11,6 +11,8 @@ data.output_dir, which every worker must see.
 from __future__ import annotations
 
 import ipaddress
+import itertools
+import math
 import os
 import socket
 from collections.abc import Callable, Iterator
@@ -60,19 +62,21 @@ def _input_shards(data: DataParams) -> int:
 
 
 def prefect_mapper(
-    step: str, function: Callable[[Any], Any], jobs: list[Any], task_runs: int | None = None
+    step: str, function: Callable[[Any], Any], jobs: list[Any], parallelism: int | None = None
 ) -> Iterator[Any]:
     """`function(job)` for each job, as task runs of the task `step` on the flow run's task runner: a run
-    per job, or the jobs cut into `task_runs` consecutive batches. The results come back in job order, each
+    per job, or, given the task runs that run at once (`parallelism`), the jobs cut into consecutive
+    batches that shrink towards the end (`factored_batches`). The results come back in job order, each
     batch's as soon as it and those before it are done. A step of one job runs in this thread: a task run
     would only add its start, and the first one a worker process's (on 1 GB, hashing the one input file
     in a task run held the map step's second worker back by 7 s, which it never made up).
 
     Batches, because a task run costs Prefect about 0.2 s of state changes through its API: with a run per
-    8 MiB shard, that was a quarter of a 1 GB prep's time on 2 cores. A few batches per worker still
-    balance the load. The first failure is raised as soon as it comes back, as the exception the job
-    raised (a DataPrepError keeps its message, whichever worker read the file); jobs still queued are
-    cancelled when the flow run's task runner shuts down.
+    8 MiB shard, that was a quarter of a 1 GB prep's time on 2 cores. Shrinking ones, because with equal
+    batches a worker that finished its last one could wait up to a whole batch for the others. The first
+    failure is raised as soon as it comes back, as the exception the job raised (a DataPrepError keeps its
+    message, whichever worker read the file); jobs still queued are cancelled when the flow run's task
+    runner shuts down.
     """
     if len(jobs) == 1:
         return iter(run_jobs(function, jobs))
@@ -84,14 +88,32 @@ def prefect_mapper(
         retry_delay_seconds=5,
         retry_condition_fn=retry_on_transient_io,
     )
-    count = len(jobs) if task_runs is None else max(1, min(task_runs, len(jobs)))
-    bounds = [len(jobs) * index // count for index in range(count + 1)]
+    sizes = [1] * len(jobs) if parallelism is None else factored_batches(len(jobs), parallelism)
+    bounds = [0, *itertools.accumulate(sizes)]
     batches = [jobs[start:end] for start, end in zip(bounds, bounds[1:])]
     # Task runs in worker processes find the API in the settings they are sent. Without PREFECT_API_URL
     # (Prefect's temporary server for this run) each worker process would start a server of its own.
     with temporary_settings(updates={PREFECT_API_URL: api_url()}):
         futures = step_task.map(unmapped(function), batches)
     return (result for results in _in_job_order(futures) for result in results)
+
+
+def factored_batches(jobs: int, parallelism: int) -> list[int]:
+    """Batch sizes for `jobs` jobs on `parallelism` workers that take the next batch as they finish one
+    ("factoring", Hummel, Schonberg and Flynn 1992): in rounds of `parallelism` batches, each batch holds
+    half the jobs left at the round's start over `parallelism`. A round's work still outweighs whatever a
+    worker is behind by, so the workers finish together, within about the last (one-job) batch, in
+    2 * parallelism * log2(jobs / parallelism) batches or so, against `jobs` at a run each."""
+    sizes: list[int] = []
+    left = jobs
+    while left:
+        size = max(1, math.ceil(left / (2 * parallelism)))
+        for _ in range(parallelism):
+            sizes.append(min(size, left))
+            left -= sizes[-1]
+            if not left:
+                break
+    return sizes
 
 
 def map_parallelism(data: DataParams) -> int:
