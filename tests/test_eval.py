@@ -35,6 +35,7 @@ from model_core.eval.generate import (
     PREFILL_CHUNK,
     cache_slots,
     penalize_repetition,
+    prefill_padding,
     sampling_probabilities,
     top_k_mask,
     top_p_mask,
@@ -154,6 +155,21 @@ def test_a_cache_smaller_than_seq_len_gives_the_full_forward_logits(model):
 def test_cache_slots_cover_the_generation_in_steps_of_the_slot_step_up_to_seq_len():
     assert cache_slots(12, 64, 256) == 2 * CACHE_SLOT_STEP and cache_slots(64, 0, 256) == CACHE_SLOT_STEP
     assert cache_slots(19, 64, 256) >= 19 + 64 and cache_slots(200, 64, 256) == 256
+
+
+def test_prompts_are_padded_to_whole_prefill_chunks_where_the_cache_has_room():
+    assert prefill_padding(12, 64, 256) == PREFILL_CHUNK - 12 and prefill_padding(2 * PREFILL_CHUNK, 64, 256) == 0
+    # 200 prompt + 56 new tokens fill all 256 slots: 8 columns of padding would end the generation 8 tokens early.
+    assert prefill_padding(200, 56, 256) == 0 and prefill_padding(200, 48, 256) == 8
+
+
+def test_a_short_prompt_enters_the_cache_in_one_step(model, monkeypatch):
+    shapes, decode = [], model.decode
+    monkeypatch.setattr(model, "decode", lambda tokens, cache: shapes.append(tokens.shape) or decode(tokens, cache))
+    out = generate(model, prompt(7), GREEDY, eos_id=-1, vocab_limit=VOCAB, seed=0)
+    assert shapes == [(1, PREFILL_CHUNK)] + [(1, 1)] * (GREEDY.max_new_tokens - 1)
+    monkeypatch.undo()
+    assert out == generate(model, prompt(7), GREEDY, eos_id=-1, vocab_limit=VOCAB, seed=0, use_cache=False)
 
 
 def test_decode_refuses_to_go_past_seq_len_and_a_cache_of_another_batch(tied_model):

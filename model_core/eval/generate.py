@@ -21,8 +21,10 @@ from params.schema import EvalParams
 
 StopReason = Literal["eos", "stop_token", "max_new_tokens", "length"]
 
-# Prompts enter the KV cache in chunks of this many tokens, the rest one at a time: two compiled graphs
-# serve every prompt length (a graph per prompt length costs seconds of compiling each).
+# Prompts enter the KV cache in chunks of this many tokens: two compiled graphs (a chunk, and the one token of a
+# decoding step) serve every prompt length, where a graph per prompt length costs seconds of compiling each.
+# Prompts are left-padded to whole chunks where the cache has room (`prefill_padding`); where it has not, the
+# tokens after the last whole chunk go in one step each.
 PREFILL_CHUNK = 16
 # A KV cache holds the generation (longest prompt + max_new_tokens) rounded up to a multiple of this many slots,
 # at most model.seq_len: attention reads every slot at every step, and a few cache sizes (so a few compiled
@@ -217,6 +219,7 @@ def _decode_together(model: Llama, rows: list[_Row], config: GenerationConfig, e
     its shape, so no decode step compiles again.
     """
     width = max(len(row.context) for row in rows)
+    width += prefill_padding(width, config.max_new_tokens, model.seq_len)
     padding = [width - len(row.context) for row in rows]
     columns = np.zeros((len(rows), width), np.int32)
     for i, row in enumerate(rows):
@@ -237,6 +240,14 @@ def cache_slots(prompt_width: int, max_new_tokens: int, seq_len: int) -> int:
     """Slots of the KV cache for prompts up to `prompt_width` tokens and max_new_tokens more (see CACHE_SLOT_STEP)."""
     needed = prompt_width + max_new_tokens
     return min(seq_len, -(-needed // CACHE_SLOT_STEP) * CACHE_SLOT_STEP)
+
+
+def prefill_padding(prompt_width: int, max_new_tokens: int, seq_len: int) -> int:
+    """Columns of left-padding that make prompts `prompt_width` wide a whole number of PREFILL_CHUNKs, or 0 where the
+    cache the generation takes (`cache_slots`) has no room for them: padding never cuts a generation short."""
+    extra = -prompt_width % PREFILL_CHUNK
+    fits = prompt_width + extra + max_new_tokens <= cache_slots(prompt_width, max_new_tokens, seq_len)
+    return extra if fits else 0
 
 
 def _prefill(model: Llama, columns: np.ndarray, cache: KVCache) -> np.ndarray:
