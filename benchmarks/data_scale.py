@@ -27,12 +27,15 @@ data params otherwise (near dedup on), but for input shards of SHARD_BYTES:
   own line). Its cost is that stage's seconds minus those of the prep with the trained tokenizer given.
 - raw: `processor.encode(documents, num_threads=cores, return_type="numpy")` of every document of the
   largest corpus as it is in the JSONL, in batches of about RAW_BATCH_CHARS characters, with the same
-  tokenizer on the same cores; only the encode calls are timed. `prep_over_raw` counts the same tokens for
-  both (raw's, those of the input text), so it is raw's seconds over the prep stage's, as
-  benchmarks/data_prep.py defines it (`prep_over_raw_wall`: over the whole command's);
+  tokenizer on the same cores; only the encode calls are timed. Raw runs twice, before the prep runs and
+  after them, and both are printed: its time moves 5-20% from one run to the next on a shared VM, more than
+  the gap being measured, so the ratios use the mean of the two (never the faster one), which sees about
+  the same loads as the preps between them. `prep_over_raw` counts the same tokens for both (raw's, those
+  of the input text), so it is raw's mean seconds over the prep stage's, as benchmarks/data_prep.py
+  defines it (`prep_over_raw_wall`: over the whole command's);
   `prep_written_over_raw` divides the tokens prep writes by the stage's seconds instead. On cores that other
   work shares, wall seconds measured minutes apart meet different loads, so CPU seconds are given too:
-  `prep_over_raw_cpu` is raw's encoding CPU seconds over those of the whole prep command's process tree
+  `prep_over_raw_cpu` is raw's mean encoding CPU seconds over those of the whole prep command's process tree
   (`cpu_s`, its fixed costs included: imports, Prefect's server, MLflow, so it understates the stage's).
 - train: `llmflow train` for --train-steps steps of the tiny model on the smallest and the largest prepared
   datasets (reused, never prepared again: the dataset directory must be untouched afterwards), peak RSS of
@@ -42,7 +45,7 @@ data params otherwise (near dedup on), but for input shards of SHARD_BYTES:
 Targets (issue 13): prep peak RSS at the largest size within 1.25x of the smallest, prep at least 0.8x raw at
 the largest, train peak RSS within 1.1x and step time unchanged. The last line of stdout is one JSON object.
 
-    python benchmarks/data_scale.py                                      # 25 MB, 250 MB, 1 GB, ~10 min here
+    python benchmarks/data_scale.py                                      # 25 MB, 250 MB, 1 GB, ~12 min here
     python benchmarks/data_scale.py --sizes 25,250 --workdir /tmp/scale  # a quicker run
 """
 
@@ -129,6 +132,8 @@ def main() -> None:
     smallest, largest = corpora[0], corpora[-1]
 
     tokenizer, tokenizer_prep = prepare(workdir, smallest, None)
+    raw_before = raw_encode(largest, tokenizer, cores)
+    _print_raw("before the preps", largest, raw_before, cores)
     preps = {smallest.label: prepare(workdir, smallest, tokenizer)[1]}
     given_s = preps[smallest.label]["stage_s"]
     tokenizer_train_s = tokenizer_prep["stage_s"] - given_s
@@ -137,10 +142,13 @@ def main() -> None:
     for corpus in corpora[1:]:
         preps[corpus.label] = prepare(workdir, corpus, tokenizer)[1]
 
-    raw_tokens, raw_s, raw_cpu_s = raw_encode(largest, tokenizer, cores)
+    raw_after = raw_encode(largest, tokenizer, cores)
+    _print_raw("after the preps", largest, raw_after, cores)
+    raw_tokens = raw_before[0]
+    if raw_after[0] != raw_tokens:
+        raise RuntimeError(f"raw encoding gave {raw_tokens:,} tokens before the preps and {raw_after[0]:,} after")
+    raw_s, raw_cpu_s = statistics.mean([raw_before[1], raw_after[1]]), statistics.mean([raw_before[2], raw_after[2]])
     raw_tokens_per_s = raw_tokens / raw_s
-    print(f"raw: {raw_tokens:,} tokens of the {largest.label} corpus in {raw_s:.1f} s on {cores} threads "
-          f"({raw_tokens_per_s:,.0f} tokens/s, {raw_cpu_s:.1f} CPU s)", flush=True)
 
     trains = {corpus.label: train(workdir, corpus, tokenizer, args.train_steps) for corpus in (smallest, largest)}
 
@@ -155,6 +163,7 @@ def main() -> None:
         "tokenizer_prep": tokenizer_prep,
         "raw_tokens": raw_tokens,
         "raw_encode_s": round(raw_s, 2),
+        "raw_encode_s_before_after": [round(raw_before[1], 2), round(raw_after[1], 2)],
         "raw_tokens_per_s": round(raw_tokens_per_s),
         "raw_encode_cpu_s": round(raw_cpu_s, 2),
         "prep_over_raw": round(prep_over_raw, 3),
@@ -520,6 +529,12 @@ def raw_encode(corpus: Corpus, tokenizer: Path, cores: int) -> tuple[int, float,
         totals = [total + part for total, part in zip(totals, _encode(processor, batch, cores))]
     tokens, seconds, cpu_seconds = totals
     return tokens, seconds, cpu_seconds
+
+
+def _print_raw(when: str, corpus: Corpus, measured: tuple[int, float, float], cores: int) -> None:
+    tokens, seconds, cpu_seconds = measured
+    print(f"raw ({when}): {tokens:,} tokens of the {corpus.label} corpus in {seconds:.1f} s on {cores} threads "
+          f"({tokens / seconds:,.0f} tokens/s, {cpu_seconds:.1f} CPU s)", flush=True)
 
 
 def _encode(processor: spm.SentencePieceProcessor, texts: list[str], cores: int) -> tuple[int, float, float]:

@@ -23,8 +23,8 @@ from model_core.data.docstrings import stdlib_files
 from model_core.data.packing import pack_documents
 from model_core.data.permutation import KeyedPermutation
 from model_core.data.shard_map import is_validation, text_hashes
-from model_core.storage import file_sha256
 from model_core.data.sources import InputFile, read_input
+from model_core.storage import file_sha256
 from params.schema import DataParams, DataSource, ModelParams, TokenizerParams
 
 MODEL = ModelParams(vocab_size=512, seq_len=256)
@@ -252,6 +252,25 @@ def test_progress_is_reported_per_stage(tmp_path, corpus):
     last_call = {stage: (done, total) for stage, done, total in calls}
     assert {"sample", "map", "pack", "write"} <= set(last_call)
     assert all(done == total for done, total in last_call.values())
+
+
+def test_the_workers_start_while_a_new_input_is_hashed_and_not_on_a_reuse(tmp_path, corpus):
+    steps = []
+
+    def recording_mapper(step, function, jobs):
+        steps.append((step, len(jobs)))
+        return list(map(function, jobs))
+
+    data = params(tmp_path, corpus, shard_bytes=1 << 13, num_workers=2)
+    first = prepare_dataset(data, TOKENIZER, MODEL, mapper=recording_mapper)
+    assert steps[:2] == [("start workers", 2), ("hash inputs", 1)]
+    steps.clear()
+    assert prepare_dataset(data, TOKENIZER, MODEL, mapper=recording_mapper).reused
+    assert steps == [("hash inputs", 0)]
+    steps.clear()
+    one_shard = params(tmp_path, corpus, output_dir=str(tmp_path / "one"), num_workers=2)
+    assert prepare_dataset(one_shard, TOKENIZER, MODEL, mapper=recording_mapper).manifest["splits"] == first.manifest["splits"]
+    assert "start workers" not in [step for step, _ in steps]  # one shard maps in this process
 
 
 def test_progress_lines_give_rates_and_an_eta(tmp_path, corpus, caplog, monkeypatch):

@@ -92,7 +92,7 @@ def prepare_dataset(
     workers = data.num_workers or available_cores()
     inputs = list_inputs(data.sources)
     work = Path(data.output_dir).resolve() / WORK_DIR
-    contents = _content_hashes(inputs, work, mapper, progress)
+    contents = _content_hashes(inputs, work, mapper, progress, workers if _several_shards(inputs, data) else 0)
     params = data_params(data, tokenizer, model)
     input_fingerprint = fingerprint(inputs, contents)
     key = _hash({"params": params, "inputs": input_fingerprint})[:16]
@@ -170,9 +170,18 @@ def verify_dataset(directory: Path, full: bool = False) -> str | None:
     return None
 
 
-def _content_hashes(inputs: list[InputFile], work: Path, mapper: Mapper, progress: Progress) -> dict[Path, str]:
+def _several_shards(inputs: list[InputFile], data: DataParams) -> bool:
+    """Whether the inputs make more than one input shard, judged by their sizes alone (no file is read)."""
+    return len(inputs) > 1 or any(item.path.is_file() and item.path.stat().st_size > data.shard_bytes for item in inputs)
+
+
+def _content_hashes(
+    inputs: list[InputFile], work: Path, mapper: Mapper, progress: Progress, workers: int = 0
+) -> dict[Path, str]:
     """The sha256 of every input file, hashed (by the mapper's workers) only when its path, size, mtime or
-    inode changed since a run last hashed it; the standard library by its `stdlib_fingerprint`."""
+    inode changed since a run last hashed it; the standard library by its `stdlib_fingerprint`. When some
+    input is hashed and `workers` is set, the mapper's workers start meanwhile (a new corpus goes on to
+    the map step)."""
     cache = work / "file-hashes"
     known: dict[Path, str] = {}
     missing: list[Path] = []
@@ -186,10 +195,15 @@ def _content_hashes(inputs: list[InputFile], work: Path, mapper: Mapper, progres
         except OSError:
             missing.append(item.path)
     progress("hash inputs", 0, len(missing))
+    # A worker takes over a second to start (interpreter, imports), and one large input is hashed here, on
+    # one core: started now, the workers use the cores the hashing leaves idle instead of holding up the map.
+    starting = mapper("start workers", shard_map.worker_ready, list(range(workers))) if missing and workers > 1 else ()
     for done, (path, digest) in enumerate(zip(missing, mapper("hash inputs", file_sha256, missing)), 1):
         known[path] = digest
         _write_text_atomically(cache / hashlib.sha256(file_identity(path).encode()).hexdigest()[:32], digest)
         progress("hash inputs", done, len(missing))
+    for _ in starting:  # a worker that cannot start fails here, not in the middle of the map
+        pass
     return known
 
 
@@ -276,12 +290,17 @@ class _Build:
         return results
 
     def _run_step_of_small_jobs(self, stage: str, function: Callable, jobs: list) -> list:
-        """`_run_step`, except that a corpus of one input shard runs the jobs (one a split) in this thread as
-        one job: starting worker processes or task runs for them would cost more than the work (~0.7 s of
-        starting a process pool against ~0.02 s of packing a small corpus)."""
-        if not self.single_shard:
-            return self._run_step(stage, function, jobs)
-        return self._run_step(stage, functools.partial(run_jobs, function), [jobs])[0]
+        """`_run_step` of the jobs dealt out in turn to a batch per worker (one batch, run in this thread, for a
+        corpus of one input shard), the results in job order. A job here (packing a run of shards of one
+        split, writing a run of buckets) takes about what starting a task run costs, so a task run per job
+        doubled the runs for nothing; the jobs come a run per worker for each split in turn, so dealing
+        them gives each batch one run of each split."""
+        count = 1 if self.single_shard else max(1, min(self.workers, len(jobs)))
+        batches = [jobs[first::count] for first in range(count)]
+        ordered: list = [None] * len(jobs)
+        for first, results in enumerate(self._run_step(stage, functools.partial(run_jobs, function), batches)):
+            ordered[first::count] = results
+        return ordered
 
     def _shard_job(self, shard: InputShard, threads: int, directory: Path, tokenizer_path: Path | None = None):
         return shard_map.ShardJob(

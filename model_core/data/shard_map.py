@@ -58,6 +58,12 @@ _CLEAN_CHUNK_DOCS = 512  # cleaned at a time, so that encoding starts after the 
 FILTER_STEPS = ("empty", "too_short", "too_long")
 
 
+def worker_ready(_job: object) -> int:
+    """Nothing: a job that starts a worker process ahead of the map step, which then finds this module's
+    imports (numpy, pyarrow, sentencepiece) done. Its process id."""
+    return os.getpid()
+
+
 @dataclass(frozen=True)
 class ShardJob:
     """One input shard and everything its map step needs; `output` is its result directory."""
