@@ -1,7 +1,7 @@
 """Expert parallelism over msrun workers against one process on the same global batch: the all-to-all and its
-gradient on two workers; dp2 x ep2 with ZeRO-1 and 2, and pp2 (two workers), dp2 x ep2 x tp2 and dp2 x pp2 x ep2 (four)
-train 10 steps with the losses, gradient norms and routing metrics of one process; the ep2 checkpoint holds the
-whole expert stacks and loads into one process."""
+gradient on two workers; dp2 x ep2 with ZeRO-1 and 2, and pp2 (two workers), dp2 x ep2 x tp2 and dp2 x pp2 x ep2
+with ZeRO-0 and 2 (four) train 10 steps with the losses, gradient norms and routing metrics of one process; the
+ep2 checkpoint holds the whole expert stacks and loads into one process."""
 
 from __future__ import annotations
 
@@ -106,8 +106,14 @@ def test_pp2_trains_an_moe_model_equal_to_one_process_with_its_routing_metrics(d
 
 
 @pytest.mark.extended  # four workers; pp2 above and dp2 x ep2 check each half by default
-def test_dp2_pp2_ep2_on_four_workers_trains_equal_to_one_process(dataset_dir, single_process, tmp_path):
-    ranks = train_job(tmp_path, dataset_dir, *MOE, *EP2, "parallel.pipeline_parallel=2", workers=4)
+@pytest.mark.parametrize("zero", [0, 2])
+def test_dp2_pp2_ep2_on_four_workers_trains_equal_to_one_process(dataset_dir, single_process, tmp_path, zero):
+    """Under ZeRO-2 each stage reduce-scatters its dense gradients over dp and its expert shards' over expert-dp
+    (here a group of one: over dp they would mix the two ranks' different experts); the tied table's pieces,
+    cut alike on the two end stages, are summed over them."""
+    ranks = train_job(
+        tmp_path, dataset_dir, *MOE, *EP2, "parallel.pipeline_parallel=2", f"parallel.zero_stage={zero}", workers=4
+    )
     for rank in ranks:
         assert_same_metrics(rank["history"], single_process["history"])
         assert_same_routing(rank["history"], single_process["history"])

@@ -21,9 +21,10 @@ price of tp-fold duplicate expert FLOPs. The ep groups join ranks of one tp inde
 `ExpertParallelOptimizer` keeps the dense weights' AdamW (ZeRO-1 or 2 over dp) and the experts' (ZeRO-1 or 2
 over expert-dp) side by side behind one call, and speaks whole tensors in its state dict, so checkpoints stay
 layout-independent: expert moments are gathered over ep when saved and cut to the rank's block when loaded.
-Under ZeRO-2 `ExpertShardedAccumulateGradients` keeps the two gradient stores apart the same way: each
-micro-batch's dense gradients are reduce-scattered over dp, the expert shards' over expert-dp (with expert-dp
-of one rank, dp = ep, a rank keeps its experts' whole gradients, which no other rank shares).
+Under ZeRO-2 `ExpertGradientShards` keeps the two gradient stores apart the same way, for the whole model
+(`ExpertShardedAccumulateGradients`) or a pipeline stage: each micro-batch's dense gradients are
+reduce-scattered over dp, the expert shards' over expert-dp (with expert-dp of one rank, dp = ep, a rank keeps
+its experts' whole gradients, which no other rank shares).
 """
 
 from __future__ import annotations
@@ -128,51 +129,70 @@ class ExpertParallelOptimizer(nn.Cell):
         self.experts.load_state_dict({k: v for k, v in mine.items() if k in self.expert_moments})
 
 
+class ExpertGradientShards(nn.Cell):
+    """ZeRO-2's two gradient stores under expert parallelism: called with one micro-batch's full gradients of
+    `weights`, it reduce-scatters the dense weights' over `dp_group` and the expert shards' (the weights at
+    positions `experts`) over `expert_dp_group`, each into fp32 `buffers`: the dense shard's pieces, then the
+    experts'. `piece_params` names the weight of every buffer; `shard_length` and `expert_shard_length` are the
+    two shards' (`shard_length`, when given, as for `zero.shard_pieces`: a pipeline's tied table cut alike on
+    both end stages)."""
+
+    def __init__(self, weights: Sequence[Parameter], experts: set[int], dp_group: Group, expert_dp_group: Group,
+                 shard_length: int | None = None) -> None:
+        super().__init__()
+        self.dense_positions = tuple(i for i in range(len(weights)) if i not in experts)
+        self.expert_positions = tuple(sorted(experts))
+        self.dense = GradientShards([weights[i] for i in self.dense_positions], dp_group, shard_length)
+        self.experts = GradientShards([weights[i] for i in self.expert_positions], expert_dp_group)
+        self.buffers = ParameterTuple((*self.dense.buffers, *self.experts.buffers))
+        self.piece_params = tuple(self.dense_positions[p] for p in self.dense.piece_params) + tuple(
+            self.expert_positions[p] for p in self.experts.piece_params
+        )
+        self.shard_length, self.expert_shard_length = self.dense.shard_length, self.experts.shard_length
+
+    def construct(self, grads):
+        self.dense(tuple(grads[i] for i in self.dense_positions))
+        self.experts(tuple(grads[i] for i in self.expert_positions))
+        return True
+
+
 class ExpertShardedAccumulateGradients(AccumulateGradients):
-    """ZeRO-2 accumulation under expert parallelism: forward + backward of one micro-batch, the dense weights'
-    gradients reduce-scattered over `dp_group` and the expert shards' (the weights at positions `experts`) over
-    `expert_dp_group`, each rank's shards added into fp32 buffers: the dense shard's pieces, then the experts'.
-    `piece_params` names the weight of every buffer; `shard_length` and `expert_shard_length` are the two shards'."""
+    """ZeRO-2 accumulation under expert parallelism: forward + backward of one micro-batch, its gradients added
+    into `shards` (`ExpertGradientShards`: dense over `dp_group`, the expert shards at positions `experts` over
+    `expert_dp_group`), whose `buffers`, `piece_params` and shard lengths it shares."""
 
     def __init__(self, model: nn.Cell, experts: set[int], dp_group: Group, expert_dp_group: Group,
                  loss: nn.Cell | None = None) -> None:
-        weights = model.trainable_params()
-        self.dense_positions = tuple(i for i in range(len(weights)) if i not in experts)
-        self.expert_positions = tuple(sorted(experts))
-        dense = GradientShards([weights[i] for i in self.dense_positions], dp_group)
-        shards = GradientShards([weights[i] for i in self.expert_positions], expert_dp_group)
-        super().__init__(model, ParameterTuple((*dense.buffers, *shards.buffers)), loss)
-        self.dense_shards, self.expert_shards = dense, shards
-        self.piece_params = tuple(self.dense_positions[p] for p in dense.piece_params) + tuple(
-            self.expert_positions[p] for p in shards.piece_params
-        )
-        self.shard_length, self.expert_shard_length = dense.shard_length, shards.shard_length
+        shards = ExpertGradientShards(model.trainable_params(), experts, dp_group, expert_dp_group)
+        super().__init__(model, shards.buffers, loss)
+        self.shards = shards
+        self.piece_params = shards.piece_params
+        self.shard_length, self.expert_shard_length = shards.shard_length, shards.expert_shard_length
 
     @ms.jit
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
         outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise)
-        self.dense_shards(tuple(grads[i] for i in self.dense_positions))
-        self.expert_shards(tuple(grads[i] for i in self.expert_positions))
+        self.shards(grads)
         return outputs[1], outputs[2]  # an ep model has MoE blocks: its routing statistics ride along
 
 
 def expert_parallel_optimizer(
     weights: Sequence[Parameter], names: Sequence[str], experts: set[int], optimizer: OptimizerParams, zero_stage: int,
-    dp_group: Group, expert_dp_group: Group, ep_group: Group,
-    accumulate: ExpertShardedAccumulateGradients | None = None,
+    dp_group: Group, expert_dp_group: Group, ep_group: Group, gradient_shards: ExpertGradientShards | None = None,
 ) -> ExpertParallelOptimizer:
     """AdamW over `weights` whose positions `experts` are expert shards: the rest's moments ZeRO-1 sharded over
     `dp_group`, the experts' over `expert_dp_group` (when `zero_stage` >= 1 and the group has several ranks).
-    Under ZeRO-2 `accumulate` holds the gradient shards, and both optimizers update from them."""
+    Under ZeRO-2 `gradient_shards` holds the gradient shards (of the whole model or of a pipeline stage), and
+    both optimizers update from them."""
     dense, shards = [i for i in range(len(names)) if i not in experts], sorted(experts)
     if zero_stage == 2:
-        pieces = len(accumulate.dense_shards.buffers)
+        pieces = len(gradient_shards.dense.buffers)
         return ExpertParallelOptimizer(
             ShardedAdamW([weights[i] for i in dense], optimizer, [names[i] for i in dense], dp_group,
-                         sharded_gradients=True, shard_length=accumulate.shard_length),
+                         sharded_gradients=True, shard_length=gradient_shards.shard_length),
             ShardedAdamW([weights[i] for i in shards], optimizer, [names[i] for i in shards], expert_dp_group,
-                         sharded_gradients=True, shard_length=accumulate.expert_shard_length),
-            range(pieces), range(pieces, len(accumulate.buffers)), [names[i] for i in shards], ep_group,
+                         sharded_gradients=True, shard_length=gradient_shards.expert_shard_length),
+            range(pieces), range(pieces, len(gradient_shards.buffers)), [names[i] for i in shards], ep_group,
         )
 
     def adamw(positions: list[int], group: Group) -> AdamW | ShardedAdamW:

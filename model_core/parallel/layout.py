@@ -148,9 +148,8 @@ class Layout:
 
 def check_experts(layout: Layout, zero_stage: int, model: ModelParams) -> None:
     """Expert parallelism needs experts to share out, an equal block of them per ep rank. Mixture-of-experts
-    blocks train under data, tensor, pipeline and expert parallelism with ZeRO 0 to 2 (ZeRO-2 with ep only
-    without pp): ZeRO-3, and ZeRO-2 of a pipeline stage's expert shards, do not carry the expert shards yet, and
-    are refused rather than trained wrong."""
+    blocks train under data, tensor, pipeline and expert parallelism with ZeRO 0 to 2: ZeRO-3 does not carry the
+    expert shards yet, and is refused rather than trained wrong."""
     if layout.ep > 1 and not model.moe_layers:
         raise ParallelConfigError(f"parallel.expert_parallel={layout.ep} but model.moe is null: no experts to share out")
     if not model.moe_layers:
@@ -163,12 +162,6 @@ def check_experts(layout: Layout, zero_stage: int, model: ModelParams) -> None:
         raise ParallelConfigError(
             f"parallel.zero_stage=3 with model.moe ({len(model.moe_layers)} MoE blocks): mixture-of-experts "
             "models train with data, tensor, pipeline and expert parallelism and ZeRO 0 to 2 for now"
-        )
-    if zero_stage == 2 and layout.ep > 1 and layout.pp > 1:
-        raise ParallelConfigError(
-            f"parallel.zero_stage=2 with parallel.expert_parallel={layout.ep} and parallel.pipeline_parallel="
-            f"{layout.pp}: a pipeline stage reduce-scatters all its gradients over dp, and expert shards are summed "
-            "over their expert-dp group; use ZeRO-1 with expert and pipeline parallelism"
         )
 
 

@@ -232,6 +232,8 @@ def parallelize(
         pipeline = accumulate = PipelineStage(
             model, layout, rank, params.model, params.parallel.pipeline_schedule, stage_loss,
             zero2_group=dp_group if zero_stage == 2 else None, routing_coefficients=routing_coefficients,
+            experts=expert_weights(model, table) if ep_group.size > 1 else (),
+            expert_dp_group=expert_dp_group,
         )
     elif zero_stage == 2 and ep_group.size > 1:  # dense gradients reduce-scattered over dp, experts' over expert-dp
         accumulate = ExpertShardedAccumulateGradients(model, expert_positions(model, table), dp_group, expert_dp_group, loss)
@@ -255,7 +257,7 @@ def parallelize(
     elif experts:
         optimizer = expert_parallel_optimizer(
             accumulate.weights, weight_names, experts, params.optimizer, zero_stage, dp_group, expert_dp_group, ep_group,
-            accumulate if zero_stage == 2 else None,
+            accumulate.shards if zero_stage == 2 else None,
         )
     elif zero_stage >= 1:
         optimizer = ShardedAdamW(
@@ -442,6 +444,12 @@ def expert_positions(model: nn.Cell, table: PlacementTable) -> set[int]:
     """The positions of the expert shards among `model`'s trainable weights."""
     names = {id(param): name for name, param in named_weights(model).items()}
     return {i for i, param in enumerate(model.trainable_params()) if table[names[id(param)]].expert}
+
+
+def expert_weights(model: nn.Cell, table: PlacementTable) -> list[Parameter]:
+    """The expert shards among `model`'s trainable weights, in their order."""
+    weights = model.trainable_params()
+    return [weights[i] for i in sorted(expert_positions(model, table))]
 
 
 def apply_recompute(model: Llama, params: PipelineParams) -> list[int]:

@@ -32,7 +32,7 @@ process: the same layers in the same order on the same inputs, gradients summed 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import mindspore as ms
@@ -43,6 +43,7 @@ from model_core.model import Llama, counted_tokens, token_cross_entropy
 from model_core.optim.step import routing_loss
 from model_core.parallel import comm
 from model_core.parallel.data_parallel import sum_over
+from model_core.parallel.expert import ExpertGradientShards
 from model_core.parallel.layout import Layout
 from model_core.parallel.tensor import VocabParallelCrossEntropy
 from model_core.parallel.zero import GradientShards
@@ -423,7 +424,10 @@ class PipelineStage:
     With `zero2_group` (ZeRO-2 over the dp group) every backward reduce-scatters its weight gradients over that
     group and `buffers` are the pieces of this rank's shard (`zero.GradientShards`: `piece_params`,
     `shard_length`). A tied table comes first among the end stages' weights and both ends cut shards of one
-    length, so its pieces sit at the same offsets on both and are summed over the pair piece by piece.
+    length, so its pieces sit at the same offsets on both and are summed over the pair piece by piece. Under
+    expert parallelism the expert shards among the stage's weights (`experts`: every expert stack's ep block) are
+    reduce-scattered over `expert_dp_group` instead (`expert.ExpertGradientShards`: the dense pieces first, the
+    table first among them, then the experts'; `shards` is then that pair, with `expert_shard_length` too).
 
     With mixture-of-experts blocks each stage adds the routing losses of the blocks it holds to its objective,
     weighted by `routing_coefficients` (aux, z) and the micro-batch's counted tokens as in one process, and `run`
@@ -441,6 +445,8 @@ class PipelineStage:
         loss: nn.Cell,
         zero2_group: comm.Group | None = None,
         routing_coefficients: tuple[float, float] = (0.0, 0.0),
+        experts: Collection[Parameter] = (),
+        expert_dp_group: comm.Group | None = None,
     ) -> None:
         self.group = comm.group(layout.pp_group(rank))
         self.stages, self.stage = layout.pp, self.group.index
@@ -462,7 +468,17 @@ class PipelineStage:
             weights = [table] + [w for w in weights if w is not table]
         self.weights = ParameterTuple(weights)
         self.shards = None
-        if zero2_group is not None:
+        expert_ids = {id(w) for w in experts}
+        held_experts = {i for i, w in enumerate(self.weights) if id(w) in expert_ids}
+        if zero2_group is not None and held_experts:
+            dense = [w for i, w in enumerate(self.weights) if i not in held_experts]
+            self.shards = ExpertGradientShards(
+                self.weights, held_experts, zero2_group, expert_dp_group, _common_shard_length(dense, zero2_group, ends)
+            )
+            self.buffers = self.shards.buffers
+            self.piece_params, self.shard_length = self.shards.piece_params, self.shards.shard_length
+            self.expert_shard_length = self.shards.expert_shard_length
+        elif zero2_group is not None:
             self.shards = GradientShards(self.weights, zero2_group, _common_shard_length(self.weights, zero2_group, ends))
             self.buffers = self.shards.buffers
             self.piece_params, self.shard_length = self.shards.piece_params, self.shards.shard_length
