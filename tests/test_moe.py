@@ -402,6 +402,8 @@ def test_the_planner_counts_experts_and_offers_every_layout_moe_trains_with():
     }
     pipelined = plan(load_params("tiny_moe", ["parallel.micro_batches=2"]), devices=2, device_memory_bytes=parse_bytes("8GiB"))
     assert (1, 1, 2, 1, 0) in {(c.dp, c.tp, c.pp, c.ep, c.zero_stage) for c in (e.candidate for e in pipelined.estimates)}
+    four = plan(load_params("tiny_moe", ["parallel.micro_batches=2"]), devices=4, device_memory_bytes=parse_bytes("8GiB"))
+    assert (2, 1, 2, 2, 2) in {(c.dp, c.tp, c.pp, c.ep, c.zero_stage) for c in (e.candidate for e in four.estimates)}
 
 
 def test_recomputing_moe_blocks_changes_nothing(dataset_dir, plain_history, tmp_path):

@@ -330,10 +330,10 @@ def degrees(devices: int) -> list[tuple[int, int, int]]:
 
 def candidates(dp: int, tp: int, pp: int, model: ModelParams | None = None, devices_per_node: int = 8) -> list[Candidate]:
     """ZeRO stages 0-3 where there is a dp group to shard over (only 0 for dp=1), each with and without recompute;
-    0 to 2 for a model with MoE blocks (the stages they train with so far; 2 with ep only without pp), each under every
-    expert-parallel degree that divides dp and the experts and keeps the ep group (ep x tp ranks) inside a node;
-    and with ZeRO-2/3 each also with optimizer offload (not under ep, whose two optimizers one offload file
-    cannot hold), with ZeRO-3 and pp = 1 also with parameter offload."""
+    0 to 2 for a model with MoE blocks (the stages they train with so far), each under every expert-parallel
+    degree that divides dp and the experts and keeps the ep group (ep x tp ranks) inside a node; and with ZeRO-2/3
+    each also with optimizer offload (not under ep, whose two optimizers one offload file cannot hold), with
+    ZeRO-3 and pp = 1 also with parameter offload."""
     stages = range(4) if dp > 1 else (0,)
     expert_degrees = [1]
     moe = model is not None and bool(model.moe_layers)
@@ -344,7 +344,7 @@ def candidates(dp: int, tp: int, pp: int, model: ModelParams | None = None, devi
         Candidate(dp, tp, pp, stage, mode, ep=ep)
         for ep in expert_degrees
         for stage in stages
-        if not moe or stage < 2 or (stage == 2 and (ep == 1 or pp == 1))
+        if not moe or stage < 3
         for mode in RECOMPUTE_MODES
     ]
     offloaded = [replace(c, offload=True) for c in plain if c.zero_stage >= 2 and c.ep == 1]
