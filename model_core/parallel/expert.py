@@ -159,7 +159,7 @@ class ExpertGradientShards(nn.Cell):
 class ExpertShardedAccumulateGradients(AccumulateGradients):
     """ZeRO-2 accumulation under expert parallelism: forward + backward of one micro-batch, its gradients added
     into `shards` (`ExpertGradientShards`: dense over `dp_group`, the expert shards at positions `experts` over
-    `expert_dp_group`), whose `buffers`, `piece_params` and shard lengths it shares."""
+    `expert_dp_group`), whose `buffers`, `piece_params` and dense `shard_length` it shares."""
 
     def __init__(self, model: nn.Cell, experts: set[int], dp_group: Group, expert_dp_group: Group,
                  loss: nn.Cell | None = None) -> None:
@@ -167,7 +167,7 @@ class ExpertShardedAccumulateGradients(AccumulateGradients):
         super().__init__(model, shards.buffers, loss)
         self.shards = shards
         self.piece_params = shards.piece_params
-        self.shard_length, self.expert_shard_length = shards.shard_length, shards.expert_shard_length
+        self.shard_length = shards.shard_length
 
     @ms.jit
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):

@@ -427,7 +427,7 @@ class PipelineStage:
     length, so its pieces sit at the same offsets on both and are summed over the pair piece by piece. Under
     expert parallelism the expert shards among the stage's weights (`experts`: every expert stack's ep block) are
     reduce-scattered over `expert_dp_group` instead (`expert.ExpertGradientShards`: the dense pieces first, the
-    table first among them, then the experts'; `shards` is then that pair, with `expert_shard_length` too).
+    table first among them, then the experts'; `shards` is then that pair).
 
     With mixture-of-experts blocks each stage adds the routing losses of the blocks it holds to its objective,
     weighted by `routing_coefficients` (aux, z) and the micro-batch's counted tokens as in one process, and `run`
@@ -470,16 +470,13 @@ class PipelineStage:
         self.shards = None
         expert_ids = {id(w) for w in experts}
         held_experts = {i for i, w in enumerate(self.weights) if id(w) in expert_ids}
-        if zero2_group is not None and held_experts:
+        if zero2_group is not None:
             dense = [w for i, w in enumerate(self.weights) if i not in held_experts]
-            self.shards = ExpertGradientShards(
-                self.weights, held_experts, zero2_group, expert_dp_group, _common_shard_length(dense, zero2_group, ends)
+            length = _common_shard_length(dense, zero2_group, ends)
+            self.shards = (
+                ExpertGradientShards(self.weights, held_experts, zero2_group, expert_dp_group, length)
+                if held_experts else GradientShards(self.weights, zero2_group, length)
             )
-            self.buffers = self.shards.buffers
-            self.piece_params, self.shard_length = self.shards.piece_params, self.shards.shard_length
-            self.expert_shard_length = self.shards.expert_shard_length
-        elif zero2_group is not None:
-            self.shards = GradientShards(self.weights, zero2_group, _common_shard_length(self.weights, zero2_group, ends))
             self.buffers = self.shards.buffers
             self.piece_params, self.shard_length = self.shards.piece_params, self.shards.shard_length
         else:
