@@ -2,6 +2,11 @@
 
 Everything goes through an explicit `MlflowClient` and run ids, never MLflow's thread-local "active run":
 Prefect runs tasks on worker threads, where the flow's active run would not be visible.
+
+MLflow is imported where a client is made, not with this module: every data-prep worker process imports it
+(unpickling a task run's context names `Tracking` and the stage's flow, whose module imports this one), and
+`import mlflow` there cost each worker ~1 s of CPU before its first job, in the stretch where the workers
+start while the flow process hashes the inputs.
 """
 
 from __future__ import annotations
@@ -14,12 +19,12 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-from mlflow.entities import Metric, Param, RunTag
-from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
+from typing import TYPE_CHECKING
 
 from params import PipelineParams, flatten, params_hash, to_yaml
+
+if TYPE_CHECKING:
+    from mlflow.tracking import MlflowClient
 
 MAX_PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch call
 MAX_METRICS_PER_BATCH = 1000
@@ -55,8 +60,16 @@ def git_commit() -> str:
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
+def _mlflow_client(uri: str) -> MlflowClient:
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
 def ensure_experiment(client: MlflowClient, params: PipelineParams) -> str:
     """The id of the params' experiment, created (and tagged as model training) on first use."""
+    from mlflow.exceptions import MlflowException
+
     name = params.tracking.experiment
     experiment = client.get_experiment_by_name(name)
     if experiment is None:
@@ -75,7 +88,7 @@ def open_pipeline_run(
 ) -> Tracking:
     """Create the parent run: named after the flow run, tagged, with flattened params and the params YAML."""
     uri = tracking_uri(params)
-    client = MlflowClient(tracking_uri=uri)
+    client = _mlflow_client(uri)
     experiment_id = ensure_experiment(client, params)
     tags = {
         "prefect.flow_run_id": flow_run_id,
@@ -94,7 +107,7 @@ def open_pipeline_run(
 
 
 def close_pipeline_run(tracking: Tracking, succeeded: bool) -> None:
-    MlflowClient(tracking_uri=tracking.uri).set_terminated(
+    _mlflow_client(tracking.uri).set_terminated(
         tracking.parent_run_id, status="FINISHED" if succeeded else "FAILED"
     )
 
@@ -107,6 +120,8 @@ class StageRun:
         self.run_id = run_id
 
     def log_params(self, values: Mapping[str, object]) -> None:
+        from mlflow.entities import Param
+
         items = [Param(key, str(value)) for key, value in values.items()]
         for start in range(0, len(items), MAX_PARAMS_PER_BATCH):
             self.client.log_batch(self.run_id, params=items[start : start + MAX_PARAMS_PER_BATCH])
@@ -116,6 +131,8 @@ class StageRun:
 
     def log_metric_records(self, records: list[tuple[int, Mapping[str, float]]]) -> None:
         """Many (step, {name: value}) records in as few calls as MLflow allows."""
+        from mlflow.entities import Metric
+
         now = int(time.time() * 1000)
         metrics = [
             Metric(name, float(value), now, step) for step, values in records for name, value in values.items()
@@ -124,6 +141,8 @@ class StageRun:
             self.client.log_batch(self.run_id, metrics=metrics[start : start + MAX_METRICS_PER_BATCH])
 
     def set_tags(self, tags: Mapping[str, str]) -> None:
+        from mlflow.entities import RunTag
+
         self.client.log_batch(self.run_id, tags=[RunTag(key, str(value)) for key, value in tags.items()])
 
     def log_artifact(self, path: str | Path, artifact_path: str | None = None) -> None:
@@ -188,7 +207,7 @@ class MetricsBatcher:
 def stage_run(tracking: Tracking, stage: str) -> Iterator[StageRun]:
     """A child run of the pipeline run, named `<flow run>/<stage>` (so runs of several pipelines read apart in
     MLflow's run table) and tagged `llmflow.stage`; FAILED if the stage raises, FINISHED otherwise."""
-    client = MlflowClient(tracking_uri=tracking.uri)
+    client = _mlflow_client(tracking.uri)
     tags = {"mlflow.parentRunId": tracking.parent_run_id, "llmflow.stage": stage}
     run = client.create_run(tracking.experiment_id, run_name=f"{tracking.flow_run_name}/{stage}", tags=tags)
     try:
@@ -246,7 +265,7 @@ def stage_headlines(client: MlflowClient, run) -> dict[str, float]:
 def log_headline_metrics(tracking: Tracking) -> None:
     """Copy every finished stage's headline metrics onto the pipeline's parent run, where MLflow's run table and
     Compare view put them beside the params a person varied."""
-    client = MlflowClient(tracking_uri=tracking.uri)
+    client = _mlflow_client(tracking.uri)
     children = client.search_runs(
         [tracking.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{tracking.parent_run_id}'"
     )

@@ -83,3 +83,10 @@ def test_the_cli_and_data_prep_load_no_mindspore():
     there costs each of them about 0.5 GB (the process tree's peak doubled once when the CLI imported it)."""
     code = "import sys, flows.cli, tasks.data, model_core.data.prepare; sys.exit(int('mindspore' in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT).returncode == 0
+
+
+def test_data_prep_workers_load_no_mlflow():
+    """A prep worker imports the CLI's module and, unpickling its first task run's context, the data tasks:
+    MLflow loaded there took each worker ~1 s before its first job (only the flow process talks to MLflow)."""
+    code = "import sys, flows.cli, tasks.data; sys.exit(int('mlflow' in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT).returncode == 0
