@@ -141,3 +141,25 @@ def test_candidate_pairs_come_in_bounded_batches_and_each_once(limit, monkeypatc
         found += zip(earlier.tolist(), later.tolist())
     expected = [(i, j) for i in range(400) for j in range(i + 1, 400) if key[i] == key[j]]
     assert sorted(found) == expected
+
+
+def test_near_duplicates_settle_in_corpus_order_as_one_pass_over_the_pairs_would():
+    from model_core.data.global_dedup import settle_near_duplicates
+
+    def one_pair_at_a_time(pairs):
+        dropped = set()
+        for earlier, later in sorted(map(tuple, pairs.tolist()), key=lambda pair: (pair[1], pair[0])):
+            if earlier not in dropped:
+                dropped.add(later)
+        return sorted(dropped)
+
+    rng = np.random.default_rng(0)
+    chain = np.array([[0, 1], [1, 2], [2, 3], [3, 4], [4, 5]])  # 0, 2, 4 kept: every round settles two
+    assert settle_near_duplicates(chain).tolist() == [1, 3, 5]
+    for _ in range(300):
+        documents = int(rng.integers(2, 40))
+        pairs = np.sort(rng.integers(0, documents, size=(int(rng.integers(0, 120)), 2)), axis=1)
+        pairs = pairs[pairs[:, 0] < pairs[:, 1]] * 1000  # document numbers with gaps, some pairs repeated
+        assert settle_near_duplicates(pairs).tolist() == one_pair_at_a_time(pairs)
+    with pytest.raises(ValueError, match="earlier, later"):
+        settle_near_duplicates(np.array([[3, 2]]))

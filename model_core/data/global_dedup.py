@@ -38,6 +38,7 @@ NEAR_PARALLEL_DOCUMENTS = 1 << 16
 EXACT_PARALLEL_DOCUMENTS = 1 << 21
 EXACT_ENTRY_BYTES = 24  # two hash words and a document number
 NEAR_ENTRY_BYTES = 16  # a band key and a document number, per band
+_OPEN, _KEPT, _DROPPED = 0, 1, 2  # a document's state while near duplicates are settled
 
 
 @dataclass(frozen=True)
@@ -221,14 +222,28 @@ def _pairs_within(number: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> 
 
 
 def settle_near_duplicates(pairs: np.ndarray) -> np.ndarray:
-    """The sorted numbers of the documents dropped as near duplicates, given every close pair: in corpus
-    order, a document goes when it is close to an earlier document that was kept."""
-    dropped: set[int] = set()
-    order = np.lexsort((pairs[:, 0], pairs[:, 1])) if len(pairs) else np.empty(0, dtype=np.int64)
-    for earlier, later in pairs[order].tolist():
-        if earlier not in dropped:
-            dropped.add(later)
-    return np.array(sorted(dropped), dtype=np.int64)
+    """The sorted numbers of the documents dropped as near duplicates, given every close pair (earlier,
+    later): in corpus order, a document goes when it is close to an earlier document that was kept.
+
+    Settled in rounds over all the pairs at once, not in a pass over them a pair at a time in Python, which
+    ran on one core while the workers waited: a document none of whose open pairs has an earlier document
+    left is kept, and then the later documents of its pairs are dropped; pairs whose earlier document was
+    dropped, or whose later one is settled, close. The earliest unsettled document always settles, so the
+    rounds end; there are as many as the longest chain of alternately kept and dropped versions.
+    """
+    if len(pairs) and (pairs[:, 0] >= pairs[:, 1]).any():
+        raise ValueError("every close pair must be (earlier, later) document numbers")
+    documents, index = np.unique(pairs, return_inverse=True)
+    earlier, later = index.reshape(pairs.shape).T
+    state = np.full(len(documents), _OPEN, dtype=np.int8)
+    while len(earlier):
+        waits = np.zeros(len(documents), dtype=bool)
+        waits[later] = True
+        state[(state == _OPEN) & ~waits] = _KEPT
+        state[later[state[earlier] == _KEPT]] = _DROPPED
+        still_open = (state[earlier] != _DROPPED) & (state[later] == _OPEN)
+        earlier, later = earlier[still_open], later[still_open]
+    return documents[state == _DROPPED].astype(np.int64)
 
 
 def drop_from_keep_masks(plan: Plan, scratch: Path, dropped_files: list[Path] | None, dropped: np.ndarray | None) -> int:
