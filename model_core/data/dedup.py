@@ -131,13 +131,13 @@ def minhash_signatures(
     signatures = np.full((documents + 1) * permutations, _EMPTY, dtype=np.uint32)
     filled = np.zeros(len(signatures), dtype=bool)  # the slots whose shingles all hashed to _EMPTY's value
     windows = _Windows(table, shingle_tokens, min(_SHINGLES_AT_A_TIME, len(token_ids)))
-    rows = _window_rows(lengths, shingle_tokens)
+    rows = _WindowRows(lengths, shingle_tokens)
     # A block of windows at a time: each of the ~25 passes over a block then stays in the cache, where
     # passes over the whole batch (a shard's tokens, 8 bytes each) went to memory every time; the result
     # is the same, as the bins' minimum does not depend on the order the shingles come in.
-    for first in range(0, len(rows), _SHINGLES_AT_A_TIME):
-        hashes = windows.hashes(token_ids, first, min(first + _SHINGLES_AT_A_TIME, len(rows)))
-        _add_shingles(signatures, filled, hashes, rows[first : first + len(hashes)], permutations)
+    for first in range(0, rows.windows, _SHINGLES_AT_A_TIME):
+        end = min(first + _SHINGLES_AT_A_TIME, rows.windows)
+        _add_shingles(signatures, filled, windows.hashes(token_ids, first, end), rows.between(first, end), permutations)
     short = np.flatnonzero(lengths < shingle_tokens)
     if len(short):
         _add_shingles(signatures, filled, _short_shingle_hashes(table, token_ids, lengths, short, shingle_tokens), short, permutations)
@@ -171,14 +171,24 @@ class _Windows:
         return _mix64(windows, scratch=mixed[:count])
 
 
-def _window_rows(lengths: np.ndarray, shingle_tokens: int) -> np.ndarray:
-    """The signature row of the window starting at every position of the stream: first each document's
-    whole windows, then those running into the next document, which go to the spare row len(lengths)."""
-    documents = len(lengths)
-    count = max(int(lengths.sum()) - shingle_tokens + 1, 0)
-    whole = np.maximum(lengths - shingle_tokens + 1, 0)
-    labels = np.stack([np.arange(documents), np.full(documents, documents)], axis=1).reshape(-1)
-    return np.repeat(labels, np.stack([whole, lengths - whole], axis=1).reshape(-1))[:count]
+class _WindowRows:
+    """The signature row of the window starting at each stream position: first each document's whole
+    windows, then those running into the next document, which go to the spare row len(lengths). Listed a
+    block at a time: the whole batch's rows (8 bytes a token) went to memory and back."""
+
+    def __init__(self, lengths: np.ndarray, shingle_tokens: int) -> None:
+        documents = len(lengths)
+        self.windows = max(int(lengths.sum()) - shingle_tokens + 1, 0)
+        whole = np.maximum(lengths - shingle_tokens + 1, 0)
+        self.labels = np.stack([np.arange(documents), np.full(documents, documents)], axis=1).reshape(-1)
+        self.ends = np.cumsum(np.stack([whole, lengths - whole], axis=1).reshape(-1))  # of each run of a label
+
+    def between(self, first: int, end: int) -> np.ndarray:
+        """The rows of the windows starting at positions [first, end)."""
+        low = int(np.searchsorted(self.ends, first, side="right"))
+        high = int(np.searchsorted(self.ends, end, side="left")) + 1
+        run_ends = np.minimum(self.ends[low:high], end)
+        return np.repeat(self.labels[low:high], np.diff(run_ends, prepend=first))
 
 
 def _short_shingle_hashes(
