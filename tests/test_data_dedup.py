@@ -95,6 +95,15 @@ def test_shingles_do_not_span_document_boundaries():
     np.testing.assert_array_equal(signatures[1], signatures[3])
 
 
+def test_a_shingle_whose_value_is_the_empty_marker_still_fills_its_slot(monkeypatch):
+    # A slot counts as filled by its value being below the marker, or by a shingle of exactly the marker's
+    # value: with the marker moved to the largest value a slot of the signature keeps, nothing changes.
+    ids, lengths = flat([random_doc(3, 12)])
+    expected = minhash_signatures(ids, lengths, 5, 64)
+    monkeypatch.setattr(dedup, "_EMPTY", int(expected.max()))
+    np.testing.assert_array_equal(minhash_signatures(ids, lengths, 5, 64), expected)
+
+
 def test_signatures_do_not_depend_on_how_many_windows_are_hashed_at_a_time(monkeypatch):
     # Blocks of 1 and 7 windows cut every document, and the windows across its end, at many places.
     docs = [random_doc(seed, tokens) for seed, tokens in enumerate((40, 3, 1, 17, 300, 5, 4, 90))]

@@ -33,6 +33,7 @@ _CANDIDATE_RECALL = 0.99  # LSH bands are chosen so a pair at the threshold is a
 _MAX_PAIRS_PER_DOCUMENT = 16  # more candidate pairs than this: some key is shared very widely
 _PAIRS_AT_A_TIME = 1 << 16  # signature pairs compared at once, to bound the memory
 _SHINGLES_AT_A_TIME = 1 << 15  # windows hashed at a time: a block's uint64 arrays fit in a core's L2 cache
+_EMPTY = np.iinfo(np.uint32).max  # a signature slot no shingle has reached yet
 
 
 def exact_duplicate_mask(texts: list[str], seen: set[str] | None = None) -> np.ndarray:
@@ -127,21 +128,22 @@ def minhash_signatures(
     documents = len(lengths)
     table = _mix64(np.arange(1, int(token_ids.max(initial=0)) + 2, dtype=np.uint64))
     # Row `documents` is a spare that takes the windows across a document boundary and is dropped.
-    signatures = np.full((documents + 1) * permutations, np.iinfo(np.uint32).max, dtype=np.uint32)
-    filled = np.zeros(len(signatures), dtype=bool)
+    signatures = np.full((documents + 1) * permutations, _EMPTY, dtype=np.uint32)
+    filled = np.zeros(len(signatures), dtype=bool)  # the slots whose shingles all hashed to _EMPTY's value
     windows = _Windows(table, shingle_tokens, min(_SHINGLES_AT_A_TIME, len(token_ids)))
-    rows = _window_rows(lengths, shingle_tokens)
+    rows = _WindowRows(lengths, shingle_tokens)
     # A block of windows at a time: each of the ~25 passes over a block then stays in the cache, where
     # passes over the whole batch (a shard's tokens, 8 bytes each) went to memory every time; the result
     # is the same, as the bins' minimum does not depend on the order the shingles come in.
-    for first in range(0, len(rows), _SHINGLES_AT_A_TIME):
-        hashes = windows.hashes(token_ids, first, min(first + _SHINGLES_AT_A_TIME, len(rows)))
-        _add_shingles(signatures, filled, hashes, rows[first : first + len(hashes)], permutations)
+    for first in range(0, rows.windows, _SHINGLES_AT_A_TIME):
+        end = min(first + _SHINGLES_AT_A_TIME, rows.windows)
+        _add_shingles(signatures, filled, windows.hashes(token_ids, first, end), rows.between(first, end), permutations)
     short = np.flatnonzero(lengths < shingle_tokens)
     if len(short):
         _add_shingles(signatures, filled, _short_shingle_hashes(table, token_ids, lengths, short, shingle_tokens), short, permutations)
     used = documents * permutations
-    return signatures[_densified(filled[:used], permutations)].reshape(documents, permutations)
+    filled = filled[:used] | (signatures[:used] != _EMPTY)
+    return signatures[_densified(filled, permutations)].reshape(documents, permutations)
 
 
 class _Windows:
@@ -157,7 +159,9 @@ class _Windows:
         """64-bit hashes of the windows starting at stream positions [first, end)."""
         count = end - first
         mixed = self.mixed[: count + self.shingle_tokens - 1]
-        self.table.take(token_ids[first : end + self.shingle_tokens - 1], out=mixed)
+        # mode="clip": the table covers every id, and with the default mode `take` copies into `out` through a
+        # buffer and checks each index (4x the time of the gather itself).
+        self.table.take(token_ids[first : end + self.shingle_tokens - 1], out=mixed, mode="clip")
         windows = self.windows[:count]
         np.copyto(windows, mixed[:count])
         for offset in range(1, self.shingle_tokens):
@@ -167,14 +171,24 @@ class _Windows:
         return _mix64(windows, scratch=mixed[:count])
 
 
-def _window_rows(lengths: np.ndarray, shingle_tokens: int) -> np.ndarray:
-    """The signature row of the window starting at every position of the stream: first each document's
-    whole windows, then those running into the next document, which go to the spare row len(lengths)."""
-    documents = len(lengths)
-    count = max(int(lengths.sum()) - shingle_tokens + 1, 0)
-    whole = np.maximum(lengths - shingle_tokens + 1, 0)
-    labels = np.stack([np.arange(documents), np.full(documents, documents)], axis=1).reshape(-1)
-    return np.repeat(labels, np.stack([whole, lengths - whole], axis=1).reshape(-1))[:count]
+class _WindowRows:
+    """The signature row of the window starting at each stream position: first each document's whole
+    windows, then those running into the next document, which go to the spare row len(lengths). Listed a
+    block at a time: the whole batch's rows (8 bytes a token) went to memory and back."""
+
+    def __init__(self, lengths: np.ndarray, shingle_tokens: int) -> None:
+        documents = len(lengths)
+        self.windows = max(int(lengths.sum()) - shingle_tokens + 1, 0)
+        whole = np.maximum(lengths - shingle_tokens + 1, 0)
+        self.labels = np.stack([np.arange(documents), np.full(documents, documents)], axis=1).reshape(-1)
+        self.ends = np.cumsum(np.stack([whole, lengths - whole], axis=1).reshape(-1))  # of each run of a label
+
+    def between(self, first: int, end: int) -> np.ndarray:
+        """The rows of the windows starting at positions [first, end)."""
+        low = int(np.searchsorted(self.ends, first, side="right"))
+        high = int(np.searchsorted(self.ends, end, side="left")) + 1
+        run_ends = np.minimum(self.ends[low:high], end)
+        return np.repeat(self.labels[low:high], np.diff(run_ends, prepend=first))
 
 
 def _short_shingle_hashes(
@@ -195,7 +209,8 @@ def _add_shingles(
 ) -> None:
     """Fold shingle hashes into the flat signatures of their rows: the bin from the high 32 bits
     (multiply-shift onto [0, permutations)), the value from the low 32. In place as far as it goes: the
-    bins' memory then holds the values."""
+    bins' memory then holds the values. A slot is filled when its value is below _EMPTY, so `filled` is
+    marked only for values equal to it (a scatter of every slot cost as much as the `minimum.at`)."""
     bins = hashes >> np.uint64(32)
     bins *= np.uint64(permutations)
     bins >>= np.uint64(32)
@@ -204,7 +219,9 @@ def _add_shingles(
     values = bins.view(np.uint32)[: len(hashes)]
     np.copyto(values, hashes, casting="unsafe")  # the low 32 bits
     np.minimum.at(signatures, slots, values)
-    filled[slots] = True
+    empty = values == _EMPTY
+    if empty.any():
+        filled[slots[empty]] = True
 
 
 def rows_per_band(permutations: int, threshold: float) -> int:

@@ -357,7 +357,14 @@ class _Build:
         params = self._map_params(
             "map", tokenizer_sha256=tokenizer_sha256, vocab_size=self.model.vocab_size, near=self.data.near_dup_threshold is not None
         )
-        jobs = [self._shard_job(s, threads, self._cache_dir("map", s, params), shared_tokenizer) for s in shards]
+        # The last shards encode on as many threads as there are workers: a worker still on one of them when
+        # the others have none left then takes their cores, where one thread left them idle (on 2 cores and
+        # 8 MiB shards, for about half a shard's time at the end of every map).
+        tail = len(shards) - self.workers if len(shards) > self.workers else len(shards)
+        jobs = [
+            self._shard_job(s, threads if index < tail else self.workers, self._cache_dir("map", s, params), shared_tokenizer)
+            for index, s in enumerate(shards)
+        ]
         results = self._run_step("map", shard_map.map_shard, jobs, [shard_map.shard_size(s) for s in shards])
         self.reuse["input_shards"] = len(shards)
         self.reuse["map_shards_reused"] = sum(bool(r.get("reused")) for r in results)
