@@ -168,6 +168,7 @@ def test_cli_convert_round_trip_and_tokenizer_check(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.extended  # the flow around LoRA on dp2 ranks, which tests/test_finetune.py checks by default
 def test_pretrain_flow_with_lora_under_dp2_fine_tunes_on_ranks_too(corpus_jsonl, tmp_path, mlflow_uri):
     overrides = small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "flow-lora-dp2")
     sets = ["model.seq_len=128", "lora.enabled=true", "lora.steps=4", "parallel.data_parallel=2", "smoke.enabled=false",
@@ -185,7 +186,9 @@ def test_pretrain_flow_with_lora_under_dp2_fine_tunes_on_ranks_too(corpus_jsonl,
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,sets,first_file", [
     ("tp2", ["parallel.tensor_parallel=2"], "model-tp1-of-2.safetensors"),
-    ("pp2", ["parallel.pipeline_parallel=2", "parallel.micro_batches=2"], "model-pp1-of-2.safetensors"),
+    # The stage launches pp2 as it launches tp2; only the checkpoint's file names differ.
+    pytest.param("pp2", ["parallel.pipeline_parallel=2", "parallel.micro_batches=2"], "model-pp1-of-2.safetensors",
+                 marks=pytest.mark.extended),
 ])
 def test_pretrain_stage_runs_sharded_under_msrun_and_streams_rank_0_metrics(corpus_jsonl, tmp_path, mlflow_uri, layout, sets, first_file):
     overrides = small_pipeline_overrides(corpus_jsonl, tmp_path / "data", f"flow-{layout}")

@@ -47,7 +47,14 @@ def float64_norm(dataset_dir, tmp_path_factory):
     return seen[0], logged
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+# dp2 x tp2 with ZeRO-1 and dp2 with ZeRO-2 run with -m extended: ZeRO-3's flat shards and tp2 each run by default,
+# and the composed ZeRO tests check the norm under dp2 x tp2 ZeRO-3 against one process.
+EXTENDED_LAYOUTS = ("dp2-zero2", "dp2-tp2-zero1")
+
+
+@pytest.mark.parametrize(
+    "layout", [pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED_LAYOUTS else []) for name in LAYOUTS]
+)
 def test_every_layout_logs_the_float64_gradient_norm(layout, float64_norm, dataset_dir, tmp_path):
     exact, single = float64_norm
     assert single == pytest.approx(exact, rel=1e-6)

@@ -156,6 +156,7 @@ def _assert_equals_one_process(out: Path, overrides: list[str], micro_batches: i
         np.testing.assert_allclose([r[key] for r in across], [r[key] for r in expected], rtol=1e-5, err_msg=key)
 
 
+@pytest.mark.extended  # two hosts equal one process in the tp2 x pp2 test below, which runs by default
 def test_dp2_across_two_hosts_equals_one_process(two_hosts, overrides, tmp_path):
     outputs = _run_on_both(two_hosts, [*overrides, "parallel.data_parallel=2"], tmp_path)
     summaries = ("trained", "rank", "node")

@@ -101,6 +101,7 @@ def test_tp2_pp2_on_four_workers_matches_one_process(dataset_dir, tmp_path):
     assert files == [f"model-pp{s}-of-2-tp{t}-of-2.safetensors" for s in (0, 1) for t in (0, 1)]
 
 
+@pytest.mark.extended  # four workers; dp2 x pp2 with ZeRO-2 and -3 (tests/test_zero_composed_msrun.py) run by default
 def test_dp2_pp2_zero1_untied_on_four_workers_matches_one_process(dataset_dir, tmp_path):
     untied = "model.tie_embeddings=false"
     expected = one_process(dataset_dir, tmp_path / "one", SHORT, untied)

@@ -77,6 +77,7 @@ def test_tp2_resume_is_bit_exact(tp2_run, dataset_dir, tmp_path):
     assert_resumed_tail(uninterrupted, train_job(tmp_path, dataset_dir, *TP2, resume=start))
 
 
+@pytest.mark.extended  # four workers; dp2 x tp2 with ZeRO-3 (tests/test_zero_composed_msrun.py) runs by default
 def test_dp2_tp2_zero2_on_four_workers_matches_one_process(dataset_dir, tmp_path):
     """ZeRO-2 shards each tp block's gradients over its dp group; the norm adds split blocks over tp."""
     expected = one_process(dataset_dir, tmp_path / "one", SHORT)
