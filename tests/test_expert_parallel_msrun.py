@@ -97,6 +97,7 @@ def assert_same_routing(got: list[dict], expected: list[dict]) -> None:
         np.testing.assert_allclose([r[key] for r in got], [r[key] for r in expected], rtol=1e-5, atol=1e-7, err_msg=key)
 
 
+@pytest.mark.extended  # ~40 s; pp2 (tests/test_pipeline_msrun.py) and dp2 x ep2 above run by default
 def test_pp2_trains_an_moe_model_equal_to_one_process_with_its_routing_metrics(dataset_dir, single_process, tmp_path):
     """Each stage adds its own block's routing losses to its objective; the statistics meet over the pipeline."""
     ranks = train_job(tmp_path, dataset_dir, *MOE, "parallel.pipeline_parallel=2", "parallel.micro_batches=4")

@@ -153,8 +153,8 @@ def lora_one_process(pretrained, tmp_path_factory):
     return _lora_run(cli, checkpoint, tmp_path_factory.mktemp("lora-one"), "train.grad_accum_steps=2")
 
 
-# dp2 ZeRO-1 and tp2 run by default; the other layouts' LoRA paths share their code and run with -m extended.
-EXTENDED_LORA_LAYOUTS = {"dp2-zero3", "pp2", "dp2-tp2-zero2"}
+# dp2 ZeRO-1 runs by default; the other layouts' LoRA paths share its code and run with -m extended.
+EXTENDED_LORA_LAYOUTS = {"tp2", "dp2-zero3", "pp2", "dp2-tp2-zero2"}
 
 
 @pytest.mark.slow

@@ -194,6 +194,7 @@ def plain_history(dataset_dir, tmp_path_factory):
     return Trainer(load_params("tiny", [*SHORT_RUN, f"train.output_dir={out}"]), dataset_dir, out / "ckpt").run().history
 
 
+@pytest.mark.extended  # ~40 s; the noise's keying by seed, step and row is checked by the test above, in-process
 def test_router_jitter_changes_training_repeats_with_its_seed_and_resumes_bit_exactly(dataset_dir, plain_history, tmp_path):
     """A run stopped after its step-2 checkpoint and resumed repeats the uninterrupted run to the bit: the noise is
     keyed by the step, not drawn from a generator's state. Evaluation passes no noise (`Llama.construct` has none)."""
@@ -356,8 +357,10 @@ def test_a_model_with_dense_blocks_has_no_mixtral_form_and_says_why():
 
 
 @pytest.mark.slow
-# ZeRO-0 and ZeRO-1 route and sum the experts' gradients as ZeRO-2 does, which shards more: -m extended runs them.
-@pytest.mark.parametrize("zero", [pytest.param(0, marks=pytest.mark.extended), pytest.param(1, marks=pytest.mark.extended), 2])
+# -m extended: dp2 x ep2 with ZeRO-1 (tests/test_expert_parallel_msrun.py) routes each rank's rows and sums the
+# experts' gradients over dp by default.
+@pytest.mark.extended
+@pytest.mark.parametrize("zero", [0, 1, 2])
 def test_dp2_trains_an_moe_model_equal_to_one_process(dataset_dir, tmp_path, zero):
     """Each rank routes its own micro-batches, the same rows one process routes in its micro-batches, so the
     routing losses, their gradients and the routing metrics summed over dp repeat the single process."""

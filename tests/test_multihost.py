@@ -167,6 +167,7 @@ def test_dp2_across_two_hosts_equals_one_process(two_hosts, overrides, tmp_path)
     _assert_equals_one_process(tmp_path, overrides, micro_batches=2)
 
 
+@pytest.mark.extended  # ~70 s; tp2 x pp2 equals one process in tests/test_pipeline_msrun.py by default
 def test_tp2_pp2_on_two_hosts_keeps_each_tp_group_in_one_host_and_equals_one_process(two_hosts, overrides, tmp_path):
     """Two ranks a host: ranks 0-1 (stage 0's tp pair) on the first, 2-3 (stage 1's) on the second, so only the
     pipeline's messages cross between the hosts."""
@@ -249,6 +250,7 @@ def _wait_until_served(host: tuple[str, str, str], url: str, seconds: float = 18
         time.sleep(1)
 
 
+@pytest.mark.extended  # a two-node local Ray cluster writes the same manifest in tests/test_data_runners.py by default
 def test_prep_on_a_ray_cluster_across_two_hosts_writes_the_local_runs_manifest(two_hosts, tmp_path):
     """A Ray head and a Prefect server in the first host, a Ray worker in the second: `llmflow prep` with
     data.runner=ray sends its map steps to both hosts (data on the shared filesystem, task runs reporting to

@@ -235,8 +235,9 @@ def test_a_zero3_checkpoint_loads_in_one_process_as_the_joined_shards(zero3_run,
         np.testing.assert_allclose(full, single_process["final"][name], rtol=1e-4, atol=1e-6, err_msg=name)
 
 
-# ZeRO-1's resume restores the moment shards that ZeRO-2's restores too: it runs with -m extended.
-@pytest.mark.parametrize("zero_stage", [pytest.param(1, marks=pytest.mark.extended), 2, 3])
+# ZeRO-3's resume runs by default; ZeRO-1 and ZeRO-2 restore moment shards as it does and run with -m extended
+# (tests/test_zero_composed_msrun.py resumes a dp2 x pp2 ZeRO-2 job by default).
+@pytest.mark.parametrize("zero_stage", [pytest.param(1, marks=pytest.mark.extended), pytest.param(2, marks=pytest.mark.extended), 3])
 def test_dp2_zero_resume_is_bit_exact(dataset_dir, tmp_path, request, zero_stage):
     """Stopped after step 10 and resumed in a new job, steps 11-20 repeat the uninterrupted run to the bit."""
     first_out, uninterrupted = request.getfixturevalue(f"zero{zero_stage}_run")

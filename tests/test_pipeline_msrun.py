@@ -55,6 +55,7 @@ def test_pp2_stages_start_from_the_single_process_weights_and_match_its_training
         assert all(0.0 <= record["pipeline_bubble"] < 1.0 for record in rank["history"])
 
 
+@pytest.mark.extended  # the 1F1B schedule on even stages runs by default; GPipe and uneven stages share its send path
 def test_pp2_gpipe_with_uneven_stages_matches_one_process(dataset_dir, tmp_path):
     three_layers = ("model.num_layers=3", SHORT)
     expected = one_process(dataset_dir, tmp_path / "one", *three_layers)

@@ -71,6 +71,7 @@ def test_a_tp2_checkpoint_resumes_in_one_process(tp2_run, single_process, datase
     resumes_in_one_process(tp2_run[0] / "out" / "checkpoints", single_process, dataset_dir, tmp_path)
 
 
+@pytest.mark.extended  # a tp2 checkpoint resumes in one process, and a dp2 x pp2 one under dp2 x tp2, by default
 def test_tp2_resume_is_bit_exact(tp2_run, dataset_dir, tmp_path):
     out, uninterrupted = tp2_run
     start = resume_from_step(out / "out" / "checkpoints", 10, tmp_path / "out" / "checkpoints")
@@ -89,6 +90,7 @@ def test_dp2_tp2_zero2_on_four_workers_matches_one_process(dataset_dir, tmp_path
         assert abs(2 * rank["gradient_bytes"] - rank["parameter_bytes"]) <= 8, rank["parameter_bytes"]
 
 
+@pytest.mark.extended  # ~30 s; tests/test_model.py checks the padded vocabulary's loss and gradients in one process by default
 def test_tp2_with_a_vocabulary_padded_for_it_matches_the_unpadded_single_process(dataset_dir, tmp_path):
     """Two padding rows (the seeded draw of the padded table starts with the unpadded one): their logits are kept
     out of the softmax on the rank whose block holds them, so loss and gradient norm are the unpadded model's,
