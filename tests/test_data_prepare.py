@@ -273,13 +273,43 @@ def test_the_workers_start_while_a_new_input_is_hashed_and_not_on_a_reuse(tmp_pa
     assert "start workers" not in [step for step, _ in steps]  # one shard maps in this process
 
 
-def test_progress_lines_give_rates_and_an_eta(tmp_path, corpus, caplog, monkeypatch):
+def test_progress_lines_give_rates_and_an_eta_as_map_results_land_not_when_the_mapper_returns_them(
+    tmp_path, corpus, caplog, monkeypatch
+):
+    # A batched mapper (Prefect's, a Ray cluster's) returns a batch's results only when the whole batch is
+    # done; progress must move while the batch runs, and count each job once when the batch comes back.
+    monkeypatch.setattr(prepare, "_PROGRESS_POLL_SECONDS", 0.01)
     monkeypatch.setattr(prepare, "_PROGRESS_LOG_SECONDS", 0.0)
+    counted = {"map": 0}
+    before_return, map_results = [], []
+
+    def progress(stage, done, total):
+        counted[stage] = done
+
+    def one_batch_mapper(step, function, jobs):
+        results = []
+        for job in jobs:
+            results.append(function(job))
+            if step == "map":
+                deadline = time.monotonic() + 30
+                while counted["map"] < len(results) and time.monotonic() < deadline:
+                    time.sleep(0.005)
+                before_return.append(counted["map"])
+        if step == "map":
+            map_results.extend(results)
+        return results
+
+    data = params(tmp_path, corpus, shard_bytes=1 << 13)
     with caplog.at_level(logging.INFO, logger="model_core.data.prepare"):
-        prepare_dataset(params(tmp_path, corpus, shard_bytes=1 << 13), TOKENIZER, MODEL)
+        prepare_dataset(data, TOKENIZER, MODEL, progress=progress, mapper=one_batch_mapper)
+    assert len(before_return) >= 3 and before_return == list(range(1, len(before_return) + 1))
     lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("map:")]
+    counts = [int(re.match(r"map: (\d+)/", line).group(1)) for line in lines]
+    assert counts == sorted(counts) and counts[-1] == len(before_return)
     assert re.search(r"map: 1/\d+ jobs, [\d,]+ documents \([\d,]+/s\), [\d,]+ tokens \([\d,]+/s\), [\d.]+ MB read", lines[0])
     assert "ETA" in lines[0] and "ETA" not in lines[-1]
+    map_documents = int(re.search(r"([\d,]+) documents", lines[-1]).group(1).replace(",", ""))
+    assert map_documents == sum(r["documents"] for r in map_results)  # each job counted once
 
 
 def reference_dataset(texts, data, processor):

@@ -27,6 +27,7 @@ never leaves a final directory behind.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import hashlib
 import json
@@ -36,8 +37,10 @@ import re
 import shutil
 import socket
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,6 +66,7 @@ MAX_REPORTED_RECORDS = shard_map.MAX_REPORTED_RECORDS
 # Params that change where or how fast the data is made, not what it is.
 _NON_DATA_PARAMS = {"output_dir", "num_workers", "runner", "ray_address", "shard_bytes", "verify_on_reuse"}
 _PROGRESS_LOG_SECONDS = 10.0
+_PROGRESS_POLL_SECONDS = 2.0
 
 logger = logging.getLogger(__name__)
 
@@ -277,13 +281,23 @@ class _Build:
             "reuse": self.reuse,
         }
 
-    def _run_step(self, stage: str, function: Callable, jobs: list, sizes: list[int] | None = None) -> list:
-        """Every job's result in order, reporting progress as they arrive."""
-        watch = _StepProgress(stage, len(jobs), sizes, self.progress)
+    def _run_step(
+        self,
+        stage: str,
+        function: Callable,
+        jobs: list,
+        sizes: list[int] | None = None,
+        outputs: list[Path] | None = None,
+    ) -> list:
+        """Every job's result in order, reporting progress as they arrive. With `outputs` (each job's result
+        directory), progress also counts the jobs whose results appear there while the step runs: a mapper
+        hands results back a batch of jobs at a time, and on a cluster the first batches hold half the step."""
+        watch = _StepProgress(stage, len(jobs), sizes, self.progress, logs_from_poll=outputs is not None)
         results = []
-        for result in self.mapper(stage, function, jobs):
-            results.append(result)
-            watch.update(result)
+        with _watching_outputs(watch, outputs):
+            for index, result in enumerate(self.mapper(stage, function, jobs)):
+                results.append(result)
+                watch.update(index, result)
         watch.finish()
         self.seconds[stage] = self.seconds.get(stage, 0.0) + watch.elapsed
         self.jobs[stage] = len(jobs)
@@ -317,7 +331,8 @@ class _Build:
         else:
             sample_params = self._map_params("sample", training_sentences=self.tokenizer.training_sentences)
             jobs = [self._shard_job(s, threads, self._cache_dir("sample", s, sample_params)) for s in shards]
-            results = self._run_step("sample", shard_map.sample_shard, jobs, [shard_map.shard_size(s) for s in shards])
+            sizes = [shard_map.shard_size(s) for s in shards]
+            results = self._run_step("sample", shard_map.sample_shard, jobs, sizes, [job.output for job in jobs])
             self.reuse["sample_shards_reused"] = sum(bool(r.get("reused")) for r in results)
             check_bad_records(results, self.data.max_bad_record_fraction, log=False)  # logged after the map step
             _filter_counts(results, self.data, 0)  # fails on an empty corpus before training on nothing
@@ -365,7 +380,9 @@ class _Build:
             self._shard_job(s, threads if index < tail else self.workers, self._cache_dir("map", s, params), shared_tokenizer)
             for index, s in enumerate(shards)
         ]
-        results = self._run_step("map", shard_map.map_shard, jobs, [shard_map.shard_size(s) for s in shards])
+        results = self._run_step(
+            "map", shard_map.map_shard, jobs, [shard_map.shard_size(s) for s in shards], [job.output for job in jobs]
+        )
         self.reuse["input_shards"] = len(shards)
         self.reuse["map_shards_reused"] = sum(bool(r.get("reused")) for r in results)
         for job, result in zip(jobs, results):
@@ -547,48 +564,122 @@ def _filter_counts(results: list[dict], data: DataParams, exact_across_shards: i
 
 class _StepProgress:
     """Per step: the `progress` callback after every job, and a log line at most every
-    _PROGRESS_LOG_SECONDS and at the end with documents/s, tokens/s, MB read and the ETA."""
+    _PROGRESS_LOG_SECONDS and at the end with documents/s, tokens/s, MB read and the ETA. Jobs are counted
+    once, whether the mapper or a poll of their outputs reports them first; the two may call from
+    different threads."""
 
-    def __init__(self, stage: str, jobs: int, sizes: list[int] | None, progress: Progress) -> None:
+    def __init__(
+        self, stage: str, jobs: int, sizes: list[int] | None, progress: Progress, logs_from_poll: bool = False
+    ) -> None:
         self.stage, self.jobs, self.progress = stage, jobs, progress
         self.total_bytes = sum(sizes) if sizes else None
-        self.done = self.documents = self.tokens = self.bytes = 0
+        # A mapper returns a batch's results all at once: a line logged at the first of them would give its
+        # rates and ETA from one job where the batch held many, so with a poll the poll logs.
+        self.logs_on_update = not logs_from_poll
+        self.counted: set[int] = set()
+        self.documents = self.tokens = self.bytes = 0
         self.started = self._logged = time.perf_counter()
+        self._lock = threading.Lock()
         progress(stage, 0, jobs)
 
     @property
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
-    def update(self, result: dict) -> None:
-        self.done += 1
-        if isinstance(result, dict):
-            self.documents += result.get("documents", 0)
-            self.tokens += result.get("tokens", 0)
-            self.bytes += result.get("bytes", 0)
-        self.progress(self.stage, self.done, self.jobs)
-        if time.perf_counter() - self._logged >= _PROGRESS_LOG_SECONDS:
-            self._log()
+    def update(self, index: int, result: object, log: bool | None = None) -> None:
+        with self._lock:
+            if index in self.counted:
+                return
+            self.counted.add(index)
+            if isinstance(result, dict):
+                self.documents += result.get("documents", 0)
+                self.tokens += result.get("tokens", 0)
+                self.bytes += result.get("bytes", 0)
+            self.progress(self.stage, len(self.counted), self.jobs)
+            if self.logs_on_update if log is None else log:
+                self._log_if_due()
+
+    def log_if_due(self) -> None:
+        with self._lock:
+            self._log_if_due()
 
     def finish(self) -> None:
-        if self.jobs:
+        with self._lock:
+            if self.jobs:
+                self._log()
+
+    def _log_if_due(self) -> None:
+        if time.perf_counter() - self._logged >= _PROGRESS_LOG_SECONDS:
             self._log()
 
     def _log(self) -> None:
         self._logged = now = time.perf_counter()
         seconds = max(now - self.started, 1e-9)
-        parts = [f"{self.stage}: {self.done}/{self.jobs} jobs"]
+        done = len(self.counted)
+        parts = [f"{self.stage}: {done}/{self.jobs} jobs"]
         if self.documents:
             parts.append(f"{self.documents:,} documents ({self.documents / seconds:,.0f}/s)")
         if self.tokens:
             parts.append(f"{self.tokens:,} tokens ({self.tokens / seconds:,.0f}/s)")
         if self.bytes:
             parts.append(f"{self.bytes / 1e6:,.1f} MB read ({self.bytes / 1e6 / seconds:,.1f} MB/s)")
-        share = self.bytes / self.total_bytes if self.total_bytes and self.bytes else self.done / max(self.jobs, 1)
+        share = self.bytes / self.total_bytes if self.total_bytes and self.bytes else done / max(self.jobs, 1)
         if 0 < share < 1:
             parts.append(f"ETA {_duration(seconds * (1 - share) / share)}")
         parts.append(f"{_duration(seconds)} elapsed")
         logger.info(", ".join(parts))
+
+
+@contextmanager
+def _watching_outputs(watch: _StepProgress, outputs: list[Path] | None) -> Iterator[None]:
+    """While the block runs, a thread counts the jobs whose result directory (`outputs[i]`, all in one
+    parent) has appeared: one listing of the parent a poll, so a poll costs the same for 100 jobs or 100,000,
+    and a result there is finished (each is renamed into place whole). Polls are spaced by
+    _PROGRESS_POLL_SECONDS, or 20 times the last poll's time when a large listing on a network file system
+    takes longer, so polling never takes more than a twentieth of a core."""
+    if not outputs:
+        yield
+        return
+    parent = outputs[0].parent
+    pending = {path.name: index for index, path in enumerate(outputs)}
+    stop = threading.Event()
+
+    def poll() -> None:
+        try:
+            names = os.listdir(parent)
+        except OSError:  # not made yet: no job has finished
+            return
+        for name in names:
+            index = pending.get(name)
+            if index is None:
+                continue
+            result = shard_map.finished_result(parent / name)
+            if result is not None:
+                del pending[name]
+                watch.update(index, result, log=False)
+        watch.log_if_due()
+
+    def run() -> None:
+        wait = _PROGRESS_POLL_SECONDS
+        while pending and not stop.wait(wait):
+            started = time.perf_counter()
+            try:
+                poll()
+            except Exception:  # progress must never fail the step; the mapper's results still count every job
+                logger.debug("polling %s for finished jobs failed", parent, exc_info=True)
+                return
+            wait = max(_PROGRESS_POLL_SECONDS, 20 * (time.perf_counter() - started))
+
+    # In a copy of this thread's context: the progress callback and log handlers may look up run state
+    # (an orchestrator's) in context variables, which a new thread would start without.
+    context = contextvars.copy_context()
+    poller = threading.Thread(target=context.run, args=(run,), name=f"{watch.stage} progress", daemon=True)
+    poller.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        poller.join()
 
 
 def _duration(seconds: float) -> str:

@@ -185,7 +185,7 @@ def shard_size(shard: InputShard) -> int:
 
 def sample_shard(job: ShardJob) -> dict:
     """Keep the shard's `training_sentences` training lines with the smallest keys (`LINE_STREAM`)."""
-    cached = _cached(job.output)
+    cached = finished_result(job.output)
     if cached is not None:
         return cached
     report, counts, hashes = FileReport(job.shard.input.path), _Counts(job.data), []
@@ -231,7 +231,7 @@ def read_sample(directory: Path) -> tuple[np.ndarray, list[str]]:
 
 def map_shard(job: ShardJob) -> dict:
     """Read, clean, filter, dedup inside the shard, split, tokenize and minhash one shard to its directory."""
-    cached = _cached(job.output)
+    cached = finished_result(job.output)
     if cached is not None:
         return cached
     started = time.perf_counter()
@@ -257,7 +257,8 @@ def map_shard(job: ShardJob) -> dict:
     return result
 
 
-def _cached(directory: Path) -> dict | None:
+def finished_result(directory: Path) -> dict | None:
+    """The result of a sample or map job whose directory is there (marked reused), or None."""
     try:
         return {**json.loads((directory / RESULT_NAME).read_text()), "reused": True}
     except (OSError, ValueError):
