@@ -292,12 +292,16 @@ class _Build:
         """Every job's result in order, reporting progress as they arrive. With `outputs` (each job's result
         directory), progress also counts the jobs whose results appear there while the step runs: a mapper
         hands results back a batch of jobs at a time, and on a cluster the first batches hold half the step."""
-        watch = _StepProgress(stage, len(jobs), sizes, self.progress, logs_from_poll=outputs is not None)
+        watch = _StepProgress(stage, len(jobs), sizes, self.progress)
         results = []
         with _watching_outputs(watch, outputs):
             for index, result in enumerate(self.mapper(stage, function, jobs)):
                 results.append(result)
                 watch.update(index, result)
+                # A mapper returns a batch's results all at once: a line logged at the first of them would
+                # give its rates and ETA from one job where the batch held many, so with a poll the poll logs.
+                if outputs is None:
+                    watch.log_if_due()
         watch.finish()
         self.seconds[stage] = self.seconds.get(stage, 0.0) + watch.elapsed
         self.jobs[stage] = len(jobs)
@@ -563,19 +567,14 @@ def _filter_counts(results: list[dict], data: DataParams, exact_across_shards: i
 
 
 class _StepProgress:
-    """Per step: the `progress` callback after every job, and a log line at most every
+    """Per step: the `progress` callback after every job, and a log line (`log_if_due`) at most every
     _PROGRESS_LOG_SECONDS and at the end with documents/s, tokens/s, MB read and the ETA. Jobs are counted
     once, whether the mapper or a poll of their outputs reports them first; the two may call from
     different threads."""
 
-    def __init__(
-        self, stage: str, jobs: int, sizes: list[int] | None, progress: Progress, logs_from_poll: bool = False
-    ) -> None:
+    def __init__(self, stage: str, jobs: int, sizes: list[int] | None, progress: Progress) -> None:
         self.stage, self.jobs, self.progress = stage, jobs, progress
         self.total_bytes = sum(sizes) if sizes else None
-        # A mapper returns a batch's results all at once: a line logged at the first of them would give its
-        # rates and ETA from one job where the batch held many, so with a poll the poll logs.
-        self.logs_on_update = not logs_from_poll
         self.counted: set[int] = set()
         self.documents = self.tokens = self.bytes = 0
         self.started = self._logged = time.perf_counter()
@@ -586,7 +585,7 @@ class _StepProgress:
     def elapsed(self) -> float:
         return time.perf_counter() - self.started
 
-    def update(self, index: int, result: object, log: bool | None = None) -> None:
+    def update(self, index: int, result: object) -> None:
         with self._lock:
             if index in self.counted:
                 return
@@ -596,21 +595,16 @@ class _StepProgress:
                 self.tokens += result.get("tokens", 0)
                 self.bytes += result.get("bytes", 0)
             self.progress(self.stage, len(self.counted), self.jobs)
-            if self.logs_on_update if log is None else log:
-                self._log_if_due()
 
     def log_if_due(self) -> None:
         with self._lock:
-            self._log_if_due()
+            if time.perf_counter() - self._logged >= _PROGRESS_LOG_SECONDS:
+                self._log()
 
     def finish(self) -> None:
         with self._lock:
             if self.jobs:
                 self._log()
-
-    def _log_if_due(self) -> None:
-        if time.perf_counter() - self._logged >= _PROGRESS_LOG_SECONDS:
-            self._log()
 
     def _log(self) -> None:
         self._logged = now = time.perf_counter()
@@ -656,7 +650,7 @@ def _watching_outputs(watch: _StepProgress, outputs: list[Path] | None) -> Itera
             result = shard_map.finished_result(parent / name)
             if result is not None:
                 del pending[name]
-                watch.update(index, result, log=False)
+                watch.update(index, result)
         watch.log_if_due()
 
     def run() -> None:
