@@ -402,9 +402,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _explain_oom(log: str, metrics: str | None) -> int:
     """Say where a failed run ran out of memory and what to change; exit 1 when the log shows no such failure."""
-    from model_core.parallel.oom import explain_oom, read_metrics
+    from model_core.parallel.oom import explain_oom, read_log, read_metrics
 
-    diagnosis = explain_oom(Path(log).read_text(errors="replace"), read_metrics(metrics) if metrics else None)
+    diagnosis = explain_oom(read_log(log), read_metrics(metrics) if metrics else None)
     print(diagnosis)
     return 0 if diagnosis.phase is not None else 1
 
