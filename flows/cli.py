@@ -352,15 +352,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _try_layouts(params: PipelineParams, planned: Plan, steps: int, write: str | None) -> int:
     """`plan --try`: a short run of each fitting layout, the table, and the fastest written to `write`."""
-    from model_core.parallel.trials import fastest, format_trials_table, run_trials, write_params
+    from model_core.parallel.trials import fastest, format_trials_table, nothing_to_try, run_trials, write_params
 
+    refused = nothing_to_try(params, planned)
+    if refused:
+        raise ValueError(refused)
     _prepared_pretraining_data(params)  # once here; every trial's ranks reuse it
     workdir = Path(params.train.output_dir) / "layout-trials"
     trials = run_trials(params, planned, steps, workdir, sys.stdout)
     print(format_trials_table(trials, steps))
     best = fastest(trials)
     if best is None:
-        raise ValueError(f"no layout trial ran to the end; their logs are under {workdir}")
+        launched = next(trial for trial in trials if trial.params is not None)  # nothing_to_try said one is
+        raise ValueError(f"no layout trial ran to the end ({launched.estimate.candidate}: {launched.problem}); "
+                         f"each trial's logs are under {workdir}/<layout>/logs")
     if write:
         print(f"fastest: {best.estimate.candidate}; wrote its params to {write_params(best.params, write)}")
     else:
