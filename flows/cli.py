@@ -377,8 +377,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from tasks.compare import compare, render, write_loss_overlay
     from tasks.tracking import tracking_uri
 
-    uri = args.tracking_uri or tracking_uri(_params(args))
-    comparison = compare(uri, args.run_ids, args.experiment, args.last)
+    if args.run_ids and (args.experiment or args.last is not None):
+        raise ValueError("give run ids, or --experiment/--last to take an experiment's latest runs, not both")
+    if args.last is not None and args.last < 2:
+        raise ValueError(f"--last {args.last}: a comparison needs at least 2 runs")
+    params = _params(args)
+    uri = args.tracking_uri or tracking_uri(params)
+    experiment = None if args.run_ids else args.experiment or params.tracking.experiment  # where the pipeline logs
+    comparison = compare(uri, args.run_ids, experiment, 2 if args.last is None else args.last)
     print(render(comparison, uri, args.format))
     if args.format != "json":
         written = write_loss_overlay(comparison, args.plot)
@@ -644,8 +650,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_params_arguments(comparer)
     comparer.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="parent (pipeline) run ids to compare")
-    comparer.add_argument("--experiment", help="compare the last finished pipeline runs of this experiment")
-    comparer.add_argument("--last", type=int, default=2, metavar="N", help="with --experiment: how many (default 2)")
+    comparer.add_argument(
+        "--experiment", help="without run ids: the experiment whose last finished pipeline runs are compared "
+        "(default: tracking.experiment of --params, where the pipeline records them)",
+    )
+    comparer.add_argument("--last", type=int, metavar="N", help="without run ids: how many of them (default 2)")
     comparer.add_argument("--format", choices=["table", "markdown", "json"], default="table")
     comparer.add_argument("--plot", default="compare-loss.png", metavar="PNG", help="where the loss overlay goes")
     comparer.add_argument(

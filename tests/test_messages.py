@@ -1,7 +1,11 @@
-"""Mistakes with `llmflow plan --try` end in one line that names the value, says what would be taken, and leaves
-nothing written."""
+"""Mistakes with `llmflow plan --try` and `llmflow compare` end in one line that names the value, says what would
+be taken, and leaves nothing written; `compare` without run ids takes the experiment the pipeline records to."""
 
 from __future__ import annotations
+
+import json
+
+from mlflow.tracking import MlflowClient
 
 from flows.cli import main
 
@@ -19,3 +23,37 @@ def test_plan_try_refuses_a_batch_no_layout_splits_before_preparing_anything(tmp
     )
     assert list(tmp_path.iterdir()) == []  # no data prepared, no trial directory
 
+
+def test_compare_takes_the_params_experiment_by_default(mlflow_uri, tmp_path, capsys):
+    client = MlflowClient(mlflow_uri)
+    experiment = client.create_experiment("compare-default")
+    ids = []
+    for lr in ("0.001", "0.003", "0.01"):
+        run = client.create_run(experiment, run_name=f"lr-{lr}")
+        client.log_param(run.info.run_id, "optimizer.lr", lr)
+        client.set_terminated(run.info.run_id)
+        ids.append(run.info.run_id)
+    params = tmp_path / "params.yaml"
+    params.write_text("tracking:\n  experiment: compare-default\n")
+
+    assert main(["compare", "--params", str(params), "--format", "json"]) == 0  # --last 2 is the default
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["experiment"] == "compare-default" and [row["id"] for row in shown["runs"]] == ids[1:]
+    assert main(["compare", "--params", str(params), "--last", "3", "--plot", str(tmp_path / "loss.png")]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("the last 3 finished pipeline runs of experiment 'compare-default', oldest first\n")
+    assert out.index("lr-0.001") < out.index("lr-0.003") < out.index("lr-0.01")
+
+    refusals = [
+        (["--last", "2", ids[0], ids[1]], "give run ids, or --experiment/--last to take an experiment's latest runs, not both"),
+        (["--last", "1"], "--last 1: a comparison needs at least 2 runs"),
+        (["--experiment", "no-such"], f"no MLflow experiment named 'no-such' at {mlflow_uri}; name one with "
+                                      "--experiment, or give run ids"),
+        (["--tracking-uri", f"sqlite:///{tmp_path / 'none.db'}"],
+         f"no MLflow store at sqlite:///{tmp_path / 'none.db'} ({tmp_path / 'none.db'} does not exist); give "
+         "--tracking-uri, or the --params whose tracking.uri the pipeline recorded to"),
+    ]
+    for argv, said in refusals:
+        assert main(["compare", "--params", str(params), *argv]) == 1, argv
+        assert capsys.readouterr() == ("", f"llmflow compare: {said}\n"), argv
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["params.yaml"]  # no plot, no new store
