@@ -75,7 +75,7 @@ def _space_kind(value: Any) -> str:
 
 # A mapping is read as a range and anything else as values, so a mistake is reported against the one it meant.
 SpaceValues = Annotated[
-    Union[Annotated[list[Any], Field(min_length=1), Tag("values")], Annotated[Range, Tag("range")]],
+    Annotated[list[Any], Field(min_length=1), Tag("values")] | Annotated[Range, Tag("range")],
     Discriminator(_space_kind),
 ]
 

@@ -138,8 +138,8 @@ def render(comparison: Comparison, uri: str, form: str = "table") -> str:
         links.insert(0, "(no params differ between these runs)")
     heading = []
     if comparison.experiment is not None:
-        heading = [f"the last {len(comparison.runs)} finished pipeline runs of experiment {comparison.experiment!r}, "
-                   "oldest first", ""]
+        taken = f"the last {len(comparison.runs)} finished pipeline runs of experiment {comparison.experiment!r}"
+        heading = [f"{taken}, oldest first", ""]
     if form == "markdown":
         return "\n".join([*heading, markdown([header, *body]), "", *(f"- {link}" for link in links)])
     return "\n".join([*heading, fixed_width([header, *body]), "", *links])
