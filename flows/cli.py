@@ -352,15 +352,20 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _try_layouts(params: PipelineParams, planned: Plan, steps: int, write: str | None) -> int:
     """`plan --try`: a short run of each fitting layout, the table, and the fastest written to `write`."""
-    from model_core.parallel.trials import fastest, format_trials_table, run_trials, write_params
+    from model_core.parallel.trials import fastest, format_trials_table, nothing_to_try, run_trials, write_params
 
+    refused = nothing_to_try(params, planned)
+    if refused:
+        raise ValueError(refused)
     _prepared_pretraining_data(params)  # once here; every trial's ranks reuse it
     workdir = Path(params.train.output_dir) / "layout-trials"
     trials = run_trials(params, planned, steps, workdir, sys.stdout)
     print(format_trials_table(trials, steps))
     best = fastest(trials)
     if best is None:
-        raise ValueError(f"no layout trial ran to the end; their logs are under {workdir}")
+        launched = next(trial for trial in trials if trial.params is not None)  # nothing_to_try said one is
+        raise ValueError(f"no layout trial ran to the end ({launched.estimate.candidate}: {launched.problem}); "
+                         f"each trial's logs are under {workdir}/<layout>/logs")
     if write:
         print(f"fastest: {best.estimate.candidate}; wrote its params to {write_params(best.params, write)}")
     else:
@@ -372,8 +377,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     from tasks.compare import compare, render, write_loss_overlay
     from tasks.tracking import tracking_uri
 
-    uri = args.tracking_uri or tracking_uri(_params(args))
-    comparison = compare(uri, args.run_ids, args.experiment, args.last)
+    if args.run_ids and (args.experiment or args.last is not None):
+        raise ValueError("give run ids, or --experiment/--last to take an experiment's latest runs, not both")
+    if args.last is not None and args.last < 2:
+        raise ValueError(f"--last {args.last}: a comparison needs at least 2 runs")
+    params = _params(args)
+    uri = args.tracking_uri or tracking_uri(params)
+    experiment = None if args.run_ids else args.experiment or params.tracking.experiment  # where the pipeline logs
+    comparison = compare(uri, args.run_ids, experiment, 2 if args.last is None else args.last)
     print(render(comparison, uri, args.format))
     if args.format != "json":
         written = write_loss_overlay(comparison, args.plot)
@@ -402,9 +413,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def _explain_oom(log: str, metrics: str | None) -> int:
     """Say where a failed run ran out of memory and what to change; exit 1 when the log shows no such failure."""
-    from model_core.parallel.oom import explain_oom, read_metrics
+    from model_core.parallel.oom import explain_oom, read_log, read_metrics
 
-    diagnosis = explain_oom(Path(log).read_text(errors="replace"), read_metrics(metrics) if metrics else None)
+    diagnosis = explain_oom(read_log(log), read_metrics(metrics) if metrics else None)
     print(diagnosis)
     return 0 if diagnosis.phase is not None else 1
 
@@ -639,8 +650,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_params_arguments(comparer)
     comparer.add_argument("run_ids", nargs="*", metavar="RUN_ID", help="parent (pipeline) run ids to compare")
-    comparer.add_argument("--experiment", help="compare the last finished pipeline runs of this experiment")
-    comparer.add_argument("--last", type=int, default=2, metavar="N", help="with --experiment: how many (default 2)")
+    comparer.add_argument(
+        "--experiment", help="without run ids: the experiment whose last finished pipeline runs are compared "
+        "(default: tracking.experiment of --params, where the pipeline records them)",
+    )
+    comparer.add_argument("--last", type=int, metavar="N", help="without run ids: how many of them (default 2)")
     comparer.add_argument("--format", choices=["table", "markdown", "json"], default="table")
     comparer.add_argument("--plot", default="compare-loss.png", metavar="PNG", help="where the loss overlay goes")
     comparer.add_argument(

@@ -23,16 +23,24 @@ import random
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from params.loading import ParamsError, _nearest_line, _read_yaml, load_params, resolve_source
 from params.schema import PipelineParams
 
 # Fields a trial may not vary: the sweep records every trial in one MLflow experiment of one store.
 FIXED_PREFIXES = ("tracking.",)
+
+
+class _FieldProblem(ValueError):
+    """A check across fields that belongs to one of them: the error message is put at that field's line."""
+
+    def __init__(self, field: tuple[str, ...], message: str):
+        super().__init__(message)
+        self.field = field
 
 
 class Range(BaseModel):
@@ -49,7 +57,8 @@ class Range(BaseModel):
     @model_validator(mode="after")
     def _ordered(self) -> Range:
         if not self.min < self.max:
-            raise ValueError(f"min={self.min} must be below max={self.max}")
+            relation = "equals" if self.min == self.max else "is above"
+            raise ValueError(f"min={self.min} {relation} max={self.max}; a range needs min below max")
         if self.scale == "log" and self.min <= 0:
             raise ValueError(f"a log-scale range needs min > 0, got min={self.min} (or set scale: linear)")
         return self
@@ -58,6 +67,17 @@ class Range(BaseModel):
         if self.scale == "linear":
             return rng.uniform(self.min, self.max)
         return math.exp(rng.uniform(math.log(self.min), math.log(self.max)))
+
+
+def _space_kind(value: Any) -> str:
+    return "range" if isinstance(value, (dict, Range)) else "values"
+
+
+# A mapping is read as a range and anything else as values, so a mistake is reported against the one it meant.
+SpaceValues = Annotated[
+    Annotated[list[Any], Field(min_length=1), Tag("values")] | Annotated[Range, Tag("range")],
+    Discriminator(_space_kind),
+]
 
 
 class Trial(BaseModel):
@@ -82,7 +102,7 @@ class SweepParams(BaseModel):
         default_factory=dict, description="Dotted params field -> value, applied to the base for every trial."
     )
     method: Literal["grid", "random"] = Field("grid", description="grid: every combination; random: `trials` draws.")
-    space: dict[str, list[Any] | Range] = Field(
+    space: dict[str, SpaceValues] = Field(
         min_length=1, description="Dotted params field -> the values to try, or (random) a range to draw from."
     )
     trials: int | None = Field(None, ge=1, description="random: how many trials to draw.")
@@ -96,17 +116,14 @@ class SweepParams(BaseModel):
 
     @model_validator(mode="after")
     def _method_fits_space(self) -> SweepParams:
-        empty = [name for name, values in self.space.items() if isinstance(values, list) and not values]
-        if empty:
-            raise ValueError(f"space.{empty[0]} lists no values")
         if self.method == "grid":
             ranges = [name for name, values in self.space.items() if isinstance(values, Range)]
             if ranges:
-                raise ValueError(f"space.{ranges[0]} is a range; a grid needs a list of values (or method: random)")
+                raise _FieldProblem(("space", ranges[0]), "a range, but a grid needs a list of values (or method: random)")
             if self.trials is not None:
-                raise ValueError(f"trials={self.trials} is for method: random; a grid runs every combination")
+                raise _FieldProblem(("trials",), f"trials={self.trials} is for method: random; a grid runs every combination")
         elif self.trials is None:
-            raise ValueError("method: random needs trials: N (how many to draw)")
+            raise _FieldProblem(("method",), "random needs trials: N (how many to draw)")
         return self
 
     def assignments(self) -> list[dict[str, Any]]:
@@ -176,18 +193,33 @@ def load_sweep(path: str | Path) -> SweepParams:
 def _describe(error: ValidationError, path: Path, lines: dict[tuple[str, ...], int]) -> str:
     """The first problem as one line, `file:line: field: message`; an unknown key first, since a misspelt key
     also makes the field it meant look missing."""
-    problems: dict[tuple[str, ...], dict] = {}
-    for item in sorted(error.errors(), key=lambda item: item["type"] != "extra_forbidden"):
-        loc = tuple(str(part) for part in item["loc"] if part not in ("list[any]", "Range"))  # union members' names
-        problems.setdefault(loc if loc[:1] != ("space",) else loc[:2], item)
-    loc, item = next(iter(problems.items()))
-    message = item["msg"].removeprefix("Value error, ")
-    if item["type"] == "extra_forbidden":
-        message = f"unknown sweep field (the fields are {', '.join(SweepParams.model_fields)})"
-    elif loc[:1] == ("space",) and len(loc) == 2 and item["type"] in ("list_type", "model_type"):
-        message = "give a list of values, or for method: random a range {min: ..., max: ...}"
-    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    items = sorted(error.errors(), key=lambda item: item["type"] != "extra_forbidden")
+    loc, message = _problem(items[0])
+    more = f" (and {len(items) - 1} more)" if len(items) > 1 else ""
     return f"{path}:{_nearest_line(loc, lines) or 1}: {'.'.join(loc) or 'sweep'}: {message}{more}"
+
+
+def _problem(item: dict) -> tuple[tuple[str, ...], str]:
+    """Where in the sweep file a validation error is (a key path) and what it says, with what would be taken."""
+    loc = tuple(str(part) for part in item["loc"])
+    message = item["msg"].removeprefix("Value error, ")
+    cause = item.get("ctx", {}).get("error")
+    if isinstance(cause, _FieldProblem):
+        return cause.field, message
+    if loc[:1] == ("space",) and len(loc) > 2:  # space, the field, which kind the value was read as, a range's key
+        field, inner = loc[:2], loc[3:]
+        if item["type"] == "list_type":
+            return field, f"got {item['input']!r}; give a list of values, or for method: random a range {{min: ..., max: ...}}"
+        if item["type"] == "too_short":
+            return field, "lists no values; give at least one"
+        if item["type"] == "extra_forbidden":
+            return (*field, *inner), f"unknown range field (a range has {', '.join(Range.model_fields)})"
+        return (*field, *inner), message
+    if loc == ("space",) and item["type"] == "too_short":
+        return loc, "names no field to vary; give at least one, e.g. optimizer.lr: [1.0e-3, 3.0e-3]"
+    if item["type"] == "extra_forbidden":
+        return loc, f"unknown sweep field (the fields are {', '.join(SweepParams.model_fields)})"
+    return loc, message
 
 
 def field_problem(dotted: str) -> str | None:

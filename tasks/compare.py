@@ -30,14 +30,16 @@ class Comparison:
     differing: list[str]  # param names whose values differ between the runs
     headlines: list[str]  # metric columns
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # run name -> pretraining loss
+    experiment: str | None = None  # the experiment whose latest runs these are; None for runs named by id
 
 
 def compare(
     uri: str, run_ids: list[str] | None = None, experiment: str | None = None, last: int = 2
 ) -> Comparison:
     """The pipeline runs `run_ids`, or the `last` finished pipeline runs of `experiment`, compared."""
+    _existing_store(uri)
     client = MlflowClient(tracking_uri=uri)
-    runs = _runs(client, run_ids, experiment, last)
+    runs = _runs(client, uri, run_ids, experiment, last)
     params = [run.data.params for run in runs]
     names = sorted({name for values in params for name in values})
     differing = [name for name in names if len({values.get(name) for values in params}) > 1]
@@ -52,10 +54,20 @@ def compare(
         }
         for run in runs
     ]
-    return Comparison(rows, differing, headlines, {run.info.run_name: _pretraining_curve(client, run) for run in runs})
+    curves = {run.info.run_name: _pretraining_curve(client, run) for run in runs}
+    return Comparison(rows, differing, headlines, curves, None if run_ids else experiment)
 
 
-def _runs(client: MlflowClient, run_ids: list[str] | None, experiment: str | None, last: int) -> list:
+def _existing_store(uri: str) -> None:
+    """Refuse a SQLite store that is not there: opening one would create an empty database to find nothing in."""
+    if uri.startswith("sqlite:///"):
+        path = Path(uri.removeprefix("sqlite:///"))
+        if not path.is_file():
+            raise CompareError(f"no MLflow store at {uri} ({path} does not exist); give --tracking-uri, or the --params "
+                               "whose tracking.uri the pipeline recorded to")
+
+
+def _runs(client: MlflowClient, uri: str, run_ids: list[str] | None, experiment: str | None, last: int) -> list:
     if run_ids:
         found = []
         for run_id in run_ids:
@@ -68,14 +80,16 @@ def _runs(client: MlflowClient, run_ids: list[str] | None, experiment: str | Non
         raise CompareError("give run ids, or --experiment NAME (with --last N)")
     known = client.get_experiment_by_name(experiment)
     if known is None:
-        raise CompareError(f"no MLflow experiment named {experiment!r} at this tracking URI")
+        raise CompareError(f"no MLflow experiment named {experiment!r} at {uri}; name one with --experiment, or give "
+                           "run ids")
     parents = client.search_runs(
         [known.experiment_id], filter_string="attributes.status = 'FINISHED'", order_by=["attributes.start_time DESC"],
         max_results=200,
     )
     parents = [run for run in parents if _is_pipeline_run(run)][:last]
     if len(parents) < 2:
-        raise CompareError(f"experiment {experiment!r} has {len(parents)} finished pipeline run(s); comparing needs 2")
+        raise CompareError(f"experiment {experiment!r} at {uri} has {len(parents)} finished pipeline run(s); "
+                           "comparing needs 2")
     return parents[::-1]  # oldest first
 
 
@@ -110,8 +124,8 @@ def render(comparison: Comparison, uri: str, form: str = "table") -> str:
     """The comparison as a fixed-width table, a Markdown table, or JSON."""
     if form == "json":
         rows = [{**row, "link": run_link(uri, row)} for row in comparison.runs]
-        return json.dumps({"differing_params": comparison.differing, "headline_metrics": comparison.headlines,
-                           "runs": rows}, indent=2)
+        return json.dumps({"experiment": comparison.experiment, "differing_params": comparison.differing,
+                           "headline_metrics": comparison.headlines, "runs": rows}, indent=2)
     statuses = any(row["status"] != "FINISHED" for row in comparison.runs)  # e.g. a sweep's stopped trials
     header = ["run", *(["status"] if statuses else []), *comparison.differing, *comparison.headlines]
     body = [
@@ -122,9 +136,13 @@ def render(comparison: Comparison, uri: str, form: str = "table") -> str:
     links = [f"{row['name']}: {run_link(uri, row)}" for row in comparison.runs]
     if not comparison.differing:
         links.insert(0, "(no params differ between these runs)")
+    heading = []
+    if comparison.experiment is not None:
+        taken = f"the last {len(comparison.runs)} finished pipeline runs of experiment {comparison.experiment!r}"
+        heading = [f"{taken}, oldest first", ""]
     if form == "markdown":
-        return "\n".join([markdown([header, *body]), "", *(f"- {link}" for link in links)])
-    return "\n".join([fixed_width([header, *body]), "", *links])
+        return "\n".join([*heading, markdown([header, *body]), "", *(f"- {link}" for link in links)])
+    return "\n".join([*heading, fixed_width([header, *body]), "", *links])
 
 
 def _number(value: float | None) -> str:

@@ -87,3 +87,25 @@ def test_a_process_the_oom_killer_ended_is_placed_by_its_metrics(tmp_path, capsy
     assert main(["plan", "--explain-oom", str(tmp_path / "metrics.jsonl")]) == 1  # no memory failure in it
     assert main(["plan", "--params", "tiny"]) == 1
     assert "--devices and --device-memory are required" in capsys.readouterr().err
+
+
+def test_a_file_that_is_not_a_log_is_named_not_diagnosed(tmp_path, capsys):
+    png = tmp_path / "loss.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(13))
+    (tmp_path / "empty.log").write_text("")
+    (tmp_path / "worker.log").write_text("MemoryError: out of memory\n")
+    log = "expected a failed run's log (a rank's logs/worker_<rank>.log, or its console output)"
+    binary = "could not be read as text (binary: a NUL byte at offset 8)"
+    cases = [
+        (["--explain-oom", str(png)], f"{png} {binary}; {log}"),
+        (["--explain-oom", str(tmp_path / "missing.log")], f"{tmp_path / 'missing.log'} does not exist; {log}"),
+        (["--explain-oom", str(tmp_path / "empty.log")], f"{tmp_path / 'empty.log'} is empty; {log}"),
+        (["--explain-oom", str(tmp_path)], f"{tmp_path} is not a file; {log}"),
+        (["--explain-oom", str(tmp_path / "worker.log"), "--metrics", str(png)],
+         f"{png} {binary}; expected the run's --metrics-jsonl file"),
+    ]
+    before = sorted(tmp_path.iterdir())
+    for argv, said in cases:
+        assert main(["plan", *argv]) == 1, argv
+        assert capsys.readouterr() == ("", f"llmflow plan: {said}\n"), argv
+    assert sorted(tmp_path.iterdir()) == before

@@ -17,9 +17,18 @@ BAD_SWEEPS = [
     ("name: s\nspace:\n  optimiser.lr: [1.0e-3]\n", "bad.yaml:3: space.optimiser.lr: unknown params field 'optimiser'"),
     ("name: s\nspace:\n  optimizer: [1]\n", "bad.yaml:3: space.optimizer: optimizer is a section"),
     ("name: s\nspac:\n  optimizer.lr: [1]\n", "bad.yaml:2: spac: unknown sweep field"),
-    ("name: s\nspace:\n  optimizer.lr: 0.1\n", "bad.yaml:3: space.optimizer.lr: give a list of values"),
-    ("name: s\nspace:\n  optimizer.lr: {min: 1.0e-4, max: 1.0e-2}\n", "space.optimizer.lr is a range; a grid needs"),
-    ("name: s\nmethod: random\nspace:\n  optimizer.lr: [1]\n", "method: random needs trials: N"),
+    ("name: s\nspace:\n  optimizer.lr: 0.1\n", "bad.yaml:3: space.optimizer.lr: got 0.1; give a list of values"),
+    ("name: s\nspace:\n  train.seed: [1]\n  optimizer.lr: {min: 1.0e-4, max: 1.0e-2}\n",
+     "bad.yaml:4: space.optimizer.lr: a range, but a grid needs a list of values (or method: random)"),
+    ("name: s\nmethod: random\nspace:\n  optimizer.lr: [1]\n", "bad.yaml:2: method: random needs trials: N"),
+    ("name: s\ntrials: 3\nspace:\n  optimizer.lr: [1]\n", "bad.yaml:2: trials: trials=3 is for method: random"),
+    ("name: s\nmethod: random\ntrials: 2\nspace:\n  optimizer.lr: {min: 1.0e-2, max: 1.0e-4}\n",
+     "bad.yaml:5: space.optimizer.lr: min=0.01 is above max=0.0001; a range needs min below max"),
+    ("name: s\nmethod: random\ntrials: 2\nspace:\n  optimizer.lr:\n    min: 1.0e-4\n    max: 1.0e-2\n    step: 2\n",
+     "bad.yaml:8: space.optimizer.lr.step: unknown range field (a range has min, max, scale)"),
+    ("name: s\nspace:\n  train.seed: [1, 2]\n  optimizer.lr: []\n",
+     "bad.yaml:4: space.optimizer.lr: lists no values; give at least one"),
+    ("name: s\nspace: {}\n", "bad.yaml:2: space: names no field to vary; give at least one"),
     ("name: s\nspace:\n  optimizer.lr: [-1.0]\n", "trial 1 (optimizer.lr=-1): invalid params: optimizer.lr=-1.0: optimizer.lr: Input should be greater than 0"),
     ("name: s\noverrides: {train.stepz: 3}\nspace:\n  optimizer.lr: [1]\n", "bad.yaml:2: overrides.train.stepz: unknown params field"),
     ("name: s\nspace:\n  tracking.experiment: [a, b]\n", "space.tracking.experiment: tracking fields are fixed"),
@@ -34,6 +43,7 @@ def test_sweep_file_errors_are_one_line(tmp_path, capsys):
         assert main(["sweep", str(path), "--dry-run"]) == 2, text
         error = capsys.readouterr().err
         assert error.count("\n") == 1 and said in error and "Traceback" not in error, (text, error)
+    assert [path.name for path in tmp_path.iterdir()] == ["bad.yaml"]  # a refused sweep writes nothing
     assert main(["sweep", str(tmp_path / "missing.yaml")]) == 2
     assert "missing.yaml does not exist" in capsys.readouterr().err
 

@@ -114,13 +114,34 @@ def _phase_from_traceback(lines: list[str]) -> str | None:
     return None
 
 
+def read_log(path: str | Path) -> str:
+    """The text of a failed run's log; a missing, empty or binary file is an error naming it."""
+    return _read_text(Path(path), "a failed run's log (a rank's logs/worker_<rank>.log, or its console output)")
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """The metrics records of a JSON-lines file; a malformed line is an error naming its file and line."""
     records = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    lines = _read_text(Path(path), "the run's --metrics-jsonl file").splitlines()
+    for number, line in enumerate(lines, start=1):
         if line.strip():
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError as error:
                 raise ValueError(f"{path}:{number}: not a JSON metrics record ({error.msg})") from error
     return records
+
+
+def _read_text(path: Path, wanted: str) -> str:
+    """`path` as text, or a ValueError that names it, says why it is not text and what is wanted. A NUL byte
+    marks a binary file (as git and grep judge it); stray bytes that are not UTF-8, which a process killed
+    mid-write or a foreign locale leaves in a real log, are read as replacement characters."""
+    if not path.is_file():
+        raise ValueError(f"{path} {'is not a file' if path.exists() else 'does not exist'}; expected {wanted}")
+    data = path.read_bytes()
+    if not data:
+        raise ValueError(f"{path} is empty; expected {wanted}")
+    if b"\0" in data:
+        raise ValueError(f"{path} could not be read as text (binary: a NUL byte at offset {data.index(0)}); "
+                         f"expected {wanted}")
+    return data.decode("utf-8", errors="replace")

@@ -5,7 +5,8 @@ this machine makes them cost). `llmflow plan --try STEPS` prints the table and w
 One trial per (dp, tp, pp) of the plan with a layout that fits: the planner's preferred ZeRO stage and
 recompute for those degrees. Every trial keeps the params' micro-batch (the one the plan estimated) and their
 global batch, by setting train.grad_accum_steps, so the layout written trains the same run (params/identity.py:
-a layout changes how fast, not what); degrees that cannot keep the global batch are listed with the reason.
+a layout changes how fast, not what); degrees that cannot keep the global batch are listed with the reason,
+and when none can (or none fits) `nothing_to_try` says so before anything is prepared or launched.
 A trial is `llmflow train` of `steps` steps under msrun with a metrics record every step: its tokens/s is the
 median over the steps after the first (which compiles the step), its peak memory each rank's own (every rank
 leaves it beside the checkpoints), the busiest one shown beside the planner's estimate for the busiest rank.
@@ -14,6 +15,7 @@ leaves it beside the checkpoints), the busiest one shown beside the planner's es
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -48,13 +50,13 @@ def layout_params(params: PipelineParams, estimate: Estimate) -> PipelineParams:
     """`params` under the candidate's layout with the same micro-batch and global batch; ValueError if the
     global batch does not split into the candidate's data-parallel replicas."""
     c = estimate.candidate
-    per_pass = params.train.micro_batch_size * params.parallel.micro_batches * c.dp
+    per_pass = _sequences_per_pass(params, c.dp)
     accumulation, left = divmod(params.global_batch_size, per_pass)
     if left or accumulation < 1:
         raise ValueError(
-            f"the global batch of {params.global_batch_size} sequences does not split into dp={c.dp} x "
+            f"the global batch of {params.global_batch_size} sequences is not a multiple of dp={c.dp} x "
             f"train.micro_batch_size={params.train.micro_batch_size} x parallel.micro_batches="
-            f"{params.parallel.micro_batches} x train.grad_accum_steps"
+            f"{params.parallel.micro_batches} = {per_pass}"
         )
     raw = params.model_dump(mode="json")
     raw["parallel"].update(data_parallel=c.dp, tensor_parallel=c.tp, pipeline_parallel=c.pp, pipeline_layers=None,
@@ -63,6 +65,34 @@ def layout_params(params: PipelineParams, estimate: Estimate) -> PipelineParams:
     raw["recompute"] = {"mode": c.recompute}
     raw["train"]["grad_accum_steps"] = accumulation
     return PipelineParams.model_validate(raw)
+
+
+def _sequences_per_pass(params: PipelineParams, dp: int) -> int:
+    """Sequences one pass over every replica's micro-batches takes: the unit a global batch splits into."""
+    return params.train.micro_batch_size * params.parallel.micro_batches * dp
+
+
+def nothing_to_try(params: PipelineParams, plan: Plan) -> str | None:
+    """Why no candidate can run `params` (none fits, or none keeps the global batch), or None when one can: known
+    before anything is prepared or launched, so `plan --try` refuses then, with the numbers."""
+    found = candidates_to_try(plan)
+    if not found:
+        return (f"no layout of {plan.devices} devices fits their memory (the plan above says what each needs), so "
+                "there is no layout to try; more --devices or --device-memory would give some")
+    batch = params.global_batch_size
+    passes = {dp: _sequences_per_pass(params, dp) for dp in sorted({estimate.candidate.dp for estimate in found})}
+    if any(batch % per_pass == 0 for per_pass in passes.values()):
+        return None
+    # The smallest change that keeps the micro-batch: more accumulation steps, until a pass of some dp divides it.
+    per_step = batch // params.train.grad_accum_steps
+    accumulation = min(math.lcm(per_step, per_pass) // per_step for per_pass in passes.values())
+    each = ", ".join(f"{per_pass} under dp={dp}" for dp, per_pass in passes.items())
+    return (
+        f"no layout that fits keeps the global batch of {batch} sequences: a pass of dp x train.micro_batch_size="
+        f"{params.train.micro_batch_size} x parallel.micro_batches={params.parallel.micro_batches} takes {each}, and "
+        f"{batch} is not a multiple of {'it' if len(passes) == 1 else 'any'}; train.grad_accum_steps={accumulation} "
+        f"(a global batch of {per_step * accumulation}) would split, or try other --devices"
+    )
 
 
 def candidates_to_try(plan: Plan) -> list[Estimate]:
