@@ -1,4 +1,5 @@
-"""Promises about the repository itself: CI runs the README's test command, and layers import one way."""
+"""Promises about the repository itself: CI runs the README's test command, layers import one way, one module
+writes durably, and docstrings quote no measurements."""
 
 from __future__ import annotations
 
@@ -90,3 +91,44 @@ def test_data_prep_workers_load_no_mlflow():
     MLflow loaded there took each worker ~1 s before its first job (only the flow process talks to MLflow)."""
     code = "import sys, flows.cli, tasks.data; sys.exit(int('mlflow' in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT).returncode == 0
+
+
+# Renames that are not a durable write of something a later run reads: (file, function) -> why.
+NOT_DURABLE_WRITES = {
+    ("model_core/parallel/launch.py", "_set_aside_earlier_logs"): "keeps an earlier job's logs beside the new ones",
+}
+PACKAGES = ("model_core", "tasks", "flows", "params", "deployments")
+
+
+def _renames_and_fsyncs(path: Path) -> list[tuple[str, int, str]]:
+    """(function, line, call) of each rename (os.replace/rename, shutil.move, Path.replace/rename: one
+    argument, so str.replace is not one) and each os.fsync in `path`."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    found = {}
+    for scope in [tree, *(node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
+        for node in ast.walk(scope):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            owner = node.func.value.id if isinstance(node.func.value, ast.Name) else None
+            call = f"{owner}.{node.func.attr}"
+            path_method = node.func.attr in ("replace", "rename") and len(node.args) == 1 and not node.keywords
+            if call in ("os.replace", "os.rename", "os.fsync", "shutil.move") or path_method:
+                found[node.lineno, node.col_offset] = (getattr(scope, "name", "<module>"), node.lineno, ast.unparse(node))
+    return list(found.values())  # the innermost function: it is walked after the scopes around it
+
+
+def test_storage_is_the_only_durable_write():
+    """Temp, fsync, rename and fsync the parent live in model_core/storage.py; elsewhere a copy of them
+    drifts (one left its temporary behind on error, one skipped the fsync)."""
+    offenders = []
+    for package in PACKAGES:
+        for path in sorted((REPO_ROOT / package).rglob("*.py")):
+            relative = str(path.relative_to(REPO_ROOT))
+            if relative == "model_core/storage.py":
+                continue
+            offenders += [
+                f"{relative}:{line} {call}"
+                for function, line, call in _renames_and_fsyncs(path)
+                if (relative, function) not in NOT_DURABLE_WRITES
+            ]
+    assert not offenders, "write through model_core.storage (write_file, build_file, build_directory):\n" + "\n".join(offenders)

@@ -17,11 +17,12 @@ import logging
 import os
 import platform
 import sysconfig
-import tempfile
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from model_core.storage import build_file
 
 # Directories of the standard library that hold tests, fixtures or third-party packages, not its docs.
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
@@ -66,7 +67,8 @@ def stdlib_docstrings(cache_dir: Path | None) -> list[str]:
             logger.warning("docstring cache %s is unreadable (%s); extracting again", cache, error)
     texts = [text for path in stdlib_files() for text in file_docstrings(path)]
     if cache is not None:
-        _write_atomically(pa.table({"text": pa.array(texts, pa.large_string())}), cache)
+        table = pa.table({"text": pa.array(texts, pa.large_string())})
+        build_file(cache, lambda path: pq.write_table(table, str(path), compression="zstd"))
     return texts
 
 
@@ -83,15 +85,3 @@ def file_docstrings(path: Path) -> list[str]:
             if docstring:
                 texts.append(inspect.cleandoc(docstring))
     return texts
-
-
-def _write_atomically(table: pa.Table, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(handle)
-    try:
-        pq.write_table(table, temporary, compression="zstd")
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)

@@ -40,6 +40,7 @@ from typing import TextIO
 import psutil
 
 from model_core.parallel.layout import Layout, ParallelConfigError
+from model_core.storage import write_file
 from params.schema import PipelineParams
 
 LOG_TAIL_LINES = 40
@@ -267,10 +268,7 @@ def _set_aside_earlier_logs(log_dir: Path, ranks: range, scheduler: bool) -> Non
 def _note_this_node(log_dir: Path, node_rank: int, master_addr: str) -> None:
     """Write `node-<rank>.json`: this machine's name and the address it reaches node 0 from."""
     note = {"node": node_rank, "host": socket.gethostname(), "address": _address_towards(master_addr)}
-    path = log_dir / f"node-{node_rank}.json"
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(note))
-    partial.replace(path)
+    write_file(log_dir / f"node-{node_rank}.json", json.dumps(note))
 
 
 def _address_towards(master_addr: str) -> str | None:
