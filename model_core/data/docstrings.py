@@ -1,11 +1,12 @@
 """The `python_docstrings` corpus: module, class and function docstrings of the Python standard library
 installed on this machine, extracted once and cached.
 
-Extraction `ast`-parses every standard-library .py file (about four seconds), so the documents are kept
-in a zstd Parquet file named by `stdlib_fingerprint` (Python version, file list, sizes and mtimes) under
-the cache directory, written atomically; later runs read it back in milliseconds. The extraction is
-serial: "spawn" workers (never "fork" inside a threaded Prefect process) cost about a second to start,
-fail when `__main__` is not importable, and would save little on a once-per-machine step.
+Extraction `ast`-parses every standard-library .py file, which costs far more than reading its result, so
+the documents are kept in a zstd Parquet file named by `stdlib_fingerprint` (Python version, file list,
+sizes and mtimes) under the cache directory, written durably, and later runs read it back. The extraction
+is serial: "spawn" workers (never "fork" inside a threaded Prefect process) each pay an interpreter start,
+fail when `__main__` is not importable, and would save little on a once-per-machine step (figures:
+benchmarks/README.md, "Data prep").
 """
 
 from __future__ import annotations

@@ -381,8 +381,8 @@ class _SwitchInterval:
 
     The encoder thread needs the GIL for a moment before and after every batch. While this thread runs
     Python code (reading, cleaning) it gets it only once the switch interval (5 ms by default) is up,
-    and meanwhile the cores that would encode wait (measured: requests took 6 ms at p90, 1.2 ms at
-    0.5 ms). The interval is process-wide, so overlapping uses share one saved value.
+    and meanwhile the cores that would encode wait (benchmarks/README.md, "Data prep"). The interval is
+    process-wide, so overlapping uses share one saved value.
     """
 
     def __init__(self, seconds: float) -> None:

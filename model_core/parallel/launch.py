@@ -116,8 +116,8 @@ def launch(
     (`msrun-node<r>.log` on each node of a multi-node job, whose nodes may share log_dir). MindSpore's own
     logging shows errors only (its INFO and WARNING lines are connection chatter), unless GLOG_v is set or
     LLMFLOW_DEBUG=1. `node_timeout_s`: how long the scheduler waits for a silent node before it fails the
-    job (MindSpore's MS_NODE_TIMEOUT, used as given when set); MindSpore's own 30 s, plus the stop that
-    follows, is more than the half minute within which a lost host should fail the job.
+    job (MindSpore's MS_NODE_TIMEOUT, used as given when set); MindSpore's default of 30 s, plus the stop
+    that follows, is more than the half minute within which a lost host should fail the job.
     `collective_timeout_s`: how long a rank waits in a CPU collective for a late peer (see the module docstring;
     LLMFLOW_COLLECTIVE_TIMEOUT, when set, wins)."""
     if world_size < 1 or nodes < 1 or world_size % nodes:

@@ -29,8 +29,8 @@ def peak_rss_bytes() -> int:
     """This process's own peak resident set size.
 
     Linux keeps `ru_maxrss` across fork and exec, so a process started by a large one (a worker launched
-    from a pipeline, a test started by pytest) reports its parent's peak when that is higher (measured:
-    a 13 MB child of a 320 MB parent reports 320 MB). VmHWM belongs to the process's own address space.
+    from a pipeline, a test started by pytest) reports its parent's peak when that is higher (an example:
+    benchmarks/README.md, "Rank memory"). VmHWM belongs to the process's own address space.
     """
     try:
         with open("/proc/self/status", encoding="ascii") as status:
