@@ -105,7 +105,8 @@ def _renames_and_fsyncs(path: Path) -> list[tuple[str, int, str]]:
     argument, so str.replace is not one) and each os.fsync in `path`."""
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     found = {}
-    for scope in [tree, *(node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)))]:
+    functions = [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    for scope in [tree, *functions]:
         for node in ast.walk(scope):
             if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
                 continue
@@ -113,8 +114,9 @@ def _renames_and_fsyncs(path: Path) -> list[tuple[str, int, str]]:
             call = f"{owner}.{node.func.attr}"
             path_method = node.func.attr in ("replace", "rename") and len(node.args) == 1 and not node.keywords
             if call in ("os.replace", "os.rename", "os.fsync", "shutil.move") or path_method:
-                found[node.lineno, node.col_offset] = (getattr(scope, "name", "<module>"), node.lineno, ast.unparse(node))
-    return list(found.values())  # the innermost function: it is walked after the scopes around it
+                name = getattr(scope, "name", "<module>")
+                found[node.lineno, node.col_offset] = (name, node.lineno, ast.unparse(node))
+    return list(found.values())  # named after the innermost function: it is walked after those around it
 
 
 def test_storage_is_the_only_durable_write():
@@ -131,7 +133,8 @@ def test_storage_is_the_only_durable_write():
                 for function, line, call in _renames_and_fsyncs(path)
                 if (relative, function) not in NOT_DURABLE_WRITES
             ]
-    assert not offenders, "write through model_core.storage (write_file, build_file, build_directory):\n" + "\n".join(offenders)
+    use = "write through model_core.storage (write_file, build_file, build_directory):"
+    assert not offenders, "\n".join([use, *offenders])
 
 
 # A figure with a unit of time or rate, a ratio against something else, or a quantity said to be measured.
@@ -140,7 +143,9 @@ _TIMING = re.compile(
     rf"{_NUMBER}\s*(?:ms|µs|us|ns|s|secs?|seconds?|mins?|minutes?|h|hours?|CPU[- ]s(?:econds?)?|tokens/s|[KMGT]i?B/s"
     rf"|[GT]FLOP/s|it/s)(?![\w/])"
 )
-_SETTING = re.compile(r"default|time ?out|interval|limit|at most|at least|within|every|wait|sleep|poll|grace|deadline", re.I)
+_SETTING = re.compile(
+    r"default|time ?out|interval|limit|at most|at least|within|every|wait|sleep|poll|grace|deadline", re.I
+)
 _RATIO = re.compile(
     rf"{_NUMBER}\s*(?:x|×|times|%)\s+(?:faster|slower|more|less|longer|shorter|fewer|larger|smaller"
     rf"|as (?:fast|slow|long|much|many))\b",
@@ -203,6 +208,6 @@ def test_model_core_docstrings_quote_no_measurements():
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=relative)
         for node in ast.walk(tree):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                docstring = ast.get_docstring(node)
-                quoted += [f"{relative} {getattr(node, 'name', '')}: {q!r}" for q in _quoted_measurements(docstring or "")]
+                figures = _quoted_measurements(ast.get_docstring(node) or "")
+                quoted += [f"{relative} {getattr(node, 'name', '')}: {figure!r}" for figure in figures]
     assert not quoted, "move these figures to benchmarks/README.md:\n" + "\n".join(quoted)

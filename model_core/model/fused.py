@@ -198,7 +198,8 @@ class SwiGLUFunction(nn.Cell):
 
     The forward spells silu out (the same bits as mint's silu) so that jit merges the backward's sigmoid and
     product with the forward's: one Sigmoid and one Mul over [B, T, ffn] less per layer (8 of 16 Sigmoids a step
-    left on the reference model), for those two tensors kept between the passes (their peak RSS: benchmarks/README.md).
+    left on the reference model), for those two tensors kept between the passes (their RSS: benchmarks/README.md,
+    "Train step").
     """
 
     def construct(self, gate, up):
