@@ -6,19 +6,23 @@ writing narrows with round-to-nearest-even. `round_to` applies that narrowing in
 that has been rounded to a dtype is written and read back bit for bit. `read_block` reads one block of one
 tensor through a memory map, so a rank that owns a slice of a weight never holds the whole weight.
 
-A directory (a converted checkpoint, adapters, a training checkpoint) is built in a temporary sibling,
-its files fsynced, and renamed into place (`build_directory`, or `commit_directory` when several
-processes fill the sibling): a crash never leaves a half-written directory under the final name.
+Everything a later run reads is written durably, here and nowhere else: a file (`write_file`, `build_file`)
+or a directory (a prepared dataset, a converted checkpoint, adapters, a training checkpoint: `build_directory`,
+or `commit_directory` when several processes fill it) is built under a temporary name beside its final
+one, fsynced, renamed into place, and the parent directory fsynced so that the rename itself survives a
+crash. A reader sees the old version or the new one whole, never a part; a failed write removes its
+temporary and leaves the old version as it was.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import struct
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -176,12 +180,35 @@ def file_sha256(path: str | Path) -> str:
         return hashlib.file_digest(file, "sha256").hexdigest()
 
 
+def write_file(path: str | Path, content: str | bytes) -> Path:
+    """Write `content` (text as UTF-8) as the file `path`, durably (see `build_file`)."""
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    return build_file(path, lambda temporary: temporary.write_bytes(data))
+
+
+def build_file(final: str | Path, write: Callable[[Path], None]) -> Path:
+    """Run `write(path)` to create a temporary file beside `final`, fsync it, rename it to `final` and fsync
+    the parent. When `write` fails, the temporary is removed and an existing `final` is left as it was."""
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    temporary = _sibling(final)
+    try:
+        write(temporary)
+        _fsync(temporary)
+        os.replace(temporary, final)
+        _fsync(final.parent)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return final
+
+
 def build_directory(final: str | Path, write: Callable[[Path], None], replace: bool) -> None:
     """Run `write(directory)` on a temporary sibling of `final` and commit it as `final`. An existing
     non-empty `final` is replaced when `replace`, else refused (FileExistsError)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    building = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+    building = _sibling(final)
+    building.mkdir()
     try:
         write(building)
         commit_directory(building, final, replace)
@@ -190,21 +217,40 @@ def build_directory(final: str | Path, write: Callable[[Path], None], replace: b
 
 
 def commit_directory(building: Path, final: Path, replace: bool) -> None:
-    """fsync every file of `building` and rename it to `final`; a rename cannot replace a non-empty
-    directory, so with `replace` an existing `final` is first moved aside and then removed."""
-    for child in building.iterdir():
-        if child.is_file():
-            with open(child, "rb") as handle:
-                os.fsync(handle.fileno())
+    """fsync everything under `building`, rename it to `final` and fsync the parent. A rename cannot replace
+    a non-empty directory, so with `replace` an existing `final` is first moved aside and then removed;
+    without it, an existing non-empty `final` (one that another process committed first included) raises
+    FileExistsError."""
+    building, final = Path(building), Path(final)
+    for root, _, files in os.walk(building, topdown=False):
+        for name in files:
+            _fsync(Path(root) / name)
+        _fsync(Path(root))  # its entries: the files' names and the subdirectories
     if final.exists() and (not final.is_dir() or any(final.iterdir())):
         if not replace:
             raise FileExistsError(f"{final} exists and is not empty")
-        stale = Path(tempfile.mkdtemp(prefix=f".{final.name}.replaced-", dir=final.parent))
+        stale = _sibling(final)
+        stale.mkdir()
         os.replace(final, stale / final.name)
         shutil.rmtree(stale, ignore_errors=True)
-    os.replace(building, final)
-    directory = os.open(final.parent, os.O_RDONLY)
-    try:  # the rename itself survives a crash only once the parent directory is on disk
-        os.fsync(directory)
+    try:
+        os.replace(building, final)
+    except OSError as error:
+        if error.errno in (errno.ENOTEMPTY, errno.EEXIST):  # committed by another process since the check
+            raise FileExistsError(f"{final} exists and is not empty") from error
+        raise
+    _fsync(final.parent)
+
+
+def _sibling(final: Path) -> Path:
+    """An unused hidden name beside `final` (in its directory, so that a rename to `final` is atomic)."""
+    return final.with_name(f".{final.name}.{os.getpid()}-{secrets.token_hex(4)}.partial")
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's or a directory's contents (a directory's: its entries) to disk."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
     finally:
-        os.close(directory)
+        os.close(descriptor)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
+from model_core.storage import write_file
 from model_core.tables import fixed_width, markdown
 from tasks.plots import overlay_png
 
@@ -156,8 +157,4 @@ def write_loss_overlay(comparison: Comparison, path: str | Path) -> Path | None:
     curves = {name: points for name, points in comparison.curves.items() if points}
     if not curves:
         return None
-    path = Path(path)
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_bytes(overlay_png(curves, "pretraining loss"))
-    partial.replace(path)
-    return path
+    return write_file(path, overlay_png(curves, "pretraining loss"))

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from model_core.data import prepare_instructions
 from model_core.model.lora import CONFIG, base_sha256
 from model_core.parallel.launch import launch
+from model_core.storage import write_file
 from model_core.train.callbacks import MetricsCallback, fan_out, follow_jsonl
 from model_core.train.checkpoint import latest_valid
 from model_core.train.finetune import ADAPTERS_DIR, FinetuneResult, finetune, read_summary
@@ -111,7 +112,7 @@ def _finetune_on_ranks(
     `on_metrics` while it runs; the result is read back from its last checkpoint and its adapters."""
     directory.mkdir(parents=True, exist_ok=True)
     run_params = directory / "params.yaml"
-    run_params.write_text(to_yaml(params))
+    write_file(run_params, to_yaml(params))
     metrics_file = directory / "metrics.jsonl"
     metrics_file.unlink(missing_ok=True)
     arguments = ["--params", str(run_params), "--base", str(base_checkpoint), "--checkpoint-dir", str(directory)]

@@ -16,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from model_core.parallel.launch import launch_training
+from model_core.storage import write_file
 from model_core.train import runs
 from model_core.train.callbacks import MetricsCallback, fan_out, follow_jsonl
 from model_core.train.checkpoint import Checkpoint, list_checkpoints, verify
@@ -139,7 +140,7 @@ def _train_on_ranks(
     update = {"train": params.train.model_copy(update={"steps": steps})}
     if initial_weights is None:  # `llmflow train` starts from convert.hf_source when it is set
         update["convert"] = params.convert.model_copy(update={"hf_source": None})
-    run_params.write_text(to_yaml(params.model_copy(update=update)))
+    write_file(run_params, to_yaml(params.model_copy(update=update)))
     metrics_file = directory / "metrics.jsonl"
     metrics_file.unlink(missing_ok=True)
     arguments = ["--params", str(run_params), "--checkpoint-dir", str(directory), "--resume", resume]

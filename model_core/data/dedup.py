@@ -13,8 +13,8 @@ position takes the value of the first non-empty one along a fixed random probe o
 Two documents then agree on a position with probability equal to their Jaccard similarity, as with
 `permutations` independent hash functions, at the cost of one hash per shingle instead of
 `permutations`. (Borrowing from the next non-empty position instead is cheaper, but it makes the
-positions of a short document agree or disagree together: on stdlib docstrings it made 80% more
-documents LSH candidates and raised the near-duplicates found from 37 to 45.) Every hash is seeded and
+positions of a short document agree or disagree together, which makes more of them LSH candidates and
+near duplicates than their Jaccard similarity warrants; benchmarks/README.md, "Data prep".) Every hash is seeded and
 platform-independent, and all of it is numpy: candidates are listed as pairs of documents that share a
 band and compared at once, and only the close pairs reach a Python loop, which settles them in corpus
 order.

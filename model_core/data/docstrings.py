@@ -1,11 +1,12 @@
 """The `python_docstrings` corpus: module, class and function docstrings of the Python standard library
 installed on this machine, extracted once and cached.
 
-Extraction `ast`-parses every standard-library .py file (about four seconds), so the documents are kept
-in a zstd Parquet file named by `stdlib_fingerprint` (Python version, file list, sizes and mtimes) under
-the cache directory, written atomically; later runs read it back in milliseconds. The extraction is
-serial: "spawn" workers (never "fork" inside a threaded Prefect process) cost about a second to start,
-fail when `__main__` is not importable, and would save little on a once-per-machine step.
+Extraction `ast`-parses every standard-library .py file, which costs far more than reading its result, so
+the documents are kept in a zstd Parquet file named by `stdlib_fingerprint` (Python version, file list,
+sizes and mtimes) under the cache directory, written durably, and later runs read it back. The extraction
+is serial: "spawn" workers (never "fork" inside a threaded Prefect process) each pay an interpreter start,
+fail when `__main__` is not importable, and would save little on a once-per-machine step (figures:
+benchmarks/README.md, "Data prep").
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import logging
 import os
 import platform
 import sysconfig
-import tempfile
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from model_core.storage import build_file
 
 # Directories of the standard library that hold tests, fixtures or third-party packages, not its docs.
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
@@ -66,7 +68,8 @@ def stdlib_docstrings(cache_dir: Path | None) -> list[str]:
             logger.warning("docstring cache %s is unreadable (%s); extracting again", cache, error)
     texts = [text for path in stdlib_files() for text in file_docstrings(path)]
     if cache is not None:
-        _write_atomically(pa.table({"text": pa.array(texts, pa.large_string())}), cache)
+        table = pa.table({"text": pa.array(texts, pa.large_string())})
+        build_file(cache, lambda path: pq.write_table(table, str(path), compression="zstd"))
     return texts
 
 
@@ -83,15 +86,3 @@ def file_docstrings(path: Path) -> list[str]:
             if docstring:
                 texts.append(inspect.cleandoc(docstring))
     return texts
-
-
-def _write_atomically(table: pa.Table, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(handle)
-    try:
-        pq.write_table(table, temporary, compression="zstd")
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)

@@ -110,7 +110,7 @@ def near_partition(job: ReduceJob) -> dict:
 
     Two passes over the shards: the partition's band keys first, then the signatures of the documents
     that share a key with another one, held while their pairs are compared (gathering two rows per pair
-    through the shards' memory maps cost ~40x more; holding every document's signature grew with the
+    through the shards' memory maps cost many times more; holding every document's signature grew with the
     corpus)."""
     plan = Plan.load(job.plan_path)
     keys, numbers = [], []
@@ -149,7 +149,7 @@ def near_partition(job: ReduceJob) -> dict:
 
 def _agreements(first: np.ndarray, second: np.ndarray) -> np.ndarray:
     """The number of positions where each pair of signature rows agrees, summed in the smallest type that
-    holds the row length (bytes for up to 255 positions: summing the booleans as int64 took twice as long)."""
+    holds the row length (bytes for up to 255 positions: a narrower sum moves less memory than int64)."""
     return np.add.reduce((first == second).view(np.uint8), axis=1, dtype=np.min_scalar_type(first.shape[1]))
 
 

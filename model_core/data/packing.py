@@ -68,8 +68,8 @@ def pack_documents(
     With `order` (indices into `lengths`), only the documents at `order`, in that order, as
     `select_documents` would give them; with `shuffle`, the rows in the order of
     `shuffle.permutation(rows)`, as `take` would put them. Either way the rows are filled straight from
-    `token_ids` a block at a time, with no array of the whole stream in between (each would be ~2 MB of
-    new pages to fault in per 500K tokens, on data prep's single-threaded tail).
+    `token_ids` a block at a time, with no array of the whole stream in between (each would be four bytes
+    a token of new pages to fault in, on data prep's single-threaded tail).
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     sources = np.cumsum(lengths) - lengths

@@ -54,7 +54,7 @@ from model_core.data.input_shards import InputShard, file_identity, plan_shards
 from model_core.data.shards import MANIFEST_NAME, shard_file_bytes
 from model_core.data.sources import FileReport, InputFile, fingerprint, list_inputs
 from model_core.data.tokenizer import load_tokenizer, open_tokenizer, train_tokenizer
-from model_core.storage import file_sha256
+from model_core.storage import commit_directory, file_sha256, write_file
 from params.schema import DataParams, ModelParams, TokenizerParams
 
 FORMAT_VERSION = 3  # 3: map/reduce prep, split by keyed hash, flat memory-mappable token shards
@@ -121,7 +121,7 @@ def prepare_dataset(
         manifest.update(key=key, params=params, params_hash=_hash(params), input_fingerprint=input_fingerprint)
         (build_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
         (build_dir / REPORT_NAME).write_text(json.dumps(build.report(workers), indent=2) + "\n")
-        _move_into_place(build_dir, final_dir)
+        commit_directory(build_dir, final_dir, replace=True)  # a damaged copy under the name is replaced
     finally:
         shutil.rmtree(build_dir, ignore_errors=True)
         shutil.rmtree(scratch, ignore_errors=True)
@@ -204,7 +204,7 @@ def _content_hashes(
     starting = mapper("start workers", shard_map.worker_ready, list(range(workers))) if missing and workers > 1 else ()
     for done, (path, digest) in enumerate(zip(missing, mapper("hash inputs", file_sha256, missing)), 1):
         known[path] = digest
-        _write_text_atomically(cache / hashlib.sha256(file_identity(path).encode()).hexdigest()[:32], digest)
+        write_file(cache / hashlib.sha256(file_identity(path).encode()).hexdigest()[:32], digest)
         progress("hash inputs", done, len(missing))
     for _ in starting:  # a worker that cannot start fails here, not in the middle of the map
         pass
@@ -682,14 +682,6 @@ def _duration(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{seconds:02d}s" if hours else f"{minutes}m{seconds:02d}s"
 
 
-def _write_text_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(handle, "w") as file:
-        file.write(text)
-    os.replace(temporary, path)
-
-
 def _remove_abandoned_builds(*parents: Path) -> None:
     """Delete the build and scratch directories of killed runs on this host (their process is gone); the
     map results they finished stay cached under .work for the next run."""
@@ -709,15 +701,6 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _move_into_place(build_dir: Path, final_dir: Path) -> None:
-    """Rename the finished build over the final name; a damaged old copy is moved aside first."""
-    if final_dir.exists():
-        stale = Path(tempfile.mkdtemp(prefix=f".{final_dir.name}.damaged-", dir=final_dir.parent))
-        os.replace(final_dir, stale / final_dir.name)
-        shutil.rmtree(stale, ignore_errors=True)
-    os.replace(build_dir, final_dir)
 
 
 def prepared(directory: Path, reused: bool) -> PrepResult:

@@ -20,13 +20,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ from model_core.data.input_shards import InputShard, read_shard
 from model_core.data.shards import token_dtype
 from model_core.data.sources import FileReport
 from model_core.data.tokenizer import encode_documents, encoding_threads, open_tokenizer
+from model_core.storage import build_directory
 from params.schema import DataParams, TokenizerParams
 
 RESULT_NAME = "result.json"
@@ -209,10 +208,13 @@ def sample_shard(job: ShardJob) -> dict:
     table = pa.table({"key": pa.array(keys[order]), "line": pa.array([lines[i] for i in order.tolist()], pa.large_string())})
     documents = sum(len(chunk) for chunk in hashes)
     result = {**_report(job.shard, report, counts, shard_size(job.shard)), "documents": documents, "lines": len(lines)}
-    with _building(job.output) as directory:
+
+    def write(directory: Path) -> None:
         with pa.OSFile(str(directory / "sample.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
             writer.write_table(table)
         (directory / RESULT_NAME).write_text(json.dumps(result))
+
+    _commit_result(job.output, write)
     return result
 
 
@@ -246,7 +248,8 @@ def map_shard(job: ShardJob) -> dict:
         "tokens": int(lengths.sum()),
         "seconds": round(time.perf_counter() - started, 3),
     }
-    with _building(job.output) as directory:
+
+    def write(directory: Path) -> None:
         np.save(directory / "hashes.npy", all_hashes)
         np.save(directory / "validation.npy", is_validation(all_hashes, job.data))
         np.save(directory / "lengths.npy", lengths.astype(np.int32))
@@ -254,6 +257,8 @@ def map_shard(job: ShardJob) -> dict:
         if signatures is not None:
             np.save(directory / "signatures.npy", signatures)
         (directory / RESULT_NAME).write_text(json.dumps(result))
+
+    _commit_result(job.output, write)
     return result
 
 
@@ -265,21 +270,15 @@ def finished_result(directory: Path) -> dict | None:
         return None
 
 
-@contextmanager
-def _building(final: Path) -> Iterator[Path]:
-    """A temporary sibling directory renamed to `final` when the block succeeds: a killed or failed map
-    step never leaves a result that a later run would take for a finished one."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    temporary = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
+def _commit_result(final: Path, write: Callable[[Path], None]) -> None:
+    """Build a job's directory and commit it as `final`: a killed or failed map step never leaves a result
+    that a later run would take for a finished one. When another worker finished the same shard first,
+    its result is kept."""
     try:
-        yield temporary
-        try:
-            os.replace(temporary, final)
-        except OSError:
-            if not (final / RESULT_NAME).is_file():  # another worker finished the same shard first: keep its
-                raise
-    finally:
-        shutil.rmtree(temporary, ignore_errors=True)
+        build_directory(final, write, replace=False)
+    except FileExistsError:
+        if not (final / RESULT_NAME).is_file():
+            raise
 
 
 def _encode(
@@ -382,8 +381,8 @@ class _SwitchInterval:
 
     The encoder thread needs the GIL for a moment before and after every batch. While this thread runs
     Python code (reading, cleaning) it gets it only once the switch interval (5 ms by default) is up,
-    and meanwhile the cores that would encode wait (measured: requests took 6 ms at p90, 1.2 ms at
-    0.5 ms). The interval is process-wide, so overlapping uses share one saved value.
+    and meanwhile the cores that would encode wait (benchmarks/README.md, "Data prep"). The interval is
+    process-wide, so overlapping uses share one saved value.
     """
 
     def __init__(self, seconds: float) -> None:

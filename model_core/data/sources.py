@@ -119,7 +119,7 @@ def read_jsonl_stream(
     """Runs of whole lines of a binary stream (at most `limit` bytes of it), read as they are needed:
     each parsed by Arrow when it is well formed, else line by line with its problems reported; either
     way the same texts (see `_read_wellformed_jsonl`). Reading the whole input first would delay the
-    first run by the time it takes (page faults included, ~1 ms for 2 MB). `first_line` is the line
+    first run by the time that read takes, page faults included. `first_line` is the line
     number of the stream's first line, for reports."""
     size, rest = _JSONL_CHUNK_BYTES >> 4, b""  # a small first run, so that its documents are ready soon
     left = limit

@@ -1,17 +1,16 @@
 """The evaluation report of one checkpoint: held-out metrics and generations, as JSON (for machines) and
-Markdown (for people), each written atomically so a reader never sees half a report."""
+Markdown (for people), each written whole (`storage.write_file`) so a reader never sees half a report."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from model_core.eval.generate import GenerationConfig, StopReason
 from model_core.eval.perplexity import HeldOutLoss
+from model_core.storage import write_file
 
 JSON_NAME, MARKDOWN_NAME = "eval_report.json", "eval_report.md"
 
@@ -39,8 +38,8 @@ def write_report(report: EvalReport, directory: str | Path) -> tuple[Path, Path]
     """(json path, markdown path) of the report written into `directory`."""
     directory = Path(directory)
     json_path, markdown_path = directory / JSON_NAME, directory / MARKDOWN_NAME
-    _write_atomically(json_path, json.dumps(asdict(report), indent=2, ensure_ascii=False) + "\n")
-    _write_atomically(markdown_path, to_markdown(report))
+    write_file(json_path, json.dumps(asdict(report), indent=2, ensure_ascii=False) + "\n")
+    write_file(markdown_path, to_markdown(report))
     return json_path, markdown_path
 
 
@@ -91,17 +90,3 @@ def _fenced(text: str) -> str:
     longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
     fence = "`" * max(3, longest + 1)
     return f"{fence}text\n{text}\n{fence}"
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, path)
-    finally:
-        if os.path.exists(temporary):
-            os.remove(temporary)

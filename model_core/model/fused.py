@@ -11,9 +11,9 @@ instead of storing them.
 
 A second CPU trap shapes the code: an elementwise op whose operands broadcast (x * w with w [D], x - m
 with m [N, 1]) keeps two int64 index arrays of the output's size alive for the life of the compiled graph,
-16 bytes per element, per op (measured: 128 MB for one 32 MB product). `expand` materialises the small
+16 bytes per element, per op. `expand` materialises the small
 operand first, which costs one write and keeps nothing; `expand_rows` and `expand_leading` do the common
-patterns as matmuls, several times faster than the BroadcastTo kernel. A scalar operand is free either
+patterns as matmuls, which the CPU runs faster than the BroadcastTo kernel. A scalar operand is free either
 way. The Transpose kernel does the same (8 bytes per element), so the head axis is moved by a Gather of rows
 (`HeadsFirst`, `HeadsLast`) rather than by swapaxes.
 
@@ -40,8 +40,8 @@ def expand(small, like):
 
 def expand_rows(column, like):
     """`column` [..., 1] repeated along the last axis of `like` [..., D]: `expand` as an outer product with a row of
-    ones, a matmul with one term per element (so exact) that runs ~7x faster than the BroadcastTo kernel on
-    CPU (measured in jit: 6 ms against 40 ms for [2048, 1] -> [2048, 8000], 0.4 against 2.8 for [2048, 512]).
+    ones, a matmul with one term per element (so exact) that the CPU runs faster than the BroadcastTo kernel
+    (benchmarks/README.md, "Train step").
     """
     ones = ops.ones((1, like.shape[-1]), column.dtype)
     return _matmul(column.reshape(-1, 1), ones).reshape(like.shape)
@@ -55,8 +55,8 @@ def expand_leading(small, like):
 
 
 def row_sum(x):
-    """Sum over the last axis, kept as a size-1 axis. Reduced as a 2-D view: over the last axis of a 3-D or 4-D
-    tensor the CPU kernels are ~10x slower (measured: 14.6 ms against 1.3 ms for [8, 8, 256, 64])."""
+    """Sum over the last axis, kept as a size-1 axis. Reduced as a 2-D view: the CPU kernels reduce the last axis
+    of a 3-D or 4-D tensor far slower than of its 2-D view (benchmarks/README.md, "Train step")."""
     return mint.sum(x.reshape(-1, x.shape[-1]), dim=-1, keepdim=True).reshape(x.shape[:-1] + (1,))
 
 
@@ -135,8 +135,8 @@ def heads_last(x):
 def _swap_middle_axes(x, outer, inner):
     """x [B, outer * inner, D] with its middle axis read as [outer, inner] and written as [inner, outer].
 
-    One Gather kernel instead of a slice per head and a Concat: in a profiled train step of the reference model the
-    64 head moves took 17-21 ms as Gathers against ~60 ms as 512 slices and 64 Concats, with 512 fewer launches.
+    One Gather kernel instead of a slice per head and a Concat: fewer launches and less time in a profiled train
+    step (benchmarks/README.md, "Train step").
     """
     # A numpy constant: jit folds it into the graph (ops.arange fails to compile when first parsed in a bprop).
     rows = np.arange(outer, dtype=np.int32).reshape(1, outer) * inner + np.arange(inner, dtype=np.int32).reshape(inner, 1)
@@ -198,7 +198,8 @@ class SwiGLUFunction(nn.Cell):
 
     The forward spells silu out (the same bits as mint's silu) so that jit merges the backward's sigmoid and
     product with the forward's: one Sigmoid and one Mul over [B, T, ffn] less per layer (8 of 16 Sigmoids a step
-    left on the reference model), for those two tensors kept between the passes (+30 MB peak RSS measured there).
+    left on the reference model), for those two tensors kept between the passes (their RSS: benchmarks/README.md,
+    "Train step").
     """
 
     def construct(self, gate, up):
@@ -250,7 +251,7 @@ class TokenNLLFunction(nn.Cell):
     """Per-row -log softmax(logits)[label] for logits [N, V] fp32 and labels [N] (each a valid class id).
 
     The fused LogSoftmax and Softmax kernels replace a max, subtraction, exp and sum spelled out over the
-    [N, V] logits (measured on [2048, 8000]: ~20 ms and ~13 ms, against ~65 ms for the spelled-out form).
+    [N, V] logits, each pass of which launched a kernel over all of them (benchmarks/README.md, "Train step").
     """
 
     def construct(self, logits, labels):

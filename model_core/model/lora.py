@@ -57,11 +57,10 @@ class LoraLinear(nn.Cell):
     """A frozen `Linear` plus a trainable rank-r update: y = x W^T + (alpha / r) * (dropout(x) A^T) B^T.
 
     The frozen W needs no backward of its own: MindSpore drops the dW matmul of `LinearFunction`'s bprop
-    when W is not differentiated (measured, x [4096, 1024] @ W^T [1024, 4096], jit: 1.25 CPU-s for dx only,
-    the same with a bprop that never computes dW, 1.95 with dW). Dropout is not free: on the reference
-    model with adapters on all seven projections, p=0.05 raised the step's peak RSS from 2.6 to 3.0 GB
-    (full fine-tuning: 2.9 GB); a fused adapter with its own backward that kept only a bool mask measured
-    the same 3.0 GB, so it is not used.
+    when W is not differentiated, so a bprop that never computes dW would save nothing. Dropout is not free:
+    its masks and dropped inputs are kept for the backward, and with adapters on all seven projections they
+    outweigh the training state LoRA saves; a fused adapter with its own backward that kept only a bool mask
+    peaked no lower, so it is not used (benchmarks/README.md, "Fine-tuning").
 
     A starts Kaiming-uniform (bound 1/sqrt(in)), B at zero. On a placeholder base (a model described inside
     `deferred_weights()` and made later) A and B are placeholders too: A's draw is keyed by its path like every

@@ -40,6 +40,7 @@ from typing import TextIO
 import psutil
 
 from model_core.parallel.layout import Layout, ParallelConfigError
+from model_core.storage import write_file
 from params.schema import PipelineParams
 
 LOG_TAIL_LINES = 40
@@ -115,8 +116,8 @@ def launch(
     (`msrun-node<r>.log` on each node of a multi-node job, whose nodes may share log_dir). MindSpore's own
     logging shows errors only (its INFO and WARNING lines are connection chatter), unless GLOG_v is set or
     LLMFLOW_DEBUG=1. `node_timeout_s`: how long the scheduler waits for a silent node before it fails the
-    job (MindSpore's MS_NODE_TIMEOUT, used as given when set); MindSpore's own 30 s, plus the stop that
-    follows, is more than the half minute within which a lost host should fail the job.
+    job (MindSpore's MS_NODE_TIMEOUT, used as given when set); MindSpore's default of 30 s, plus the stop
+    that follows, is more than the half minute within which a lost host should fail the job.
     `collective_timeout_s`: how long a rank waits in a CPU collective for a late peer (see the module docstring;
     LLMFLOW_COLLECTIVE_TIMEOUT, when set, wins)."""
     if world_size < 1 or nodes < 1 or world_size % nodes:
@@ -267,10 +268,7 @@ def _set_aside_earlier_logs(log_dir: Path, ranks: range, scheduler: bool) -> Non
 def _note_this_node(log_dir: Path, node_rank: int, master_addr: str) -> None:
     """Write `node-<rank>.json`: this machine's name and the address it reaches node 0 from."""
     note = {"node": node_rank, "host": socket.gethostname(), "address": _address_towards(master_addr)}
-    path = log_dir / f"node-{node_rank}.json"
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(note))
-    partial.replace(path)
+    write_file(log_dir / f"node-{node_rank}.json", json.dumps(note))
 
 
 def _address_towards(master_addr: str) -> str | None:

@@ -25,7 +25,7 @@ the same ticks from the same schedule and takes its links in the same order, so 
 
 Activations are not kept from a forward to its backward: a stage stores only its input for each
 micro-batch in flight and the backward recomputes the stage's forward from it (graph-mode compiled
-cells; PyNative's deferred vjp would keep them but runs ~5x slower here). The arithmetic is that of one
+cells; PyNative's deferred vjp would keep them but runs far slower here). The arithmetic is that of one
 process: the same layers in the same order on the same inputs, gradients summed over micro-batches.
 """
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import TextIO
 
 from model_core.parallel.launch import RANK_MEMORY, LaunchError, launch_training
 from model_core.parallel.planner import GIB, Estimate, Plan
+from model_core.storage import write_file
 from model_core.tables import fixed_width
 from params.loading import to_yaml
 from params.schema import PipelineParams
@@ -193,9 +193,4 @@ def format_trials_table(trials: list[LayoutTrial], steps: int) -> str:
 def write_params(params: PipelineParams, path: str | Path) -> Path:
     """The params as YAML at `path`, written to a temporary file beside it and renamed, so a reader never sees
     half a file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(to_yaml(params))
-    partial.replace(path)
-    return path
+    return write_file(path, to_yaml(params))

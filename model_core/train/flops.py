@@ -91,7 +91,8 @@ def peak_flops(device: str, dtype: str) -> float | None:
     """Peak FLOP/s of one device for matmuls in `dtype`, or None when not known.
 
     `device` is one of KNOWN_DEVICES (case-insensitive). GPUs and NPUs are known for bfloat16/float16;
-    "cpu" is known for float32 only, measured once per process by `measure_cpu_matmul_flops` (~1 s).
+    "cpu" is known for float32 only, measured once per process (it takes a timed run of matmuls) by
+    `measure_cpu_matmul_flops`.
     """
     device = device.lower()
     if device == "cpu":

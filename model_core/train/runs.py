@@ -10,11 +10,10 @@ of a run launched under msrun read the start their launcher chose.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from model_core.storage import file_sha256
+from model_core.storage import file_sha256, write_file
 from model_core.train.checkpoint import MANIFEST, Checkpoint, latest_valid, list_checkpoints
 from model_core.train.finetune import finetune_params
 from params.identity import stage_directory, stage_key, training_inputs
@@ -48,10 +47,7 @@ class TrainingRun:
     def write_record(self) -> None:
         if self.record is None:
             return
-        self.directory.mkdir(parents=True, exist_ok=True)
-        scratch = self.directory / f".{RUN_RECORD}.{os.getpid()}"
-        scratch.write_text(json.dumps(self.record, indent=2, sort_keys=True) + "\n")
-        scratch.replace(self.directory / RUN_RECORD)
+        write_file(self.directory / RUN_RECORD, json.dumps(self.record, indent=2, sort_keys=True) + "\n")
 
     @classmethod
     def at(cls, directory: str | Path, steps: int) -> TrainingRun:

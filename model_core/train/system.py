@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import resource
 from pathlib import Path
 
 import mindspore as ms
 
 from model_core.parallel.launch import RANK_MEMORY
+from model_core.storage import write_file
 
 
 def device_target() -> str:
@@ -29,8 +29,8 @@ def peak_rss_bytes() -> int:
     """This process's own peak resident set size.
 
     Linux keeps `ru_maxrss` across fork and exec, so a process started by a large one (a worker launched
-    from a pipeline, a test started by pytest) reports its parent's peak when that is higher (measured:
-    a 13 MB child of a 320 MB parent reports 320 MB). VmHWM belongs to the process's own address space.
+    from a pipeline, a test started by pytest) reports its parent's peak when that is higher (an example:
+    benchmarks/README.md, "Rank memory"). VmHWM belongs to the process's own address space.
     """
     try:
         with open("/proc/self/status", encoding="ascii") as status:
@@ -44,10 +44,5 @@ def peak_rss_bytes() -> int:
 
 def record_rank_peak_memory(checkpoint_dir: str | Path, rank: int) -> Path:
     """This rank's peak memory as `<checkpoint_dir>/rank-memory/rank-<rank>.json`, written whole (temp, rename)."""
-    directory = Path(checkpoint_dir) / RANK_MEMORY
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"rank-{rank}.json"
-    partial = directory / f".rank-{rank}.json.{os.getpid()}"
-    partial.write_text(json.dumps({"rank": rank, "peak_memory_bytes": peak_memory_bytes()}) + "\n")
-    partial.replace(path)
-    return path
+    record = json.dumps({"rank": rank, "peak_memory_bytes": peak_memory_bytes()}) + "\n"
+    return write_file(Path(checkpoint_dir) / RANK_MEMORY / f"rank-{rank}.json", record)
