@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from model_core.parallel.launch import COLLECTIVE_TIMEOUT_S, LaunchError
+from model_core.parallel.launch import COLLECTIVE_TIMEOUT_S, LaunchError, note_rank_failure
 from params import ParamsError, PipelineParams, load_params, preset_names, to_yaml
 
 if TYPE_CHECKING:
@@ -762,6 +762,7 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args)
     except ParamsError as error:
         print(f"llmflow: {error}", file=sys.stderr)
+        note_rank_failure(str(error))  # a rank under msrun: for its launcher to report
         return 2
     except KeyboardInterrupt:
         print(f"llmflow {args.command}: interrupted", file=sys.stderr)
@@ -769,7 +770,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:
         if os.environ.get("LLMFLOW_DEBUG"):
             raise
-        print(f"llmflow {args.command}: {_reason(error)}", file=sys.stderr)
+        reason = _reason(error)
+        print(f"llmflow {args.command}: {reason}", file=sys.stderr)
+        note_rank_failure(reason)
         return 1
 
 
