@@ -153,7 +153,7 @@ def launch(
         env["GLOG_v"] = "3"  # MindSpore's log level: errors only
     env.setdefault("MS_NODE_TIMEOUT", str(node_timeout_s))
     env.setdefault(COLLECTIVE_TIMEOUT_ENV, str(collective_timeout_s))
-    env[RANK_ERRORS_ENV] = str(log_dir)
+    env[RANK_ERRORS_ENV] = str(log_dir.resolve())
     if nodes > 1:
         _note_this_node(log_dir, node_rank, master_addr)
     _set_aside_earlier_logs(log_dir, range(node_rank * local, (node_rank + 1) * local), node_rank == 0)
