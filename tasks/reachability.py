@@ -2,7 +2,7 @@
 API (when PREFECT_API_URL names one), an MLflow tracking server (an http(s) tracking URI) and a Ray cluster
 (data.runner=ray with an address).
 
-Left to themselves, their clients retry a silent address for minutes (Ray's driver forever, 40 s a try), so
+Left to themselves, their clients retry a silent address for minutes (Ray's driver 20 times, ~40 s a try), so
 each is asked here within a bounded time from params: a TCP connect, then one request in the service's own
 protocol (an HTTP GET, or a gRPC handshake for Ray), because a port can accept connections and still not be
 the service. When the service is there this costs a connect and a round trip. The failure is one line naming
