@@ -18,7 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from model_core.parallel.launch import COLLECTIVE_TIMEOUT_S, LaunchError
+from model_core.parallel.launch import COLLECTIVE_TIMEOUT_S, LaunchError, note_rank_failure
 from params import ParamsError, PipelineParams, load_params, preset_names, to_yaml
 
 if TYPE_CHECKING:
@@ -69,8 +69,10 @@ def _params(args: argparse.Namespace) -> PipelineParams:
 
 def _cmd_run(args: argparse.Namespace) -> int:
     from flows.pretrain import pretrain_flow
+    from tasks.reachability import check_services
 
     params = _params(args)
+    check_services(params)
     result = pretrain_flow(params)
     print(f"pipeline finished: MLflow run {result.mlflow_run_id}, dataset {result.data.dataset_dir}")
     from tasks.tracking import tracking_uri
@@ -81,8 +83,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 def _cmd_prep(args: argparse.Namespace) -> int:
     from flows.data_prep import data_prep_flow
+    from tasks.reachability import check_services
 
     params = _params(args)
+    check_services(params)
     result = data_prep_flow(params)
     state = "reused" if result.reused else "prepared"
     print(f"{state} dataset {result.dataset_dir} (manifest {result.manifest_path})")
@@ -210,7 +214,9 @@ def _prepared_pretraining_data(params: PipelineParams):
 
     if params.data.runner == "ray":
         from flows.data_prep import data_prep_flow
+        from tasks.reachability import check_services
 
+        check_services(params)
         result = data_prep_flow(params)
         return prepared(result.dataset_dir, result.reused)
     preparing = PhaseProgress("data prep")
@@ -405,7 +411,9 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         print(json.dumps({"sweep": sweep.model_dump(mode="json")}))
         return 0
     from flows.sweep import sweep_flow
+    from tasks.reachability import check_services
 
+    check_services(sweep.trial_list()[0].params)  # the base params: the sweep's own run goes where its trials' do
     record = sweep_flow(sweep)
     print(f"sweep finished: MLflow run {record.sweep_run_id}; best trial {record.best.number} ({record.best.label})")
     return 0
@@ -768,6 +776,7 @@ def main(argv: list[str] | None = None) -> int:
         return handler(args)
     except ParamsError as error:
         print(f"llmflow: {error}", file=sys.stderr)
+        note_rank_failure(str(error))  # a rank under msrun: for its launcher to report
         return 2
     except KeyboardInterrupt:
         print(f"llmflow {args.command}: interrupted", file=sys.stderr)
@@ -775,7 +784,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as error:
         if os.environ.get("LLMFLOW_DEBUG"):
             raise
-        print(f"llmflow {args.command}: {_reason(error)}", file=sys.stderr)
+        reason = _reason(error)
+        print(f"llmflow {args.command}: {reason}", file=sys.stderr)
+        note_rank_failure(reason)
         return 1
 
 

@@ -5,7 +5,7 @@ stages' results where they were left (`llmflow finetune` after a `lora.steps` ch
 
 | stage     | its key covers                                                                                  |
 |-----------|-------------------------------------------------------------------------------------------------|
-| data prep | the input files' contents, data.* (not output_dir, num_workers, runner, ray_address, shard_bytes, verify_on_reuse), tokenizer.*, model.vocab_size, vocab_padding, seq_len (model_core/data/prepare.py) |
+| data prep | the input files' contents, data.* (not output_dir, num_workers, runner, ray_address, ray_connect_timeout_s, shard_bytes, verify_on_reuse), tokenizer.*, model.vocab_size, vocab_padding, seq_len (model_core/data/prepare.py) |
 | smoke     | the training inputs below with train.steps = smoke.steps, and the dataset                       |
 | pretrain  | the training inputs, the dataset, and the start: random, the converted checkpoint, or the earlier run's checkpoint it continues |
 | finetune  | the training inputs of the fine-tuning run (lora.lr, lora.steps in place of optimizer.lr, train.steps), lora.* (not enabled), the base checkpoint's content, the instruction dataset |

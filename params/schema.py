@@ -130,6 +130,13 @@ class DataParams(StrictModel):
         description="Ray cluster address for runner=ray (`auto`, `ray://head:10001`, or `host:6379`); null starts "
         "a Ray instance on this machine.",
     )
+    ray_connect_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long the cluster at data.ray_address has to accept a connection and answer a gRPC "
+        "handshake before the command stops with the address and what to check; Ray's own driver would retry a "
+        "silent address for minutes.",
+    )
 
     @model_validator(mode="after")
     def _length_bounds(self) -> DataParams:
@@ -596,13 +603,20 @@ class EvalParams(StrictModel):
 
 
 class TrackingParams(StrictModel):
-    """Where MLflow records runs."""
+    """Where MLflow records runs, and how long the servers that record them may take to answer."""
 
     uri: str = Field(
         "sqlite:///mlflow.db",
         description="MLflow tracking URI; the MLFLOW_TRACKING_URI environment variable wins when set.",
     )
     experiment: str = Field("llmflow", description="MLflow experiment of all pipeline runs.")
+    connect_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long an MLflow tracking server (an http(s) tracking URI) and the Prefect API "
+        "(PREFECT_API_URL, when set) have to answer before a pipeline command stops with the URL; their clients "
+        "would retry a silent address for minutes.",
+    )
     artifact_location: str | None = Field(
         None, description="Artifact root for a newly created experiment; null lets MLflow choose (./mlruns)."
     )

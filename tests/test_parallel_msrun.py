@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -312,6 +313,16 @@ def test_llmflow_train_launches_its_ranks_under_msrun(corpus_jsonl, tmp_path, ca
     assert list((tmp_path / "train").rglob("step-00000003/manifest.json"))
     logs = list((tmp_path / "train").rglob("logs/worker_1.log"))
     assert logs and "trained 3 steps" in logs[0].read_text()
+
+    # The ranks refuse a checkpoint made with another model: a rank's own reason is the last line, not a lost rank.
+    checkpoint = next((tmp_path / "train").rglob("step-00000003"))
+    capsys.readouterr()
+    assert main([*args, "--set", "model.ffn_hidden_size=96", "--resume", str(checkpoint)]) == 1
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert re.fullmatch(
+        rf"llmflow train: rank [01]: checkpoint {re.escape(str(checkpoint))} was made with model.ffn_hidden_size=128, "
+        r"this run has model.ffn_hidden_size=96", last
+    ), last
 
     refused = ["--set", "parallel.pipeline_parallel=2", "--set", "parallel.micro_batches=2", "--set", "model.num_layers=3"]
     assert main([*args, *refused]) == 1

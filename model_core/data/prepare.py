@@ -64,7 +64,9 @@ CACHE_DIR = ".cache"  # under data.output_dir: the extracted standard-library do
 WORK_DIR = ".work"  # under data.output_dir: map results kept for later runs, and each build's scratch
 MAX_REPORTED_RECORDS = shard_map.MAX_REPORTED_RECORDS
 # Params that change where or how fast the data is made, not what it is.
-_NON_DATA_PARAMS = {"output_dir", "num_workers", "runner", "ray_address", "shard_bytes", "verify_on_reuse"}
+_NON_DATA_PARAMS = {
+    "output_dir", "num_workers", "runner", "ray_address", "ray_connect_timeout_s", "shard_bytes", "verify_on_reuse"
+}
 _PROGRESS_LOG_SECONDS = 10.0
 _PROGRESS_POLL_SECONDS = 2.0
 

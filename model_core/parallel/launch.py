@@ -20,6 +20,11 @@ graph of a pipeline stage, or a busy machine, can be late by far more than a nod
 scheduler gets `node_timeout_s` and the ranks `collective_timeout_s` (`comm.init` applies it in each rank
 before MindSpore's collectives read it). A lost node is then found by the scheduler alone, and the job is
 stopped at once, not after a rank's collective gives up.
+
+A rank that refuses to go on (an error meant for the user: a checkpoint that does not fit the model, say) exits,
+and the scheduler may then report it lost before msrun reports its exit code. So each rank leaves its one-line
+reason in `log_dir/rank-<r>.error` (`note_rank_failure`), and a failed job is reported by the earliest of those
+when there is one: `rank 1: <its reason>`, the last line the user reads.
 """
 
 from __future__ import annotations
@@ -55,6 +60,8 @@ COLLECTIVE_TIMEOUT_S = 600
 # The launcher's word for it to each rank, which `comm.init` applies. Kept here, not in comm: the CLI imports this
 # module, and comm imports MindSpore, which data-prep worker processes (started from the CLI) must not load.
 COLLECTIVE_TIMEOUT_ENV = "LLMFLOW_COLLECTIVE_TIMEOUT"
+# Where a rank leaves its reason for failing (the launcher's log directory), for `note_rank_failure`.
+RANK_ERRORS_ENV = "LLMFLOW_RANK_ERRORS"
 
 
 class LaunchError(RuntimeError):
@@ -147,6 +154,7 @@ def launch(
         env["GLOG_v"] = "3"  # MindSpore's log level: errors only
     env.setdefault("MS_NODE_TIMEOUT", str(node_timeout_s))
     env.setdefault(COLLECTIVE_TIMEOUT_ENV, str(collective_timeout_s))
+    env[RANK_ERRORS_ENV] = str(log_dir.resolve())
     if nodes > 1:
         _note_this_node(log_dir, node_rank, master_addr)
     _set_aside_earlier_logs(log_dir, range(node_rank * local, (node_rank + 1) * local), node_rank == 0)
@@ -161,6 +169,9 @@ def launch(
         finished = _supervise(msrun, watch, streamed, scheduler_log, grace_s, echo or sys.stdout, quiet)
     finally:
         _kill_all(msrun, watch)
+    refusal = None if finished and msrun.returncode == 0 else _first_refusal(log_dir)
+    if refusal:
+        raise LaunchError(refusal)
     if not finished:
         reason = _failed_process(msrun_log, watch, local, node_rank, master_addr)
         if watch.first_exit is not None:
@@ -253,11 +264,34 @@ def _failed_process(
     return f"msrun failed before any rank started; the end of {msrun_log}:\n{log_tail(msrun_log)}"
 
 
+def note_rank_failure(reason: str) -> None:
+    """Leave this rank's one-line reason for failing where its launcher looks (nothing outside `launch`)."""
+    directory, rank = os.environ.get(RANK_ERRORS_ENV), os.environ.get("RANK_ID")
+    if directory and rank is not None:
+        path = Path(directory) / f"rank-{rank}.error"
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(reason)
+        partial.replace(path)
+
+
+def _first_refusal(log_dir: Path) -> str | None:
+    """`rank R: <reason>` of the rank that noted its reason first (a peer's own failure may follow it)."""
+    notes = [
+        (path.stat().st_mtime_ns, int(path.stem.removeprefix("rank-")), path) for path in log_dir.glob("rank-*.error")
+    ]
+    if not notes:
+        return None
+    _, rank, path = min(notes)
+    return f"rank {rank}: {path.read_text(errors='replace').strip()}"
+
+
 def _set_aside_earlier_logs(log_dir: Path, ranks: range, scheduler: bool) -> None:
     """Rename the logs an earlier job in this directory (a resumed run's first attempt) left, to
     `<name>.previous.log`: msrun rewrites them in place, so streaming from the start of a stale log would
     skip the new one's first lines, and a stale scheduler log would blame a node for a failure it did not
-    cause this time."""
+    cause this time. An earlier job's rank-<r>.error notes are deleted: their reasons are not this job's."""
+    for rank in ranks:
+        (log_dir / f"rank-{rank}.error").unlink(missing_ok=True)
     names = [f"worker_{rank}.log" for rank in ranks] + (["scheduler.log"] if scheduler else [])
     for name in names:
         log = log_dir / name
