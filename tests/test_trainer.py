@@ -16,7 +16,6 @@ from conftest import SMALL_MODEL
 from mindspore import ops
 from safetensors.numpy import load_file
 
-from model_core.data import prepare_dataset
 from model_core.model.weights import model_weights
 from model_core.storage import read_weights
 from model_core.train import checkpoint as ckpt
@@ -24,13 +23,6 @@ from model_core.train.flops import flops_per_token
 from model_core.train.precision import PrecisionError
 from model_core.train.trainer import NonFiniteError, ResumeError, Trainer
 from params import load_params
-
-
-@pytest.fixture(scope="module")
-def dataset_dir(corpus_jsonl, tmp_path_factory):
-    out = tmp_path_factory.mktemp("trainer-data")
-    params = load_params("tiny", [f"data.sources=[{{kind: jsonl, paths: ['{corpus_jsonl}']}}]", f"data.output_dir={out}", *SMALL_MODEL])
-    return prepare_dataset(params.data, params.tokenizer, params.model).output_dir
 
 
 def small(tmp_path, *overrides: str):
