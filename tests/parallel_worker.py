@@ -190,10 +190,14 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
 def jobs(_: Path, jobs_json: str) -> None:
     """`train` for each job of JOBS_JSON (a list of {"out": OUT_DIR, "arguments": [DATASET_DIR, options...]}), one
     after another: each job builds its own Trainer, as a new process would, and the workers start once."""
+    import gc
+
     for job in json.loads(Path(jobs_json).read_text()):
         out = Path(job["out"])
         out.mkdir(parents=True, exist_ok=True)
         train(out, *job["arguments"])
+        gc.collect()
+        ms.ms_memory_recycle()  # the finished job's cached runtime memory, which MindSpore keeps per model
 
 
 if __name__ == "__main__":
