@@ -1,4 +1,6 @@
-"""Shared fixtures: a small real corpus, an isolated MLflow store, and one Prefect test harness per session."""
+"""Shared fixtures: a small real corpus and the dataset prepared from it, the single-process training run the
+multi-process tests compare against, an isolated MLflow store, and one Prefect test harness per session. Each is
+made once per session, however many test files ask for it."""
 
 from __future__ import annotations
 
@@ -93,6 +95,70 @@ SMALL_MODEL = [
     "model.ffn_hidden_size=128",
     "model.seq_len=32",
 ]
+
+
+# The training run the msrun tests repeat under each layout: 20 steps of the small model, logged every step.
+PARALLEL_STEPS = 20
+PARALLEL_RUN = [
+    *SMALL_MODEL, "train.log_interval=1", "train.eval_interval=10", "train.checkpoint_interval=10",
+    f"train.steps={PARALLEL_STEPS}", "optimizer.warmup_steps=2", "train.micro_batch_size=2",
+]
+
+
+@pytest.fixture(scope="session")
+def dataset_dir(corpus_jsonl, tmp_path_factory) -> Path:
+    """The corpus prepared for SMALL_MODEL (tokenizer, train and validation shards); tests only read it."""
+    from model_core.data import prepare_dataset
+    from params import load_params
+
+    out = tmp_path_factory.mktemp("small-data")
+    params = load_params("tiny", [f"data.sources=[{{kind: jsonl, paths: ['{corpus_jsonl}']}}]", f"data.output_dir={out}", *SMALL_MODEL])
+    return prepare_dataset(params.data, params.tokenizer, params.model).output_dir
+
+
+@pytest.fixture(scope="session")
+def single_process(dataset_dir, tmp_path_factory) -> dict:
+    """The reference of the msrun tests: PARALLEL_RUN in one process, the same global batch of 8 rows
+    (4 micro-batches of 2); its metrics, Adam moment and parameter bytes, initial and final weights and
+    checkpoint directory (steps 10 and 20)."""
+    from model_core.model.weights import model_weights
+    from model_core.train.trainer import Trainer
+    from params import load_params
+
+    out = tmp_path_factory.mktemp("single")
+    params = load_params("tiny", [*PARALLEL_RUN, "parallel.micro_batches=4", f"train.output_dir={out}"])
+    trainer = Trainer(params, dataset_dir, out / "ckpt")
+    initial = model_weights(trainer.model)
+    history = trainer.run().history
+    moments = sum(m.asnumpy().nbytes for m in (*trainer.optimizer.exp_avg, *trainer.optimizer.exp_avg_sq))
+    final = model_weights(trainer.model)
+    return {
+        "history": history, "moment_bytes": moments, "parameter_bytes": sum(w.nbytes for w in final.values()),
+        "initial": initial, "final": final, "checkpoints": out / "ckpt",
+    }
+
+
+# Jobs of PARALLEL_RUN + overrides on two and on four msrun workers, name -> overrides, that test files register
+# when they are imported and read back from `two_worker_jobs` and `four_worker_jobs`: each set runs one job after
+# another in one launch, whose start-up each job would otherwise pay.
+TWO_WORKER_JOBS: dict[str, tuple[str, ...]] = {}
+FOUR_WORKER_JOBS: dict[str, tuple[str, ...]] = {}
+
+
+@pytest.fixture(scope="session")
+def two_worker_jobs(dataset_dir, tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
+    """name -> (the job's directory, each rank's report) for every job in TWO_WORKER_JOBS."""
+    from test_parallel_msrun import train_jobs
+
+    return train_jobs(tmp_path_factory.mktemp("two-worker-jobs"), dataset_dir, dict(TWO_WORKER_JOBS))
+
+
+@pytest.fixture(scope="session")
+def four_worker_jobs(dataset_dir, tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
+    """name -> (the job's directory, each rank's report) for every job in FOUR_WORKER_JOBS."""
+    from test_parallel_msrun import train_jobs
+
+    return train_jobs(tmp_path_factory.mktemp("four-worker-jobs"), dataset_dir, dict(FOUR_WORKER_JOBS), workers=4)
 
 
 def small_pipeline_overrides(corpus: Path, output_dir: Path, experiment: str) -> list[str]:

@@ -1,9 +1,9 @@
-"""Worker programs that tests/test_parallel*.py start under msrun; each rank writes its findings as JSON.
+"""Worker programs that tests/test_*_msrun.py start under msrun; each rank writes its findings as JSON.
 
-    python tests/parallel_worker.py comm OUT_DIR
-    python tests/parallel_worker.py late OUT_DIR SECONDS
+    python tests/parallel_worker.py collectives OUT_DIR LATE_SECONDS
     python tests/parallel_worker.py freeze OUT_DIR
     python tests/parallel_worker.py train OUT_DIR DATASET_DIR [--resume PATH] [--set section.field=value ...]
+    python tests/parallel_worker.py jobs LOG_DIR JOBS_JSON
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import mindspore as ms
 import numpy as np
-from mindspore import nn
+from mindspore import Tensor, nn, ops
 
 from model_core.parallel import comm
 
@@ -41,9 +41,8 @@ class _AllInJit(nn.Cell):
         )
 
 
-def check_comm(out_dir: Path) -> None:
+def check_comm() -> dict[str, bool]:
     """Every collective, native and fallback, PyNative and jit, against numpy."""
-    comm.init()
     rank, size = comm.rank(), comm.world_size()
     values = [_value(r) for r in range(size)]
     expected = {
@@ -67,22 +66,81 @@ def check_comm(out_dir: Path) -> None:
                 results[f"{name}/{mode}/native={native}"] = bool(np.array_equal(got.asnumpy(), expected[name]))
     got = comm.send_receive(ms.Tensor(values[rank]), 0, 1).asnumpy()
     results["p2p"] = bool(np.array_equal(got, values[0]))
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(results))
+    return results
 
 
-def late(out_dir: Path, seconds: str) -> None:
+ROWS = 2  # rows of each all-to-all block
+
+
+def _blocks(rank: int, size: int, offset: float) -> np.ndarray:
+    """[size * ROWS, 3], distinct per rank and per block."""
+    return np.arange(size * ROWS * 3, dtype=np.float32).reshape(size * ROWS, 3) + 100 * rank + offset
+
+
+def _all_to_all(arrays: list[np.ndarray], rank: int) -> np.ndarray:
+    """numpy's all-to-all: block `rank` of every member's array, in member order."""
+    return np.concatenate([a[rank * ROWS : (rank + 1) * ROWS] for a in arrays])
+
+
+class _WeightedSum(nn.Cell):
+    """sum(all_to_all(x) * weight): its gradient in x is the all-to-all of the weights."""
+
+    def __init__(self, group: comm.Group, weight: np.ndarray) -> None:
+        super().__init__()
+        self.exchange = comm.AllToAll(group)
+        self.weight = Tensor(weight)
+
+    def construct(self, x):
+        return (self.exchange(x) * self.weight).sum()
+
+
+class _ValueAndGradInJit(nn.Cell):
+    def __init__(self, loss: nn.Cell) -> None:
+        super().__init__()
+        self.value_and_grad = ops.value_and_grad(loss, grad_position=0)
+
+    @ms.jit
+    def construct(self, x):
+        return self.value_and_grad(x)
+
+
+def check_all_to_all() -> dict[str, bool]:
+    """The all-to-all (native where the backend has it, the all-reduce fallback otherwise) and its gradient,
+    PyNative and jit, against numpy, on the world group."""
+    rank, size = comm.rank(), comm.world_size()
+    inputs = [_blocks(r, size, 0.0) for r in range(size)]
+    weights = [_blocks(r, size, 0.5) for r in range(size)]
+    expected, expected_grad = _all_to_all(inputs, rank), _all_to_all(weights, rank)
+    x = Tensor(inputs[rank])
+    results = {}
+    for native in (True, False):
+        group = comm.Group(tuple(range(size)), rank, use_native=native)
+        loss = _WeightedSum(group, weights[rank])
+        results[f"values/pynative/native={native}"] = bool(np.array_equal(group.all_to_all(x).asnumpy(), expected))
+        for mode, (_, grad) in (("pynative", ms.value_and_grad(loss, grad_position=0)(x)), ("jit", _ValueAndGradInJit(loss)(x))):
+            results[f"grad/{mode}/native={native}"] = bool(np.array_equal(grad.asnumpy(), expected_grad))
+        results[f"fallback_used/native={native}"] = not group.native_all_to_all
+    return results
+
+
+def late(seconds: float) -> list[float]:
     """Rank 1 reaches an all-reduce `seconds` after rank 0 (as a rank still compiling its first step would);
-    each rank writes the sum it got."""
+    the sum each rank got."""
     import time
 
-    comm.init()
-    rank = comm.rank()
     group = comm.group(range(comm.world_size()))
-    group.all_reduce(ms.Tensor(np.ones(2, np.float32)))  # both ranks are up
-    if rank == 1:
-        time.sleep(float(seconds))
-    summed = group.all_reduce(ms.Tensor(np.full(2, rank + 1, np.float32))).asnumpy()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(summed.tolist()))
+    group.all_reduce(ms.Tensor(np.ones(2, np.float32)))  # both ranks are in step
+    if comm.rank() == 1:
+        time.sleep(seconds)
+    return group.all_reduce(ms.Tensor(np.full(2, comm.rank() + 1, np.float32))).asnumpy().tolist()
+
+
+def collectives(out_dir: Path, late_seconds: str) -> None:
+    """check_comm's, check_all_to_all's and late's findings from one job: starting a job costs more than
+    all three checks."""
+    comm.init()
+    found = {"comm": check_comm(), "all_to_all": check_all_to_all(), "late": late(float(late_seconds))}
+    (out_dir / f"rank{comm.rank()}.json").write_text(json.dumps(found))
 
 
 def freeze(out_dir: Path) -> None:
@@ -129,7 +187,20 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     (out_dir / f"rank{trainer.rank}.json").write_text(json.dumps(report))
 
 
+def jobs(_: Path, jobs_json: str) -> None:
+    """`train` for each job of JOBS_JSON (a list of {"out": OUT_DIR, "arguments": [DATASET_DIR, options...]}), one
+    after another: each job builds its own Trainer, as a new process would, and the workers start once."""
+    import gc
+
+    for job in json.loads(Path(jobs_json).read_text()):
+        out = Path(job["out"])
+        out.mkdir(parents=True, exist_ok=True)
+        train(out, *job["arguments"])
+        gc.collect()
+        ms.ms_memory_recycle()  # the finished job's cached runtime memory, which MindSpore keeps per model
+
+
 if __name__ == "__main__":
     command, out = sys.argv[1], Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
-    {"comm": check_comm, "freeze": freeze, "late": late, "train": train}[command](out, *sys.argv[3:])
+    {"collectives": collectives, "freeze": freeze, "jobs": jobs, "train": train}[command](out, *sys.argv[3:])

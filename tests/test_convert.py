@@ -493,17 +493,6 @@ def test_convert_task_logs_to_mlflow_and_reuses_the_cache(tmp_path, mlflow_uri):
         convert_hf.fn(mismatched, tracking)
 
 
-@pytest.fixture(scope="module")
-def dataset_dir(corpus_jsonl, tmp_path_factory):
-    from model_core.data import prepare_dataset
-
-    out = tmp_path_factory.mktemp("convert-data")
-    params = load_params(
-        "tiny", [f"data.sources=[{{kind: jsonl, paths: ['{corpus_jsonl}']}}]", f"data.output_dir={out}", *SMALL_MODEL]
-    )
-    return prepare_dataset(params.data, params.tokenizer, params.model).output_dir
-
-
 def test_converted_model_continues_training_from_a_sane_loss(dataset_dir, tmp_path):
     from model_core.train.trainer import Trainer
 

@@ -1,20 +1,17 @@
-"""Expert parallelism over msrun workers against one process on the same global batch: the all-to-all and its
-gradient on two workers; dp2 x ep2 with ZeRO-1 and 2, and pp2 (two workers), dp2 x ep2 x tp2 and dp2 x pp2 x ep2
-with ZeRO-0 and 2 (four) train 10 steps with the losses, gradient norms and routing metrics of one process; the
-ep2 checkpoint holds the whole expert stacks and loads into one process."""
+"""Expert parallelism over msrun workers against one process on the same global batch: dp2 x ep2 with ZeRO-1
+and 2, and pp2 (two workers), dp2 x ep2 x tp2 and dp2 x pp2 x ep2 with ZeRO-0 and 2 (four) train 10 steps with
+the losses, gradient norms and routing metrics of one process; the ep2 checkpoint holds the whole expert stacks
+and loads into one process. The all-to-all and its gradient are checked with the other collectives in
+tests/test_parallel_msrun.py."""
 
 from __future__ import annotations
 
-import io
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
-from test_parallel_msrun import RUN, assert_same_metrics, dataset_dir, train_job
+from conftest import TWO_WORKER_JOBS
+from test_parallel_msrun import RUN, assert_same_metrics, shared_or_own_job, train_job
 
 from model_core.model.weights import model_weights
-from model_core.parallel.launch import launch
 from model_core.train.checkpoint import Checkpoint
 from model_core.train.reshard import whole_tensors
 from model_core.train.trainer import Trainer
@@ -22,9 +19,7 @@ from params import load_params
 
 pytestmark = pytest.mark.slow
 
-__all__ = ["dataset_dir"]
 
-WORKER = str(Path(__file__).with_name("expert_parallel_worker.py"))
 # Dropless routing (no capacity factor): no choice is dropped, whatever tokens share a micro-batch. Both blocks
 # are MoE, so each stage of pp2 routes, and a z-loss joins the aux loss in the objective.
 MOE = ("model.moe={num_experts: 4, experts_per_token: 2, z_loss_coef: 0.001}", "train.steps=10")
@@ -40,28 +35,23 @@ def single_process(dataset_dir, tmp_path_factory):
     return {"history": history, "final": model_weights(trainer.model)}
 
 
-def test_all_to_all_and_its_gradient_match_numpy_on_two_workers(tmp_path):
-    launch([WORKER, "all_to_all", str(tmp_path / "out")], 2, tmp_path / "logs", grace_s=10, echo=io.StringIO())
-    for rank in range(2):
-        results = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
-        assert results["fallback_used/native=False"]
-        assert all(results.values()), results
+TWO_WORKER_JOBS["moe-dp2-ep2-zero1"] = (*MOE, *EP2, "parallel.zero_stage=1")
 
 
 @pytest.mark.parametrize("zero", [1, pytest.param(2, marks=pytest.mark.extended)])  # ZeRO-2: ~1.5 min more
-def test_dp2_ep2_zero_trains_equal_to_one_process_and_checkpoints_whole_experts(dataset_dir, single_process, tmp_path, zero):
+def test_dp2_ep2_zero_trains_equal_to_one_process_and_checkpoints_whole_experts(dataset_dir, single_process, request, tmp_path, zero):
     """ZeRO-1 shards the dense weights' moments over dp (ZeRO-2 their gradients too); each expert block is held by
     one rank (expert-dp of 1), which keeps all of its moments and gradients. The checkpoint gathers both into
     whole tensors."""
-    ranks = train_job(tmp_path, dataset_dir, *MOE, *EP2, f"parallel.zero_stage={zero}")
+    out, ranks = shared_or_own_job(request, f"moe-dp2-ep2-zero{zero}", tmp_path, *MOE, *EP2, f"parallel.zero_stage={zero}")
     for rank in ranks:
         assert_same_metrics(rank["history"], single_process["history"])
         assert_same_routing(rank["history"], single_process["history"])
         assert rank["history"][-1]["moe_dropped_fraction"] == 0
-    held = [dict(np.load(tmp_path / "out" / f"rank{r}_final.npz")) for r in range(2)]
+    held = [dict(np.load(out / "out" / f"rank{r}_final.npz")) for r in range(2)]
     stack = "layers.1.mlp.experts.gate_proj"
     assert held[0][stack].shape[0] == held[1][stack].shape[0] == 2  # each rank trains 2 of the 4 experts
-    saved = Checkpoint(tmp_path / "out" / "checkpoints" / "step-00000010", 10)
+    saved = Checkpoint(out / "out" / "checkpoints" / "step-00000010", 10)
     weights, moments = whole_tensors(saved)
     assert weights.keys() == single_process["final"].keys()
     for name, value in single_process["final"].items():

@@ -9,14 +9,14 @@ import math
 
 import numpy as np
 import pytest
-from test_parallel_msrun import RUN, dataset_dir, train_job
+from conftest import TWO_WORKER_JOBS
+from test_parallel_msrun import RUN, shared_or_own_job
 
 from model_core.train.trainer import Trainer
 from params import load_params
 
 pytestmark = pytest.mark.slow
 
-__all__ = ["dataset_dir"]  # the module fixture shared with the dp tests
 
 WIDE = ("model.hidden_size=256", "model.num_layers=4", "model.ffn_hidden_size=688", "train.steps=1", "train.eval_batches=1")
 LAYOUTS = {
@@ -52,12 +52,15 @@ def float64_norm(dataset_dir, tmp_path_factory):
 EXTENDED_LAYOUTS = ("dp2-zero2", "dp2-tp2-zero1", "tp2", "pp2")
 
 
+TWO_WORKER_JOBS.update({f"float64-norm-{name}": (*WIDE, *LAYOUTS[name][1:]) for name in LAYOUTS if name not in EXTENDED_LAYOUTS})
+
+
 @pytest.mark.parametrize(
     "layout", [pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED_LAYOUTS else []) for name in LAYOUTS]
 )
-def test_every_layout_logs_the_float64_gradient_norm(layout, float64_norm, dataset_dir, tmp_path):
+def test_every_layout_logs_the_float64_gradient_norm(layout, float64_norm, request, tmp_path):
     exact, single = float64_norm
     assert single == pytest.approx(exact, rel=1e-6)
     workers, *overrides = LAYOUTS[layout]
-    ranks = train_job(tmp_path, dataset_dir, *WIDE, *overrides, workers=workers)
+    _, ranks = shared_or_own_job(request, f"float64-norm-{layout}", tmp_path, *WIDE, *overrides, workers=workers)
     assert ranks[0]["history"][0]["grad_norm"] == pytest.approx(exact, rel=1e-6)

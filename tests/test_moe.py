@@ -13,7 +13,6 @@ from conftest import SMALL_MODEL
 from mindspore import Tensor, nn, ops
 from pydantic import ValidationError
 
-from model_core.data import prepare_dataset
 from model_core.eval.evaluate import load_model
 from model_core.model.llama import Llama, SwiGLU
 from model_core.model.moe import MoE, router_noise
@@ -229,13 +228,6 @@ def test_dense_and_moe_blocks_mix_and_the_compiled_forward_equals_the_eager_one(
     logits, (aux, z, loads, dropped) = model.routed(tokens)
     assert loads.shape == (2, 4) and float(dropped.asnumpy()) == 0
     np.testing.assert_allclose(model.compiled_forward(tokens).asnumpy(), logits.asnumpy(), rtol=1e-6, atol=1e-6)
-
-
-@pytest.fixture(scope="module")
-def dataset_dir(corpus_jsonl, tmp_path_factory):
-    out = tmp_path_factory.mktemp("moe-data")
-    params = load_params("tiny", [f"data.sources=[{{kind: jsonl, paths: ['{corpus_jsonl}']}}]", f"data.output_dir={out}", *SMALL_MODEL])
-    return prepare_dataset(params.data, params.tokenizer, params.model).output_dir
 
 
 @pytest.mark.parametrize("moe", [MOE, ["model.moe={num_experts: 4, every: 2, shared_expert_ffn_hidden_size: 64, shared_expert_gate: true}"]],

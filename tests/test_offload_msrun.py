@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_parallel_msrun import assert_resumed_tail, assert_same_blocks, dataset_dir, resume_from_step, train_job
+from conftest import TWO_WORKER_JOBS
+from test_parallel_msrun import assert_resumed_tail, assert_same_blocks, resume_from_step, shared_or_own_job, train_job
 
 from model_core.optim.offload import FILE_PREFIX
 from model_core.train.checkpoint import Checkpoint
 
 pytestmark = pytest.mark.slow
 
-__all__ = ["dataset_dir"]  # the module fixture shared with the dp tests
 
 STEPS = 10
 KEYS = ("step", "loss", "grad_norm", "lr", "validation_loss")
@@ -33,8 +33,11 @@ def checkpoint(run, step: int = STEPS) -> Checkpoint:
     return Checkpoint(run / "out" / "checkpoints" / f"step-{step:08d}", step)
 
 
+TWO_WORKER_JOBS["offload-plain-zero3"] = layout(3)  # the default test's reference
+
+
 @pytest.fixture(scope="module")
-def plain_job(dataset_dir, tmp_path_factory):
+def plain_job(request, tmp_path_factory):
     """job(zero_stage): (its directory, its reports) of the job without offload, run once for the tests that
     compare against it."""
     jobs = {}
@@ -42,7 +45,7 @@ def plain_job(dataset_dir, tmp_path_factory):
     def job(zero_stage: int):
         if zero_stage not in jobs:
             out = tmp_path_factory.mktemp(f"plain-zero{zero_stage}")
-            jobs[zero_stage] = out, train_job(out, dataset_dir, *layout(zero_stage))
+            jobs[zero_stage] = shared_or_own_job(request, f"offload-plain-zero{zero_stage}", out, *layout(zero_stage))
         return jobs[zero_stage]
 
     return job

@@ -1,7 +1,8 @@
-"""Two msrun workers on this machine: every collective against numpy, dp2 and dp2 + ZeRO-1/2/3 training
-equal to one process on the same global batch, ZeRO's halved optimizer state (ZeRO-2's halved gradient
-buffers, ZeRO-3's halved weights), bit-exact resume, checkpoints that load across layouts, and a killed
-worker failing fast. tests/test_tensor_parallel_msrun.py reuses the helpers and the reference run here."""
+"""Two msrun workers on this machine: every collective (the all-to-all too) against numpy, a late rank waited
+for, dp2 and dp2 + ZeRO-1/2/3 training equal to one process on the same global batch, ZeRO's halved optimizer
+state (ZeRO-2's halved gradient buffers, ZeRO-3's halved weights), bit-exact resume, checkpoints that load
+across layouts, and a killed worker failing fast. The other *_msrun.py files reuse the helpers here; the
+reference run is tests/conftest.py's."""
 
 from __future__ import annotations
 
@@ -19,9 +20,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from conftest import SMALL_MODEL
+from conftest import FOUR_WORKER_JOBS, PARALLEL_RUN, PARALLEL_STEPS, TWO_WORKER_JOBS
 
-from model_core.data import prepare_dataset
 from model_core.model.weights import model_weights
 from model_core.parallel.launch import LaunchError, launch
 from model_core.train.checkpoint import Checkpoint
@@ -31,34 +31,7 @@ from params import load_params
 pytestmark = pytest.mark.slow
 
 WORKER = str(Path(__file__).with_name("parallel_worker.py"))
-STEPS = 20
-RUN = [
-    *SMALL_MODEL, "train.log_interval=1", "train.eval_interval=10", "train.checkpoint_interval=10",
-    f"train.steps={STEPS}", "optimizer.warmup_steps=2", "train.micro_batch_size=2",
-]
-
-
-@pytest.fixture(scope="module")
-def dataset_dir(corpus_jsonl, tmp_path_factory):
-    out = tmp_path_factory.mktemp("parallel-data")
-    params = load_params("tiny", [f"data.sources=[{{kind: jsonl, paths: ['{corpus_jsonl}']}}]", f"data.output_dir={out}", *SMALL_MODEL])
-    return prepare_dataset(params.data, params.tokenizer, params.model).output_dir
-
-
-@pytest.fixture(scope="module")
-def single_process(dataset_dir, tmp_path_factory):
-    """The reference: one process, the same global batch of 8 rows (4 micro-batches of 2); its metrics,
-    Adam moment and parameter bytes, initial and final weights and checkpoint directory (steps 10 and 20)."""
-    out = tmp_path_factory.mktemp("single")
-    trainer = Trainer(load_params("tiny", [*RUN, "parallel.micro_batches=4", f"train.output_dir={out}"]), dataset_dir, out / "ckpt")
-    initial = model_weights(trainer.model)
-    history = trainer.run().history
-    moments = sum(m.asnumpy().nbytes for m in (*trainer.optimizer.exp_avg, *trainer.optimizer.exp_avg_sq))
-    final = model_weights(trainer.model)
-    return {
-        "history": history, "moment_bytes": moments, "parameter_bytes": sum(w.nbytes for w in final.values()),
-        "initial": initial, "final": final, "checkpoints": out / "ckpt",
-    }
+STEPS, RUN = PARALLEL_STEPS, PARALLEL_RUN  # the reference run `single_process` (tests/conftest.py) trains
 
 
 def run_workers(tmp_path, *args: str, workers: int = 2) -> list[dict]:
@@ -67,12 +40,40 @@ def run_workers(tmp_path, *args: str, workers: int = 2) -> list[dict]:
     return [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in range(workers)]
 
 
+def _options(out: Path, overrides: tuple[str, ...], resume: Path | None) -> list[str]:
+    options = [a for o in (*RUN, f"train.output_dir={out}", *overrides) for a in ("--set", o)]
+    return options if resume is None else [*options, "--resume", str(resume)]
+
+
 def train_job(out: Path, dataset_dir: Path, *overrides: str, resume: Path | None = None, workers: int = 2) -> list[dict]:
     """A training job of RUN + overrides on `workers` msrun workers (from `resume` if given); each rank's report."""
-    options = [a for o in (*RUN, f"train.output_dir={out}", *overrides) for a in ("--set", o)]
-    if resume is not None:
-        options += ["--resume", str(resume)]
-    return run_workers(out, "train", str(out / "out"), str(dataset_dir), *options, workers=workers)
+    return run_workers(out, "train", str(out / "out"), str(dataset_dir), *_options(out, overrides, resume), workers=workers)
+
+
+def train_jobs(
+    root: Path, dataset_dir: Path, jobs: dict[str, tuple[str, ...]], workers: int = 2, resume: dict[str, Path] | None = None
+) -> dict[str, tuple[Path, list[dict]]]:
+    """train_job for each of `jobs` (name -> overrides; from resume[name] where given), one after another in one
+    msrun launch, so that its start-up is paid once: name -> (the job's directory, as train_job's `out`; each
+    rank's report)."""
+    resume = resume or {}
+    spec = [{"out": str(root / name / "out"), "arguments": [str(dataset_dir), *_options(root / name, overrides, resume.get(name))]}
+            for name, overrides in jobs.items()]
+    (root / "jobs.json").write_text(json.dumps(spec))
+    launch([WORKER, "jobs", str(root / "logs"), str(root / "jobs.json")], workers, root / "logs", grace_s=10, echo=io.StringIO())
+    return {name: (root / name, [json.loads((root / name / "out" / f"rank{r}.json").read_text()) for r in range(workers)])
+            for name in jobs}
+
+
+def shared_or_own_job(request, name: str, out: Path, *overrides: str, workers: int = 2) -> tuple[Path, list[dict]]:
+    """Job `name` from `two_worker_jobs` or `four_worker_jobs` where it is registered there (the default variants
+    of a parametrized test), else a job of its own of `overrides` in `out` (the -m extended ones, which the shared
+    launches leave out)."""
+    if name in TWO_WORKER_JOBS:
+        return request.getfixturevalue("two_worker_jobs")[name]
+    if name in FOUR_WORKER_JOBS:
+        return request.getfixturevalue("four_worker_jobs")[name]
+    return out, train_job(out, request.getfixturevalue("dataset_dir"), *overrides, workers=workers)
 
 
 SHORT = "train.steps=8"  # runs that bring their own reference: fewer steps than the shared 20-step one
@@ -126,39 +127,33 @@ def resumes_in_one_process(checkpoints: Path, single_process: dict, dataset_dir:
     assert_same_metrics(result.history, [r for r in single_process["history"] if r["step"] > 10])
 
 
-def zero_run(dataset_dir: Path, out: Path, stage: int, *overrides: str) -> tuple[Path, list[dict]]:
-    return out, train_job(
-        out, dataset_dir, "parallel.data_parallel=2", "parallel.micro_batches=2", f"parallel.zero_stage={stage}", *overrides
-    )
+def zero_job(stage: int, *overrides: str) -> tuple[str, ...]:
+    return ("parallel.data_parallel=2", "parallel.micro_batches=2", f"parallel.zero_stage={stage}", *overrides)
 
 
-@pytest.fixture(scope="module")
-def zero1_run(dataset_dir, tmp_path_factory):
-    return zero_run(dataset_dir, tmp_path_factory.mktemp("dp2-zero1"), 1)
+# buckets of 64 KiB: the small model's gradients are summed in several of them, the table's alone
+SMALL_BUCKETS = "parallel.gradient_bucket_mb=0.0625"
+TWO_WORKER_JOBS.update({
+    "dp2-zero0": zero_job(0, SMALL_BUCKETS),
+    "dp2-zero0-summed-after-backward": zero_job(0, SMALL_BUCKETS, "parallel.overlap_gradient_reduction=false"),
+    "dp2-zero1": zero_job(1), "dp2-zero2": zero_job(2), "dp2-zero3": zero_job(3),
+})
 
 
-@pytest.fixture(scope="module")
-def zero2_run(dataset_dir, tmp_path_factory):
-    return zero_run(dataset_dir, tmp_path_factory.mktemp("dp2-zero2"), 2)
-
-
-@pytest.fixture(scope="module")
-def zero3_run(dataset_dir, tmp_path_factory):
-    return zero_run(dataset_dir, tmp_path_factory.mktemp("dp2-zero3"), 3)
-
-
-def test_every_collective_matches_numpy_native_and_fallback_pynative_and_jit(tmp_path):
-    for rank_result in run_workers(tmp_path, "comm", str(tmp_path / "out")):
-        assert rank_result and all(rank_result.values()), [k for k, ok in rank_result.items() if not ok]
-
-
-def test_a_rank_late_to_a_collective_by_more_than_the_node_timeout_is_waited_for(tmp_path):
-    """MindSpore's CPU collectives give up on a late peer after MS_NODE_TIMEOUT, which the launcher keeps short
-    for its scheduler: a rank 12 s late (as one compiling its first graph can be) would fail a job whose node
-    timeout is 5 s. The ranks wait for the collective timeout instead, and the sum arrives."""
-    launch([WORKER, "late", str(tmp_path / "out"), "12"], 2, tmp_path / "logs", node_timeout_s=5,
+def test_every_collective_matches_numpy_and_a_rank_late_to_one_by_more_than_the_node_timeout_is_waited_for(tmp_path):
+    """One job for three checks (starting it costs more than they do): every collective, native and fallback,
+    PyNative and jit, against numpy; the all-to-all and its gradient likewise; and a late rank. MindSpore's CPU
+    collectives give up on a late peer after MS_NODE_TIMEOUT, which the launcher keeps short for its scheduler:
+    a rank 12 s late (as one compiling its first graph can be) would fail a job whose node timeout is 5 s. The
+    ranks wait for the collective timeout instead, and the sum arrives."""
+    launch([WORKER, "collectives", str(tmp_path / "out"), "12"], 2, tmp_path / "logs", node_timeout_s=5,
            collective_timeout_s=60, echo=io.StringIO())
-    assert [json.loads((tmp_path / "out" / f"rank{r}.json").read_text()) for r in (0, 1)] == [[3.0, 3.0]] * 2
+    for rank in (0, 1):
+        found = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
+        assert found["comm"] and all(found["comm"].values()), [k for k, ok in found["comm"].items() if not ok]
+        assert found["all_to_all"]["fallback_used/native=False"]
+        assert all(found["all_to_all"].values()), found["all_to_all"]
+        assert found["late"] == [3.0, 3.0]
 
 
 def test_a_silent_rank_stops_the_job_when_the_scheduler_gives_up_on_it(tmp_path):
@@ -171,15 +166,9 @@ def test_a_silent_rank_stops_the_job_when_the_scheduler_gives_up_on_it(tmp_path)
     assert time.monotonic() - started < 200, failed.value  # the peer's collective alone would wait 300 s
 
 
-@pytest.fixture(scope="module")
-def zero0_run(dataset_dir, tmp_path_factory):
-    # buckets of 64 KiB: the small model's gradients are summed in several of them, the table's alone
-    return zero_run(dataset_dir, tmp_path_factory.mktemp("dp2-zero0"), 0, "parallel.gradient_bucket_mb=0.0625")
-
-
 @pytest.mark.parametrize("zero_stage", [0, 1, 2])
-def test_dp2_matches_one_process_on_the_global_batch(dataset_dir, single_process, tmp_path, request, zero_stage):
-    _, ranks = request.getfixturevalue(f"zero{zero_stage}_run")
+def test_dp2_matches_one_process_on_the_global_batch(two_worker_jobs, single_process, zero_stage):
+    _, ranks = two_worker_jobs[f"dp2-zero{zero_stage}"]
     for rank in ranks:
         assert_same_metrics(rank["history"], single_process["history"])
     held = [rank["moment_bytes"] for rank in ranks]
@@ -190,30 +179,28 @@ def test_dp2_matches_one_process_on_the_global_batch(dataset_dir, single_process
         assert held == [full_moment_bytes] * 2
 
 
-def test_dp2_sums_gradients_inside_the_backward_or_after_it_to_the_same_bits(zero0_run, dataset_dir, tmp_path):
-    """parallel.overlap_gradient_reduction (the default, `zero0_run`) sums the last micro-batch's gradients in its
+def test_dp2_sums_gradients_inside_the_backward_or_after_it_to_the_same_bits(two_worker_jobs):
+    """parallel.overlap_gradient_reduction (the default, dp2-zero0) sums the last micro-batch's gradients in its
     backward graph, bucket by bucket; summed after the backward instead (in the same buckets), the job
     gives the same losses, gradient norms and final weights, bit for bit."""
-    overlapped_out, overlapped = zero0_run
-    after = train_job(tmp_path, dataset_dir, "parallel.data_parallel=2", "parallel.micro_batches=2",
-                      "parallel.zero_stage=0", "parallel.gradient_bucket_mb=0.0625",
-                      "parallel.overlap_gradient_reduction=false")
+    overlapped_out, overlapped = two_worker_jobs["dp2-zero0"]
+    after_out, after = two_worker_jobs["dp2-zero0-summed-after-backward"]
     assert_resumed_tail(overlapped, after, after=0)
     for rank in (0, 1):
-        final = [np.load(out / "out" / f"rank{rank}_final.npz") for out in (overlapped_out, tmp_path)]
+        final = [np.load(out / "out" / f"rank{rank}_final.npz") for out in (overlapped_out, after_out)]
         for name in final[0]:
             np.testing.assert_array_equal(final[1][name], final[0][name], err_msg=name)
 
 
-def test_dp2_zero2_holds_half_the_gradient_buffers_of_zero1(zero1_run, zero2_run):
-    full = [rank["gradient_bytes"] for rank in zero1_run[1]]
-    held = [rank["gradient_bytes"] for rank in zero2_run[1]]
+def test_dp2_zero2_holds_half_the_gradient_buffers_of_zero1(two_worker_jobs):
+    full = [rank["gradient_bytes"] for rank in two_worker_jobs["dp2-zero1"][1]]
+    held = [rank["gradient_bytes"] for rank in two_worker_jobs["dp2-zero2"][1]]
     assert full[0] == full[1] and sum(held) == full[0]
     assert max(held) - min(held) <= 4  # halves, up to one fp32 element of padding
 
 
-def test_dp2_zero3_matches_one_process_holding_half_the_weights_and_moments(zero3_run, single_process):
-    _, ranks = zero3_run
+def test_dp2_zero3_matches_one_process_holding_half_the_weights_and_moments(two_worker_jobs, single_process):
+    _, ranks = two_worker_jobs["dp2-zero3"]
     for rank in ranks:
         assert_same_metrics(rank["history"], single_process["history"])
     padding = 4 * len(single_process["final"])  # each parameter's shard rounds up by at most one fp32 element
@@ -223,8 +210,8 @@ def test_dp2_zero3_matches_one_process_holding_half_the_weights_and_moments(zero
             assert full / 2 <= rank[key] <= full / 2 + per_parameter_padding, (key, rank[key], full)
 
 
-def test_a_zero3_checkpoint_loads_in_one_process_as_the_joined_shards(zero3_run, single_process, dataset_dir, tmp_path):
-    out, _ = zero3_run
+def test_a_zero3_checkpoint_loads_in_one_process_as_the_joined_shards(two_worker_jobs, single_process, dataset_dir, tmp_path):
+    out, _ = two_worker_jobs["dp2-zero3"]
     shards = [np.load(out / "out" / f"rank{rank}_final.npz") for rank in (0, 1)]
     trainer = Trainer(load_params("tiny", [*RUN, "parallel.micro_batches=4"]), dataset_dir, tmp_path / "ckpt")
     trainer.resume(out / "out" / "checkpoints" / f"step-{STEPS:08d}")
@@ -239,14 +226,11 @@ def test_a_zero3_checkpoint_loads_in_one_process_as_the_joined_shards(zero3_run,
 # ZeRO-3's resume runs by default; ZeRO-1 and ZeRO-2 restore moment shards as it does and run with -m extended
 # (tests/test_zero_composed_msrun.py resumes a dp2 x pp2 ZeRO-2 job by default).
 @pytest.mark.parametrize("zero_stage", [pytest.param(1, marks=pytest.mark.extended), pytest.param(2, marks=pytest.mark.extended), 3])
-def test_dp2_zero_resume_is_bit_exact(dataset_dir, tmp_path, request, zero_stage):
+def test_dp2_zero_resume_is_bit_exact(two_worker_jobs, dataset_dir, tmp_path, zero_stage):
     """Stopped after step 10 and resumed in a new job, steps 11-20 repeat the uninterrupted run to the bit."""
-    first_out, uninterrupted = request.getfixturevalue(f"zero{zero_stage}_run")
+    first_out, uninterrupted = two_worker_jobs[f"dp2-zero{zero_stage}"]
     start = resume_from_step(first_out / "out" / "checkpoints", 10, tmp_path / "out" / "checkpoints")
-    resumed = train_job(
-        tmp_path, dataset_dir, "parallel.data_parallel=2", "parallel.micro_batches=2", f"parallel.zero_stage={zero_stage}",
-        resume=start,
-    )
+    resumed = train_job(tmp_path, dataset_dir, *zero_job(zero_stage), resume=start)
     assert_resumed_tail(uninterrupted, resumed)
     for rank in (0, 1):
         final = [np.load(out / "out" / f"rank{rank}_final.npz") for out in (first_out, tmp_path)]

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import FOUR_WORKER_JOBS, TWO_WORKER_JOBS
 from test_parallel_msrun import (
     SHORT,
     assert_resumed_tail,
     assert_same_blocks,
     assert_same_metrics,
-    dataset_dir,
     one_process,
     resume_from_step,
     resumes_in_one_process,
-    single_process,
     train_job,
 )
 
@@ -30,15 +29,14 @@ from model_core.train.reshard import reshard
 
 pytestmark = pytest.mark.slow
 
-__all__ = ["dataset_dir", "single_process"]  # module fixtures shared with the dp tests
 
 PP2 = ("parallel.pipeline_parallel=2", "parallel.micro_batches=4")
+TWO_WORKER_JOBS["pp2"] = PP2
 
 
 @pytest.fixture(scope="module")
-def pp2_run(dataset_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("pp2")
-    return out, train_job(out, dataset_dir, *PP2)
+def pp2_run(two_worker_jobs):
+    return two_worker_jobs["pp2"]
 
 
 def test_pp2_stages_start_from_the_single_process_weights_and_match_its_training(pp2_run, single_process):
@@ -93,12 +91,15 @@ def test_pp2_resume_is_bit_exact(pp2_run, dataset_dir, tmp_path):
     assert_resumed_tail(uninterrupted, train_job(tmp_path, dataset_dir, *PP2, resume=start))
 
 
-def test_tp2_pp2_on_four_workers_matches_one_process(dataset_dir, tmp_path):
+FOUR_WORKER_JOBS["tp2-pp2"] = (SHORT, *PP2, "parallel.tensor_parallel=2")
+
+
+def test_tp2_pp2_on_four_workers_matches_one_process(dataset_dir, four_worker_jobs, tmp_path):
     expected = one_process(dataset_dir, tmp_path / "one", SHORT)
-    ranks = train_job(tmp_path, dataset_dir, SHORT, *PP2, "parallel.tensor_parallel=2", workers=4)
+    out, ranks = four_worker_jobs["tp2-pp2"]
     for rank in ranks:
         assert_same_metrics(rank["history"], expected)
-    files = sorted(p.name for p in (tmp_path / "out" / "checkpoints" / "step-00000008").glob("model*"))
+    files = sorted(p.name for p in (out / "out" / "checkpoints" / "step-00000008").glob("model*"))
     assert files == [f"model-pp{s}-of-2-tp{t}-of-2.safetensors" for s in (0, 1) for t in (0, 1)]
 
 

@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import TWO_WORKER_JOBS
 from test_parallel_msrun import (
     RUN,
     SHORT,
     assert_resumed_tail,
     assert_same_blocks,
     assert_same_metrics,
-    dataset_dir,
     one_process,
     resume_from_step,
     resumes_in_one_process,
-    single_process,
     train_job,
 )
 
@@ -29,15 +28,14 @@ from params import load_params
 
 pytestmark = pytest.mark.slow
 
-__all__ = ["dataset_dir", "single_process"]  # module fixtures shared with the dp tests
 
 TP2 = ("parallel.tensor_parallel=2", "parallel.micro_batches=4")
+TWO_WORKER_JOBS["tp2"] = TP2
 
 
 @pytest.fixture(scope="module")
-def tp2_run(dataset_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tp2")
-    return out, train_job(out, dataset_dir, *TP2)
+def tp2_run(two_worker_jobs):
+    return two_worker_jobs["tp2"]
 
 
 def test_tp2_starts_from_the_single_process_weights_and_matches_its_training(tp2_run, single_process):

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +18,6 @@ from conftest import SMALL_MODEL
 from mindspore import ops
 from safetensors.numpy import load_file
 
-from model_core.data import prepare_dataset
 from model_core.model.weights import model_weights
 from model_core.storage import read_weights
 from model_core.train import checkpoint as ckpt
@@ -26,13 +27,6 @@ from model_core.train.trainer import NonFiniteError, ResumeError, Trainer
 from params import load_params
 
 
-@pytest.fixture(scope="module")
-def dataset_dir(corpus_jsonl, tmp_path_factory):
-    out = tmp_path_factory.mktemp("trainer-data")
-    params = load_params("tiny", [f"data.sources=[{{kind: jsonl, paths: ['{corpus_jsonl}']}}]", f"data.output_dir={out}", *SMALL_MODEL])
-    return prepare_dataset(params.data, params.tokenizer, params.model).output_dir
-
-
 def small(tmp_path, *overrides: str):
     base = [*SMALL_MODEL, "train.log_interval=1", "train.eval_interval=1000", "train.eval_batches=2", "optimizer.warmup_steps=2"]
     return load_params("tiny", [*base, f"train.output_dir={tmp_path}", *overrides])
@@ -40,6 +34,15 @@ def small(tmp_path, *overrides: str):
 
 def _weights(trainer: Trainer) -> dict[str, np.ndarray]:
     return model_weights(trainer.model)
+
+
+@pytest.fixture(scope="module")
+def trained(dataset_dir, tmp_path_factory) -> tuple[Trainer, Path]:
+    """A 3-step run's trainer and final checkpoint, which the tests that start from a trained model share; they
+    only read them."""
+    out = tmp_path_factory.mktemp("trained")
+    trainer = Trainer(small(out, "train.steps=3"), dataset_dir, out / "ckpt")
+    return trainer, trainer.run().checkpoint
 
 
 def test_loss_falls_and_metrics_are_complete(dataset_dir, tmp_path):
@@ -151,9 +154,10 @@ def test_resume_skips_a_corrupted_checkpoint(dataset_dir, tmp_path):
     assert resumed.resumed_from.name == "step-00000002" and resumed.steps == 4
 
 
-def test_resume_refuses_a_checkpoint_of_another_model(dataset_dir, tmp_path):
-    Trainer(small(tmp_path, "train.steps=1"), dataset_dir, tmp_path / "ckpt").run()
-    other = small(tmp_path, "train.steps=2", "model.ffn_hidden_size=96")
+def test_resume_refuses_a_checkpoint_of_another_model(dataset_dir, trained, tmp_path):
+    _, saved = trained
+    shutil.copytree(saved, tmp_path / "ckpt" / saved.name)
+    other = small(tmp_path, "train.steps=4", "model.ffn_hidden_size=96")
     with pytest.raises(ResumeError, match="model.ffn_hidden_size=128, this run has model.ffn_hidden_size=96"):
         Trainer(other, dataset_dir, tmp_path / "ckpt").run(resume="auto")
 
@@ -202,20 +206,18 @@ def test_killed_cli_run_resumes_to_identical_weights(corpus_jsonl, tmp_path):
     assert logged[-1]["step"] == 12
 
 
-def test_initial_weights_replace_the_random_initialisation(dataset_dir, tmp_path):
-    first = Trainer(small(tmp_path, "train.steps=3"), dataset_dir, tmp_path / "a")
-    saved = first.run().checkpoint
+def test_initial_weights_replace_the_random_initialisation(dataset_dir, trained, tmp_path):
+    first, saved = trained
     fresh = Trainer(small(tmp_path, "train.steps=3", "train.seed=99"), dataset_dir, tmp_path / "b")
     started = Trainer(small(tmp_path, "train.steps=3", "train.seed=99"), dataset_dir, tmp_path / "c", initial_weights=saved)
     started.resume("none")
     assert started.evaluate() == first.evaluate() != fresh.evaluate()
 
 
-def test_initial_weights_may_be_stored_in_bf16(dataset_dir, tmp_path):
+def test_initial_weights_may_be_stored_in_bf16(dataset_dir, trained, tmp_path):
     from model_core.storage import write_safetensors
 
-    first = Trainer(small(tmp_path, "train.steps=1"), dataset_dir, tmp_path / "a")
-    first.run()
+    first, _ = trained
     (tmp_path / "bf16").mkdir()
     write_safetensors(tmp_path / "bf16" / "model.safetensors", model_weights(first.model), "bfloat16")
     started = Trainer(small(tmp_path, "train.steps=1"), dataset_dir, tmp_path / "b", initial_weights=tmp_path / "bf16")
@@ -223,9 +225,8 @@ def test_initial_weights_may_be_stored_in_bf16(dataset_dir, tmp_path):
     assert abs(started.evaluate() - first.evaluate()) < 1e-2
 
 
-def test_lora_starts_from_the_initial_weights_and_trains_only_the_adapters(dataset_dir, tmp_path):
-    first = Trainer(small(tmp_path, "train.steps=1"), dataset_dir, tmp_path / "a")
-    saved = first.run().checkpoint
+def test_lora_starts_from_the_initial_weights_and_trains_only_the_adapters(dataset_dir, trained, tmp_path):
+    _, saved = trained
     before = read_weights(saved)
     params = small(tmp_path, "train.steps=2")
     tuned = Trainer(params, dataset_dir, tmp_path / "b", initial_weights=saved, lora=params.lora)

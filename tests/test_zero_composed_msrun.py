@@ -11,14 +11,15 @@ import math
 
 import numpy as np
 import pytest
+from conftest import FOUR_WORKER_JOBS
 from test_parallel_msrun import (
     RUN,
     SHORT,
     assert_resumed_tail,
     assert_same_metrics,
-    dataset_dir,
     resume_from_step,
-    train_job,
+    shared_or_own_job,
+    train_jobs,
 )
 
 from model_core.model.weights import model_weights
@@ -30,7 +31,6 @@ from params import load_params
 
 pytestmark = pytest.mark.slow
 
-__all__ = ["dataset_dir"]  # the module fixture shared with the dp tests
 
 # A narrow MLP makes a stage's weights small enough that the tied table (32,768 elements) is cut between the two
 # dp shards (a shard holds 27,712 of a first stage's 55,424 elements): the case where the two end stages must cut
@@ -63,22 +63,26 @@ LAYOUTS = {
 EVERY_4 = "train.checkpoint_interval=4"
 
 
+EXTENDED = "dp2_tp2_zero3"  # the resume test below trains under it against one process by default
+FOUR_WORKER_JOBS.update({name: (SHORT, NARROW, EVERY_4, *LAYOUTS[name][0]) for name in LAYOUTS if name != EXTENDED})
+
+
 @pytest.fixture(scope="module")
-def jobs(dataset_dir, tmp_path_factory):
-    """name -> (output directory, every rank's report) of that layout's 8-step job, run when first asked for."""
+def jobs(request, tmp_path_factory):
+    """name -> (output directory, every rank's report) of that layout's 8-step job, run when first asked for
+    (the default ones with the other four-worker jobs)."""
     done = {}
 
     def job(name: str):
         if name not in done:
-            out = tmp_path_factory.mktemp(name)
-            done[name] = out, train_job(out, dataset_dir, SHORT, NARROW, EVERY_4, *LAYOUTS[name][0], workers=4)
+            overrides = (SHORT, NARROW, EVERY_4, *LAYOUTS[name][0])
+            done[name] = shared_or_own_job(request, name, tmp_path_factory.mktemp(name), *overrides, workers=4)
         return done[name]
 
     return job
 
 
-# dp2 x tp2 ZeRO-3 runs with -m extended: the resume test below trains under it against one process by default.
-@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.extended] if name == "dp2_tp2_zero3" else []) for name in LAYOUTS])
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.extended] if name == EXTENDED else []) for name in LAYOUTS])
 def test_zero_composes_with_pipeline_and_tensor_parallelism(name, jobs, one_process, tmp_path):
     _, layout, held = LAYOUTS[name]
     out, ranks = jobs(name)
@@ -103,10 +107,11 @@ def test_a_dp2_pp2_zero2_checkpoint_resumes_bit_exactly_and_under_dp2_tp2_zero3(
     """Stopped after step 4: the same layout repeats steps 5-8 to the bit; dp2 x tp2 with ZeRO-3 reshards the
     stages into tp blocks on resuming and follows the single-process run."""
     out, uninterrupted = jobs("dp2_pp2_zero2")
-    start = resume_from_step(out / "out" / "checkpoints", 4, tmp_path / "same" / "out" / "checkpoints")
-    again = train_job(tmp_path / "same", dataset_dir, SHORT, NARROW, EVERY_4, *LAYOUTS["dp2_pp2_zero2"][0], resume=start, workers=4)
-    assert_resumed_tail(uninterrupted, again, after=4)
-    start = resume_from_step(out / "out" / "checkpoints", 4, tmp_path / "other" / "out" / "checkpoints")
-    other = train_job(tmp_path / "other", dataset_dir, SHORT, NARROW, *LAYOUTS["dp2_tp2_zero3"][0], resume=start, workers=4)
-    for rank in other:
+    starts = {name: resume_from_step(out / "out" / "checkpoints", 4, tmp_path / name / "out" / "checkpoints") for name in ("same", "other")}
+    resumed = train_jobs(tmp_path, dataset_dir, {  # one launch; "same" first, so it resumes in fresh processes
+        "same": (SHORT, NARROW, EVERY_4, *LAYOUTS["dp2_pp2_zero2"][0]),
+        "other": (SHORT, NARROW, *LAYOUTS[EXTENDED][0]),
+    }, workers=4, resume=starts)
+    assert_resumed_tail(uninterrupted, resumed["same"][1], after=4)
+    for rank in resumed["other"][1]:
         assert_same_metrics(rank["history"], [r for r in one_process["history"] if r["step"] > 4])
