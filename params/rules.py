@@ -46,8 +46,8 @@ def run_problems(params: PipelineParams, *, world_size: int | None = None, finet
         )
     if finetunes and parallel.param_offload:
         problems.append(
-            f"parallel.param_offload=true with a LoRA fine-tune (lora.rank={params.lora.rank}): parameter offload "
-            "runs without LoRA (its frozen weights have no gradient buffers to stand in for the offloaded shards); "
+            "parallel.param_offload=true with LoRA fine-tuning (lora.enabled=true, or `llmflow finetune`): parameter "
+            "offload runs without LoRA (its frozen weights have no gradient buffers to stand in for the offloaded shards); "
             "set lora.enabled=false or parallel.param_offload=false"
         )
     return problems
