@@ -354,7 +354,6 @@ def _try_layouts(params: PipelineParams, planned: Plan, steps: int, write: str |
     """`plan --try`: a short run of each fitting layout, the table, and the fastest written to `write`."""
     from model_core.parallel.trials import fastest, format_trials_table, run_trials, write_params
 
-    check_run(params)  # each candidate's params are judged as they are built (trials.layout_params)
     _prepared_pretraining_data(params)  # once here; every trial's ranks reuse it
     workdir = Path(params.train.output_dir) / "layout-trials"
     trials = run_trials(params, planned, steps, workdir, sys.stdout)
