@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NoReturn
 
 from model_core.parallel.launch import COLLECTIVE_TIMEOUT_S, LaunchError, note_rank_failure
 from params import ParamsError, PipelineParams, load_params, preset_names, to_yaml
+from params.rules import check_run
 
 if TYPE_CHECKING:
     from model_core.parallel.planner import Plan
@@ -72,6 +73,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from tasks.reachability import check_services
 
     params = _params(args)
+    check_run(params, finetunes=params.lora.enabled)  # before Prefect starts, as the flow's first line does again
     check_services(params)
     result = pretrain_flow(params)
     print(f"pipeline finished: MLflow run {result.mlflow_run_id}, dataset {result.data.dataset_dir}")
@@ -97,7 +99,6 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from model_core.convert import convert_for_run
     from model_core.parallel import comm
     from model_core.parallel.launch import launch_training
-    from model_core.parallel.layout import Layout
     from model_core.train.callbacks import fan_out, jsonl_writer
     from model_core.train.runs import TrainingRun, pretraining_run
     from model_core.train.system import record_rank_peak_memory
@@ -105,7 +106,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from tasks.progress import TrainingProgress
 
     params = _params(args)
-    Layout.from_params(params, params.parallel.world_size)  # a bad layout fails before anything is prepared
+    check_run(params)  # a run that cannot happen fails before anything is prepared
     dataset = _prepared_pretraining_data(params)
     convert = params.convert
     converted = convert_for_run(convert, params.model, params.parallel.tensor_parallel) if convert.hf_source else None
@@ -246,14 +247,13 @@ def _cmd_finetune(args: argparse.Namespace) -> int:
     from model_core.model.lora import CONFIG
     from model_core.parallel import comm
     from model_core.parallel.launch import launch
-    from model_core.parallel.layout import Layout
     from model_core.train.callbacks import fan_out, jsonl_writer
     from model_core.train.finetune import ADAPTERS_DIR, finetune
     from model_core.train.runs import TrainingRun, finetune_directory
     from tasks.progress import TrainingProgress
 
     params = _params(args)
-    Layout.from_params(params, params.parallel.world_size)  # a bad layout fails before anything is prepared
+    check_run(params, finetunes=True)  # a run that cannot happen fails before anything is prepared
     dataset = _prepared_pretraining_data(params)
     base = args.base or _latest_pretrained(params, dataset.output_dir)
     instructions = prepare_instructions(

@@ -11,6 +11,7 @@ from prefect import flow
 from pydantic import BaseModel
 
 from params import PipelineParams
+from params.rules import check_run
 from tasks.convert import ConvertResult, convert_hf
 from tasks.data import DataResult, prepare_data
 from tasks.evaluate import EvaluateStageResult, evaluate_stage
@@ -33,6 +34,7 @@ class PipelineResult(BaseModel):
 
 @flow(name="pretrain-flow", log_prints=True)
 def pretrain_flow(params: PipelineParams = PipelineParams()) -> PipelineResult:  # noqa: B008 (Prefect reads the default)
+    check_run(params, finetunes=params.lora.enabled)  # before the first task: a deployment run is refused here
     with pipeline_run(params) as tracking:
         data = prepare_data(params, tracking)
         converted = convert_hf(params, tracking) if params.convert.hf_source else None

@@ -13,6 +13,14 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from params.rules import layout_problems, parallel_problems
+
+
+def _refuse(problems: list[str]) -> None:
+    """A layout rule broken (params/rules.py decides them all): the first, where pydantic names the section."""
+    if problems:
+        raise ValueError(problems[0])
+
 
 class StrictModel(BaseModel):
     """Base for every params model: unknown keys are rejected and assignments re-validated."""
@@ -408,36 +416,8 @@ class ParallelParams(StrictModel):
         return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
 
     @model_validator(mode="after")
-    def _param_offload_under_zero3(self) -> ParallelParams:
-        if not self.param_offload:
-            return self
-        if self.zero_stage != 3 or self.data_parallel < 2:
-            raise ValueError(
-                f"parallel.param_offload=true needs ZeRO-3 over at least 2 ranks (the shards are what it offloads): "
-                f"parallel.zero_stage={self.zero_stage}, parallel.data_parallel={self.data_parallel}"
-            )
-        if not self.optimizer_offload:
-            raise ValueError(
-                "parallel.param_offload=true needs parallel.optimizer_offload=true (the update reads the shards from "
-                "the file bucket by bucket with the moments): parallel.optimizer_offload=false"
-            )
-        return self
-
-    @model_validator(mode="after")
-    def _enough_micro_batches(self) -> ParallelParams:
-        if self.micro_batches < self.pipeline_parallel:
-            raise ValueError(
-                f"parallel.micro_batches={self.micro_batches} is fewer than "
-                f"parallel.pipeline_parallel={self.pipeline_parallel}; a pipeline needs at least one per stage"
-            )
-        if self.pipeline_layers is not None:
-            if len(self.pipeline_layers) != self.pipeline_parallel:
-                raise ValueError(
-                    f"parallel.pipeline_layers lists {len(self.pipeline_layers)} stages but "
-                    f"parallel.pipeline_parallel={self.pipeline_parallel}"
-                )
-            if min(self.pipeline_layers) < 1:
-                raise ValueError(f"parallel.pipeline_layers={self.pipeline_layers}: every stage needs at least one layer")
+    def _degrees_fit(self) -> ParallelParams:
+        _refuse(parallel_problems(self))
         return self
 
 
@@ -665,25 +645,7 @@ class PipelineParams(StrictModel):
             token_id = getattr(tokenizer, name)
             if token_id >= model.vocab_size:
                 raise ValueError(f"tokenizer.{name}={token_id} is outside model.vocab_size={model.vocab_size}")
-        tp, pp = parallel.tensor_parallel, parallel.pipeline_parallel
-        divisible = {
-            "model.num_heads": model.num_heads,
-            "model.num_kv_heads": model.num_kv_heads,
-            "model.ffn_hidden_size": model.ffn_hidden_size,
-        }
-        for field, value in divisible.items():
-            if value % tp:
-                raise ValueError(f"parallel.tensor_parallel={tp} does not divide {field}={value}")
-        if pp > model.num_layers:
-            raise ValueError(
-                f"parallel.pipeline_parallel={pp} is more than model.num_layers={model.num_layers}; "
-                "every stage needs at least one layer"
-            )
-        if parallel.pipeline_layers is not None and sum(parallel.pipeline_layers) != model.num_layers:
-            raise ValueError(
-                f"parallel.pipeline_layers={parallel.pipeline_layers} sum to {sum(parallel.pipeline_layers)} layers "
-                f"but model.num_layers={model.num_layers}"
-            )
+        _refuse(layout_problems(model, parallel))
         bad_layers = [i for i in self.recompute.layers if not 0 <= i < model.num_layers]
         if bad_layers:
             raise ValueError(

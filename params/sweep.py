@@ -29,6 +29,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from params.loading import ParamsError, _nearest_line, _read_yaml, load_params, resolve_source
+from params.rules import ParallelConfigError, check_run
 from params.schema import PipelineParams
 
 # Fields a trial may not vary: the sweep records every trial in one MLflow experiment of one store.
@@ -138,14 +139,16 @@ class SweepParams(BaseModel):
         ]
 
     def trial_list(self) -> list[Trial]:
-        """Every trial with its validated params (ParamsError names the trial and the field a value breaks)."""
+        """Every trial with its validated params, each judged as the pipeline run it is (ParamsError names the trial
+        and the field a value breaks), so no trial starts while another cannot."""
         base = [_override(name, value) for name, value in self.overrides.items()]
         trials = []
         for number, assignment in enumerate(self.assignments(), start=1):
             sets = [_override(name, value) for name, value in assignment.items()]
             try:
                 params = load_params(self.params, [*base, *sets])
-            except ParamsError as error:
+                check_run(params, finetunes=params.lora.enabled)  # each trial is a pipeline run
+            except (ParamsError, ParallelConfigError) as error:
                 reason = str(error).replace("--set ", "")  # the values come from the sweep, not the command line
                 raise ParamsError(f"sweep {self.name!r} trial {number} ({_label(assignment)}): {reason}") from None
             trials.append(Trial(number=number, assignment=assignment, params=params))

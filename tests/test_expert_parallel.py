@@ -11,9 +11,9 @@ from conftest import SMALL_MODEL
 from mindspore import Tensor
 
 from model_core.parallel.comm import all_to_all_contribution, received_blocks
-from model_core.parallel.layout import Layout, ParallelConfigError
+from model_core.parallel.layout import Layout
 from model_core.parallel.placement import placement_table
-from params import load_params
+from params import ParamsError, load_params
 
 MOE = "model.moe={num_experts: 4, experts_per_token: 2, every: 2}"
 
@@ -31,12 +31,12 @@ def layout_of(*overrides: str) -> Layout:
     ],
 )
 def test_an_expert_parallel_degree_that_does_not_divide_is_refused_naming_both_numbers(overrides, message):
-    with pytest.raises(ParallelConfigError, match=message):
+    with pytest.raises(ParamsError, match=message):
         layout_of(MOE, *overrides)
 
 
 def test_expert_parallelism_without_experts_is_refused():
-    with pytest.raises(ParallelConfigError, match="parallel.expert_parallel=2 but model.moe is null"):
+    with pytest.raises(ParamsError, match="parallel.expert_parallel=2 but model.moe is null"):
         layout_of("parallel.data_parallel=2", "parallel.expert_parallel=2")
 
 

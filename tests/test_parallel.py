@@ -20,11 +20,12 @@ from model_core.parallel import comm
 from model_core.parallel import launch as launcher
 from model_core.parallel.data_parallel import bucket_indices
 from model_core.parallel.launch import launch, launch_training, log_tail
-from model_core.parallel.layout import Layout, ParallelConfigError, check_tensor_parallel
+from model_core.parallel.layout import Layout, ParallelConfigError
 from model_core.parallel.zero import shard_pieces
 from model_core.parallel.zero3 import Zero3AdamW, join_shards, shard_parameters, take_shard
 from model_core.train.loader import ShuffledBatches
 from params import ParamsError, load_params
+from params.rules import check_tensor_parallel
 
 
 def params_with(*overrides: str):
@@ -53,7 +54,7 @@ def test_layout_errors_name_both_numbers():
     with pytest.raises(ParallelConfigError, match=r"data_parallel=2 x tensor_parallel=1 x pipeline_parallel=1 = 2 ranks, but the world has 4"):
         Layout.from_params(params_with("parallel.data_parallel=2"), world_size=4)
     with pytest.raises(ParallelConfigError, match=r"pipeline_parallel=3 does not divide model.num_layers=4"):
-        Layout.from_params(params_with("model.num_layers=4", "parallel.pipeline_parallel=3", "parallel.micro_batches=3"))
+        Layout(pp=3).stage_sizes(4)
     with pytest.raises(ParallelConfigError, match="rank 4 is outside a world of 4"):
         Layout(dp=4).coordinates(4)
 
@@ -71,16 +72,15 @@ def test_tensor_parallel_must_divide_heads_kv_heads_ffn_and_vocab(tmp_path, mode
     message = rf"parallel.tensor_parallel=2 does not divide model.{field}={value}"
     with pytest.raises(ParallelConfigError, match=message):
         check_tensor_parallel(2, params_with(*model).model)
-    # Loading the params already refuses heads, kv heads and FFN width; the vocabulary reaches the layout check.
-    with pytest.raises((ParamsError, ParallelConfigError), match=message):
+    with pytest.raises(ParamsError, match=message):  # loading the params refuses them (params/rules.py)
         launch_training(params_with(*model, "parallel.tensor_parallel=2"), ["--params", "tiny"], tmp_path / "logs")
     assert not (tmp_path / "logs").exists()
 
 
 def test_invalid_layouts_fail_before_anything_is_launched(tmp_path):
-    with pytest.raises(ParallelConfigError, match=r"tensor_parallel=2 does not divide model.vocab_size=511 \(pad it"):
+    with pytest.raises(ParamsError, match=r"tensor_parallel=2 does not divide model.vocab_size=511 \(pad it"):
         launch_training(params_with("parallel.tensor_parallel=2", "model.vocab_size=511"), ["--params", "tiny"], tmp_path / "logs")
-    with pytest.raises(ParallelConfigError, match="pipeline_parallel=2 does not divide model.num_layers=3 into equal stages"):
+    with pytest.raises(ParamsError, match="pipeline_parallel=2 does not divide model.num_layers=3 into equal stages"):
         odd = params_with("parallel.pipeline_parallel=2", "parallel.micro_batches=2", "model.num_layers=3")
         launch_training(odd, ["--params", "tiny"], tmp_path / "logs")
     with pytest.raises(ParallelConfigError, match="does not split evenly over 2 nodes"):

@@ -309,7 +309,7 @@ def test_llmflow_train_launches_its_ranks_under_msrun(corpus_jsonl, tmp_path, ca
     ), last
 
     refused = ["--set", "parallel.pipeline_parallel=2", "--set", "parallel.micro_batches=2", "--set", "model.num_layers=3"]
-    assert main([*args, *refused]) == 1
+    assert main([*args, *refused]) == 2  # bad params: refused as they are read
     assert "parallel.pipeline_parallel=2 does not divide model.num_layers=3 into equal stages" in capsys.readouterr().err
 
 

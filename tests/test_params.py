@@ -129,7 +129,7 @@ def test_single_section_checks_name_both_fields(model_class, values, message):
     ("overrides", "message"),
     [
         (["parallel.tensor_parallel=3"], "parallel.tensor_parallel=3 does not divide model.num_heads=4"),
-        (["model.num_layers=2", "parallel.pipeline_parallel=4", "parallel.micro_batches=4"], "is more than model.num_layers=2"),
+        (["model.num_layers=2", "parallel.pipeline_parallel=4", "parallel.micro_batches=4"], "parallel.pipeline_parallel=4 does not divide model.num_layers=2"),
         (["tokenizer.pad_id=5000"], "tokenizer.pad_id=5000 is outside model.vocab_size=4096"),
         (["recompute.mode=selected", "recompute.layers=[0, 9]"], r"recompute.layers \[9\] are outside"),
         (["eval.stop_token_ids=[99999]"], "eval.stop_token_ids [99999]"),

@@ -70,7 +70,7 @@ def test_invalid_layouts_are_excluded_with_reasons_naming_both_numbers():
     assert "tensor_parallel=8 is more than the 4 devices of one node" in reasons[(2, 8, 1)]
     assert "tensor_parallel=4 does not divide model.num_kv_heads=2" in reasons[(4, 4, 1)]
     assert "pipeline_parallel=8 does not divide model.num_layers=4" in reasons[(2, 1, 8)]
-    assert "parallel.micro_batches=2 is fewer than pipeline_parallel=4" in reasons[(4, 1, 4)]
+    assert "parallel.micro_batches=2 is fewer than parallel.pipeline_parallel=4" in reasons[(4, 1, 4)]
     valid = {(e.candidate.dp, e.candidate.tp, e.candidate.pp) for e in result.estimates}
     assert valid == {(16, 1, 1), (8, 2, 1), (8, 1, 2), (4, 2, 2)}
     assert not valid & reasons.keys()

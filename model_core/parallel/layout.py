@@ -10,19 +10,17 @@ replicas, ep consecutive ones (dp indices (d // ep) * ep + 0..ep-1) form an expe
 every MoE block's experts, ep_index = dp_index % ep holding block ep_index of them; the dp / ep ranks holding the
 same experts (same ep_index) form the expert-data-parallel group, over which expert gradients are summed.
 
-It is pure Python: it validates degrees against the world size and the model, and lists group members;
-`model_core.parallel.comm.group(ranks)` turns a member list into collectives.
+It is pure Python: it lists group members, and `model_core.parallel.comm.group(ranks)` turns a member list into
+collectives. Whether a layout may run is params/rules.py's to decide; `from_params` asks it again on the ranks,
+for callers that start one without the CLI.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from params.schema import ModelParams, PipelineParams
-
-
-class ParallelConfigError(ValueError):
-    """A layout that cannot run; the message names the numbers that disagree."""
+from params.rules import ParallelConfigError, check_run, degree_problems, stage_problem
+from params.schema import PipelineParams
 
 
 @dataclass(frozen=True)
@@ -41,16 +39,11 @@ class Layout:
     ep: int = 1  # expert-parallel ranks, a split of the dp ranks
 
     def __post_init__(self) -> None:
-        if self.dp % self.ep:
-            raise ParallelConfigError(
-                f"parallel.expert_parallel={self.ep} does not divide parallel.data_parallel={self.dp}: the "
-                "expert-parallel groups are carved out of the data-parallel ranks"
-            )
         if self.pipeline_layers is not None:
             object.__setattr__(self, "pipeline_layers", tuple(self.pipeline_layers))  # from JSON lists too
-            if len(self.pipeline_layers) != self.pp:
-                stages = len(self.pipeline_layers)
-                raise ParallelConfigError(f"pipeline_layers={list(self.pipeline_layers)} lists {stages} stages, pp={self.pp}")
+        problems = degree_problems(self.dp, self.pp, self.ep, self.pipeline_layers)
+        if problems:
+            raise ParallelConfigError(problems[0])
 
     @property
     def world_size(self) -> int:
@@ -58,37 +51,21 @@ class Layout:
 
     @classmethod
     def from_params(cls, params: PipelineParams, world_size: int | None = None) -> Layout:
-        """The layout params.parallel describes, checked against the model and (when given) the world size."""
-        parallel, model = params.parallel, params.model
+        """The layout params.parallel describes, once the rule book has passed it for the model and (when given)
+        the world size."""
+        check_run(params, world_size=world_size)
+        parallel = params.parallel
         explicit = tuple(parallel.pipeline_layers) if parallel.pipeline_layers is not None else None
-        layout = cls(
+        return cls(
             parallel.data_parallel, parallel.tensor_parallel, parallel.pipeline_parallel, explicit, parallel.expert_parallel
         )
-        if world_size is not None and world_size != layout.world_size:
-            raise ParallelConfigError(
-                f"parallel.data_parallel={layout.dp} x tensor_parallel={layout.tp} x pipeline_parallel={layout.pp} "
-                f"= {layout.world_size} ranks, but the world has {world_size}"
-            )
-        check_tensor_parallel(layout.tp, model)
-        layout.stage_sizes(model.num_layers)
-        check_experts(layout, parallel.zero_stage, model)
-        return layout
 
     def stage_sizes(self, num_layers: int) -> tuple[int, ...]:
         """Layers of each pipeline stage: `pipeline_layers`, or pp equal stages."""
-        if self.pipeline_layers is not None:
-            if sum(self.pipeline_layers) != num_layers:
-                raise ParallelConfigError(
-                    f"parallel.pipeline_layers={list(self.pipeline_layers)} sum to {sum(self.pipeline_layers)} layers "
-                    f"but model.num_layers={num_layers}"
-                )
-            return self.pipeline_layers
-        if num_layers % self.pp:
-            raise ParallelConfigError(
-                f"parallel.pipeline_parallel={self.pp} does not divide model.num_layers={num_layers} into equal "
-                "stages (or list them: parallel.pipeline_layers)"
-            )
-        return (num_layers // self.pp,) * self.pp
+        problem = stage_problem(self.pp, self.pipeline_layers, num_layers)
+        if problem is not None:
+            raise ParallelConfigError(problem)
+        return self.pipeline_layers or (num_layers // self.pp,) * self.pp
 
     def coordinates(self, rank: int) -> Coordinates:
         if not 0 <= rank < self.world_size:
@@ -144,37 +121,4 @@ class Layout:
         split = "" if self.pipeline_layers is None else " layers " + "+".join(map(str, self.pipeline_layers))
         experts = f" ep{self.ep}" if self.ep > 1 else ""
         return f"dp{self.dp} tp{self.tp} pp{self.pp}{experts}{split}"
-
-
-def check_experts(layout: Layout, zero_stage: int, model: ModelParams) -> None:
-    """Expert parallelism needs experts to share out, an equal block of them per ep rank. Mixture-of-experts
-    blocks train under data, tensor, pipeline and expert parallelism with ZeRO 0 to 2: ZeRO-3 does not carry the
-    expert shards yet, and is refused rather than trained wrong."""
-    if layout.ep > 1 and not model.moe_layers:
-        raise ParallelConfigError(f"parallel.expert_parallel={layout.ep} but model.moe is null: no experts to share out")
-    if not model.moe_layers:
-        return
-    if model.moe.num_experts % layout.ep:
-        raise ParallelConfigError(
-            f"parallel.expert_parallel={layout.ep} does not divide model.moe.num_experts={model.moe.num_experts}"
-        )
-    if zero_stage == 3:
-        raise ParallelConfigError(
-            f"parallel.zero_stage=3 with model.moe ({len(model.moe_layers)} MoE blocks): mixture-of-experts "
-            "models train with data, tensor, pipeline and expert parallelism and ZeRO 0 to 2 for now"
-        )
-
-
-def check_tensor_parallel(tp: int, model: ModelParams) -> None:
-    """Every tensor-parallel rank must get an equal block of heads, key/value heads, FFN width and vocabulary."""
-    split = {
-        "num_heads": model.num_heads,
-        "num_kv_heads": model.num_kv_heads,
-        "ffn_hidden_size": model.ffn_hidden_size,
-        "vocab_size": model.vocab_size,
-    }
-    for field, value in split.items():
-        if value % tp:
-            hint = f" (pad it: llmflow convert hf-to-ms --tensor-parallel {tp})" if field == "vocab_size" else ""
-            raise ParallelConfigError(f"parallel.tensor_parallel={tp} does not divide model.{field}={value}{hint}")
 

@@ -47,7 +47,7 @@ from model_core.parallel.expert import (
     gather_experts,
 )
 from model_core.parallel.gradient_norm import ParallelGradientNorm
-from model_core.parallel.layout import Layout, ParallelConfigError
+from model_core.parallel.layout import Layout
 from model_core.parallel.offload import OffloadedOptimizer, offloaded_optimizer
 from model_core.parallel.param_offload import offload_parameters
 from model_core.parallel.pipeline import MicroBatch, PipelineStage, SummedVocabParallelLoss, prune_to_stage
@@ -62,6 +62,7 @@ from model_core.parallel.tensor import (
 from model_core.parallel.zero import ShardedAccumulateGradients, ShardedAdamW
 from model_core.parallel.zero3 import ShardedParameters, Zero3AdamW, shard_parameters, take_shard
 from model_core.storage import WEIGHTS, read_block, tensor_shapes
+from params.rules import check_run
 from params.schema import LoraParams, ModelParams, PipelineParams
 
 
@@ -193,21 +194,11 @@ def parallelize(
            the weights from theirs with `parallel.param_offload`; under ep the expert shards' own AdamW, ZeRO-1/2
            over expert-dp), the dp gradient sum (expert shards': over expert-dp) and the global gradient norm,
            each read from the placement table.
-    Every layout supports every feature (LoRA included); `Layout.from_params` has already refused a layout
-    that cannot run, naming both numbers."""
+    Not every feature runs under every layout: params/rules.py says which combinations are refused, and the
+    entry points have asked it before anything was prepared or launched."""
     dp_group, tp_group = comm.group(layout.dp_group(rank)), comm.group(layout.tp_group(rank))
     ep_group, expert_dp_group = comm.group(layout.ep_group(rank)), comm.group(layout.expert_dp_group(rank))
-    if ep_group.size > 1 and params.parallel.optimizer_offload:
-        raise ParallelConfigError(
-            f"parallel.optimizer_offload with parallel.expert_parallel={ep_group.size}: the offload file holds one "
-            "optimizer's moments, expert parallelism keeps two (dense over dp, experts over expert-dp)"
-        )
-    if params.parallel.param_offload and (layout.pp > 1 or lora is not None):
-        raise ParallelConfigError(
-            f"parallel.param_offload with parallel.pipeline_parallel={layout.pp} and LoRA "
-            f"{'on' if lora is not None else 'off'}: parameter offload runs without pipeline stages and without LoRA "
-            "(a stage's schedule keeps its own gradient buffers; LoRA's frozen weights have none to stand in for them)"
-        )
+    check_run(params, finetunes=lora is not None)  # for callers that skip the CLI
     zero_stage = params.parallel.zero_stage if dp_group.size > 1 else 0
     table = placement_table(
         params.model, layout, zero_stage, lora, params.parallel.optimizer_offload, params.parallel.param_offload

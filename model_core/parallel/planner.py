@@ -77,7 +77,8 @@ from dataclasses import dataclass, replace
 from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from model_core.parallel.layout import Layout
 from model_core.parallel.placement import placement_table
-from params.schema import ModelParams, PipelineParams
+from params import rules
+from params.schema import ModelParams, ParallelParams, PipelineParams
 
 GIB = 2**30
 _UNITS = {
@@ -302,23 +303,15 @@ class Plan:
 
 
 def layout_problems(params: PipelineParams, dp: int, tp: int, pp: int, devices_per_node: int) -> list[str]:
-    """Why these degrees cannot run this model (empty when they can), in Layout's words."""
-    model, micro_batches = params.model, params.parallel.micro_batches
-    problems = [
-        f"tensor_parallel={tp} does not divide model.{name}={value}"
-        for name, value in (
-            ("num_heads", model.num_heads),
-            ("num_kv_heads", model.num_kv_heads),
-            ("ffn_hidden_size", model.ffn_hidden_size),
-        )
-        if value % tp
-    ]
+    """Why these degrees cannot run this model (empty when they can): the rule book's reasons, and a tp group
+    that would not fit in one node."""
+    parallel = params.parallel.model_copy(update={
+        "data_parallel": dp, "tensor_parallel": tp, "pipeline_parallel": pp, "pipeline_layers": None,
+        "expert_parallel": 1, "zero_stage": 0, "optimizer_offload": False, "param_offload": False,
+    })
+    problems = rules.parallel_problems(parallel) + rules.layout_problems(params.model, parallel)
     if tp > devices_per_node:
         problems.append(f"tensor_parallel={tp} is more than the {devices_per_node} devices of one node")
-    if model.num_layers % pp:
-        problems.append(f"pipeline_parallel={pp} does not divide model.num_layers={model.num_layers}")
-    if micro_batches < pp:
-        problems.append(f"parallel.micro_batches={micro_batches} is fewer than pipeline_parallel={pp}")
     return problems
 
 
@@ -329,26 +322,32 @@ def degrees(devices: int) -> list[tuple[int, int, int]]:
 
 
 def candidates(dp: int, tp: int, pp: int, model: ModelParams | None = None, devices_per_node: int = 8) -> list[Candidate]:
-    """ZeRO stages 0-3 where there is a dp group to shard over (only 0 for dp=1), each with and without recompute;
-    0 to 2 for a model with MoE blocks (the stages they train with so far), each under every expert-parallel
-    degree that divides dp and the experts and keeps the ep group (ep x tp ranks) inside a node; and with ZeRO-2/3
-    each also with optimizer offload (not under ep, whose two optimizers one offload file cannot hold), with
-    ZeRO-3 and pp = 1 also with parameter offload."""
+    """ZeRO stages 0-3 where there is a dp group to shard over (only 0 for dp=1), each with and without recompute,
+    for a model with MoE blocks under every expert-parallel degree that divides dp and the experts and keeps the
+    ep group (ep x tp ranks) inside a node; with ZeRO-2/3 each also with optimizer offload, with ZeRO-3 also with
+    parameter offload: those of them the rule book (params/rules.py) lets run together."""
     stages = range(4) if dp > 1 else (0,)
     expert_degrees = [1]
-    moe = model is not None and bool(model.moe_layers)
-    if moe:
+    if model is not None and model.moe_layers:
         experts = model.moe.num_experts
         expert_degrees = [ep for ep in range(1, dp + 1) if dp % ep == 0 and experts % ep == 0 and ep * tp <= devices_per_node]
-    plain = [
-        Candidate(dp, tp, pp, stage, mode, ep=ep)
-        for ep in expert_degrees
-        for stage in stages
-        if not moe or stage < 3
-        for mode in RECOMPUTE_MODES
-    ]
-    offloaded = [replace(c, offload=True) for c in plain if c.zero_stage >= 2 and c.ep == 1]
-    return plain + offloaded + [replace(c, param_offload=True) for c in offloaded if c.zero_stage == 3 and c.pp == 1]
+    plain = [Candidate(dp, tp, pp, stage, mode, ep=ep) for ep in expert_degrees for stage in stages for mode in RECOMPUTE_MODES]
+    offloaded = [replace(c, offload=True) for c in plain if c.zero_stage >= 2]
+    every = plain + offloaded + [replace(c, param_offload=True) for c in offloaded if c.zero_stage == 3]
+    return [c for c in every if runs_together(c, model)]
+
+
+def runs_together(candidate: Candidate, model: ModelParams | None) -> bool:
+    """Whether the rule book lets the candidate's features run together (`layout_problems` judged its degrees)."""
+    c = candidate
+    parallel = ParallelParams.model_construct(  # unvalidated: judging it is the rule book's job
+        data_parallel=c.dp, tensor_parallel=c.tp, pipeline_parallel=c.pp, micro_batches=c.pp, expert_parallel=c.ep,
+        zero_stage=c.zero_stage, optimizer_offload=c.offload, param_offload=c.param_offload,
+    )
+    problems = rules.parallel_problems(parallel)
+    if model is not None:
+        problems += rules.expert_problems(c.ep, c.zero_stage, model)
+    return not problems
 
 
 # ----------------------------------------------------------------------------------------- estimates

@@ -40,7 +40,8 @@ from model_core.model.lora import LoraLinear
 from model_core.optim.step import routed_objective
 from model_core.parallel import comm
 from model_core.parallel.comm import Group
-from model_core.parallel.layout import Layout, check_tensor_parallel
+from model_core.parallel.layout import Layout
+from params.rules import check_tensor_parallel
 from params.schema import ModelParams
 
 

@@ -21,10 +21,11 @@ from pathlib import Path
 
 import numpy as np
 
-from model_core.parallel.layout import Layout, check_tensor_parallel
+from model_core.parallel.layout import Layout
 from model_core.parallel.parallelize import take_block
 from model_core.parallel.placement import PlacementTable, placement_table
 from model_core.train.checkpoint import Checkpoint, Tensors, block_index, save_shards, verify
+from params.rules import check_tensor_parallel
 from params.schema import LoraParams, ModelParams
 
 
