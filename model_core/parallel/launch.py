@@ -268,10 +268,7 @@ def note_rank_failure(reason: str) -> None:
     """Leave this rank's one-line reason for failing where its launcher looks (nothing outside `launch`)."""
     directory, rank = os.environ.get(RANK_ERRORS_ENV), os.environ.get("RANK_ID")
     if directory and rank is not None:
-        path = Path(directory) / f"rank-{rank}.error"
-        partial = path.with_name(f".{path.name}.partial")
-        partial.write_text(reason)
-        partial.replace(path)
+        write_file(Path(directory) / f"rank-{rank}.error", reason)
 
 
 def _first_refusal(log_dir: Path) -> str | None:
