@@ -358,7 +358,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 def _try_layouts(params: PipelineParams, planned: Plan, steps: int, write: str | None) -> int:
     """`plan --try`: a short run of each fitting layout, the table, and the fastest written to `write`."""
-    from model_core.parallel.trials import fastest, format_trials_table, nothing_to_try, run_trials, write_params
+    from model_core.parallel.trials import (
+        fastest,
+        format_trials_table,
+        none_finished,
+        nothing_to_try,
+        run_trials,
+        write_params,
+    )
 
     refused = nothing_to_try(params, planned)
     if refused:
@@ -369,9 +376,7 @@ def _try_layouts(params: PipelineParams, planned: Plan, steps: int, write: str |
     print(format_trials_table(trials, steps))
     best = fastest(trials)
     if best is None:
-        launched = next(trial for trial in trials if trial.params is not None)  # nothing_to_try said one is
-        raise ValueError(f"no layout trial ran to the end ({launched.estimate.candidate}: {launched.problem}); "
-                         f"each trial's logs are under {workdir}/<layout>/logs")
+        raise ValueError(none_finished(trials, workdir))
     if write:
         print(f"fastest: {best.estimate.candidate}; wrote its params to {write_params(best.params, write)}")
     else:

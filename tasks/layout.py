@@ -13,7 +13,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from model_core.parallel.planner import plan
-from model_core.parallel.trials import fastest, format_trials_table, run_trials
+from model_core.parallel.trials import fastest, format_trials_table, none_finished, nothing_to_try, run_trials
 from params import PipelineParams
 from tasks.data import DataResult
 from tasks.tracking import Tracking, stage_run
@@ -28,14 +28,17 @@ def choose_layout(params: PipelineParams, data: DataResult, tracking: Tracking) 
     with stage_run(tracking, "layout_trials") as run:
         kind = "cpu" if ms.get_context("device_target") == "CPU" else "accelerator"
         planned = plan(params, devices, psutil.virtual_memory().total // devices, device_kind=kind)
-        progress = io.StringIO()
-        trials = run_trials(params, planned, steps, Path(params.train.output_dir) / "layout-trials", progress)
+        refused = nothing_to_try(params, planned)
+        if refused:
+            raise ValueError(refused)
+        workdir = Path(params.train.output_dir) / "layout-trials"
+        trials = run_trials(params, planned, steps, workdir, io.StringIO())
         table = format_trials_table(trials, steps)
         run.log_text(table, "layout_trials.txt")
         print(table)
         best = fastest(trials)
         if best is None:
-            raise ValueError(f"no layout trial ran to the end: {progress.getvalue().strip()}")
+            raise ValueError(none_finished(trials, workdir))
         run.log_params({"chosen.layout": str(best.estimate.candidate), "trial_steps": steps})
         run.log_metrics({"chosen.tokens_per_second": best.tokens_per_second, "trials": len(trials)})
         print(f"layout trials: pretraining with {best.estimate.candidate}")

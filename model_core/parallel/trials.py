@@ -162,6 +162,14 @@ def fastest(trials: list[LayoutTrial]) -> LayoutTrial | None:
     return max(measured, key=lambda trial: trial.tokens_per_second, default=None)
 
 
+def none_finished(trials: list[LayoutTrial], workdir: Path) -> str:
+    """Why no trial gave a measurement, for a run where `nothing_to_try` found layouts to launch: the first
+    launched trial's own reason, and where every trial's logs are."""
+    launched = next(trial for trial in trials if trial.params is not None)
+    return (f"no layout trial ran to the end ({launched.estimate.candidate}: {launched.problem}); "
+            f"each trial's logs are under {workdir}/<layout>/logs")
+
+
 def _describe(trial: LayoutTrial) -> str:
     if trial.tokens_per_second is None:
         return f"no measurement: {trial.problem}"
