@@ -59,7 +59,10 @@ from params.schema import DataParams, ModelParams, TokenizerParams
 
 FORMAT_VERSION = 3  # 3: map/reduce prep, split by keyed hash, flat memory-mappable token shards
 TOKENIZER_NAME = "tokenizer.model"
-REPORT_NAME = "prep_report.json"  # timings and the run's own details, beside (not in) the manifest
+# How this build went (timings, jobs, workers, what it took from the .work cache), beside the manifest and
+# never in it: the manifest describes only the content, so identical datasets have identical manifests
+# however they were built (interrupted and rerun, any workers or shard size).
+REPORT_NAME = "prep_report.json"
 CACHE_DIR = ".cache"  # under data.output_dir: the extracted standard-library docstrings
 WORK_DIR = ".work"  # under data.output_dir: map results kept for later runs, and each build's scratch
 MAX_REPORTED_RECORDS = shard_map.MAX_REPORTED_RECORDS
@@ -80,6 +83,7 @@ class PrepResult:
     manifest_path: Path
     tokenizer_path: Path
     reused: bool
+    report: dict  # prep_report.json of the build that made the dataset ({} where there is none)
 
 
 def prepare_dataset(
@@ -270,7 +274,6 @@ class _Build:
             **vocab_padding(self.model),
             "seq_len": self.model.seq_len,
             "splits": splits,
-            "reuse": self.reuse,
         }
 
     def report(self, workers: int) -> dict:
@@ -723,12 +726,14 @@ def _move_into_place(build_dir: Path, final_dir: Path) -> None:
 def prepared(directory: Path, reused: bool) -> PrepResult:
     """The result of a prepared dataset directory (its manifest read)."""
     manifest_path = directory / MANIFEST_NAME
+    report_path = directory / REPORT_NAME
     return PrepResult(
         output_dir=directory,
         manifest=json.loads(manifest_path.read_text()),
         manifest_path=manifest_path,
         tokenizer_path=directory / TOKENIZER_NAME,
         reused=reused,
+        report=json.loads(report_path.read_text()) if report_path.is_file() else {},
     )
 
 
