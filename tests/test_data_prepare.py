@@ -239,7 +239,7 @@ def test_filters_and_dedup_are_counted_per_reason_across_shards(tmp_path, docume
     # The repeat and the near copy sit in other shards than their originals.
     sharded = prepare_dataset(data.model_copy(update={"shard_bytes": 1 << 13, "output_dir": str(tmp_path / "b")}), TOKENIZER, MODEL)
     assert sharded.report["reuse"]["input_shards"] >= 3
-    assert without_reuse(sharded.manifest) == without_reuse(whole)
+    assert sharded.manifest == whole
 
 
 def test_progress_is_reported_per_stage(tmp_path, corpus):
@@ -398,7 +398,7 @@ def test_a_run_after_a_new_file_maps_only_that_file_and_equals_a_fresh_run(tmp_p
     assert grown.manifest_path.read_bytes() == fresh.manifest_path.read_bytes()
 
 
-def test_a_killed_prep_leaves_no_final_directory_and_a_rerun_finishes_it(tmp_path, corpus):
+def test_a_killed_prep_leaves_no_final_directory_and_a_rerun_finishes_it(tmp_path, corpus, monkeypatch):
     data = params(tmp_path, corpus, shard_bytes=1 << 13, num_workers=1)
     marker = tmp_path / "packing"
     script = f"""
@@ -427,9 +427,14 @@ prepare.prepare_dataset(DataParams.model_validate_json({data.model_dump_json()!r
     assert result.report["reuse"]["map_shards_reused"] == result.report["reuse"]["input_shards"]
     assert [path.name for path in output.iterdir() if not path.name.startswith(".")] == [result.output_dir.name]
     assert [path.name for path in output.iterdir() if ".building-" in path.name] == []
+    assert "tokenizer_peak_rss_bytes" not in result.report  # a sample this small trains in the prep process
+    # The fresh build trains its tokenizer in a child process; this process's trainer must not run.
+    monkeypatch.setattr(prepare, "TRAIN_HERE_LINES", 0)
+    monkeypatch.setattr(prepare, "train_tokenizer", lambda *args: pytest.fail("trained in the prep process"))
     fresh = prepare_dataset(data.model_copy(update={"output_dir": str(tmp_path / "fresh")}), TOKENIZER, MODEL)
-    assert fresh.report["reuse"]["map_shards_reused"] == 0
-    # Built from cached map results or from nothing, the same content: the same manifest, byte for byte.
+    assert fresh.report["reuse"]["map_shards_reused"] == 0 and fresh.report["tokenizer_peak_rss_bytes"] > 10 * 2**20
+    # Built from cached map results or from nothing, its tokenizer trained here or apart, the same content: the
+    # same manifest, byte for byte.
     assert result.manifest_path.read_bytes() == fresh.manifest_path.read_bytes()
 
 
@@ -445,3 +450,8 @@ def test_reuse_checks_shard_sizes_and_on_request_their_sha256(tmp_path, corpus):
     rebuilt = prepare_dataset(data.model_copy(update={"verify_on_reuse": "sha256"}), TOKENIZER, MODEL)
     assert not rebuilt.reused and rebuilt.output_dir == first.output_dir
     assert file_sha256(shard) == first.manifest["splits"]["train"]["shards"][0]["sha256"]
+    # The manifest is always checked, against manifest.sha256: a changed byte there is found by either check.
+    manifest = rebuilt.manifest_path
+    manifest.write_bytes(manifest.read_bytes().replace(b'"seq_len": 256', b'"seq_len": 257'))
+    for full in (False, True):
+        assert prepare.verify_dataset(first.output_dir, full=full).startswith(f"{manifest} has sha256 ")
