@@ -78,8 +78,9 @@ def train_tokenizer_apart(
     a partial of one), and makes the sample in the child, so this process never holds it."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(
-        target=_train_and_send, args=(send, lines, params, vocab_size, seed, num_threads), name="tokenizer training"
+    child = context.Process(  # a daemon: a prep that is interrupted or fails ends its training too
+        target=_train_and_send, args=(send, lines, params, vocab_size, seed, num_threads), name="tokenizer training",
+        daemon=True,
     )
     child.start()
     send.close()  # the child holds the only sending end: its death ends the pipe
