@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from model_core.data import PackedRows, open_split, read_shards, write_shard  # noqa: E402
-from model_core.data.shards import MANIFEST_NAME, shard_name  # noqa: E402
+from model_core.data.shards import MANIFEST_NAME, shard_name, write_manifest  # noqa: E402
 from model_core.storage import file_sha256  # noqa: E402
 
 _PARQUET_ENCODINGS = {"tokens.list.element": "BYTE_STREAM_SPLIT"}
@@ -112,9 +112,14 @@ def _write_flat(shards: list[PackedRows], directory: Path, manifest: dict, vocab
         for index, shard in enumerate(shards)
     ]
     seconds = time.perf_counter() - started
-    (directory / MANIFEST_NAME).write_text(json.dumps({**manifest, "splits": {"train": {"shards": entries}}}))
+    write_manifest(directory, _rows_manifest(manifest, entries))
     paths = [directory / entry["file"] for entry in entries]
     return {"bytes": sum(path.stat().st_size for path in paths), "write_s": round(seconds, 3), "paths": paths}
+
+
+def _rows_manifest(manifest: dict, entries: list[dict]) -> dict:
+    """The dataset's manifest over these train shards, without its tokenizer (not copied: only rows are read)."""
+    return {**{key: value for key, value in manifest.items() if key != "tokenizer"}, "splits": {"train": {"shards": entries}}}
 
 
 def _write_parquet(shards: list[PackedRows], directory: Path) -> dict:
@@ -205,7 +210,7 @@ def _replicated(directory: Path, replicas: int) -> Path:
             name = f"copy{copy:03d}-{entry['file']}"
             (target / name).symlink_to(directory / entry["file"])
             entries.append({**entry, "file": name})
-    (target / MANIFEST_NAME).write_text(json.dumps({**manifest, "splits": {"train": {"shards": entries}}}))
+    write_manifest(target, _rows_manifest(manifest, entries))
     return target
 
 

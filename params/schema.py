@@ -124,8 +124,10 @@ class DataParams(StrictModel):
     )
     verify_on_reuse: Literal["size", "sha256"] = Field(
         "size",
-        description="How a prepared dataset is checked before it is reused: every shard's size (instant), or its "
-        "sha256 (reads every byte: minutes per TB). The tokenizer is always checked by its sha256.",
+        description="How data prep checks a prepared dataset before it reuses it: every shard's size (instant), or "
+        "its sha256 (reads every byte: minutes per TB), a damaged dataset being rebuilt. The manifest (against "
+        "manifest.sha256) and the tokenizer are always checked by their sha256, and training checks each shard's "
+        "sha256 when it first reads it, whichever is chosen here.",
     )
     runner: Literal["local", "ray"] = Field(
         "local",

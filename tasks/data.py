@@ -71,6 +71,7 @@ def prepare_and_record(params: PipelineParams, tracking: Tracking) -> DataResult
         finally:
             progress.close()
         metrics = numeric_leaves(result.manifest, skip=MANIFEST_SETTINGS)
+        metrics.update(numeric_leaves(result.report.get("reuse", {}), "reuse."))  # build statistics, not content
         metrics["seconds"] = time.perf_counter() - started
         run.log_metrics(metrics)
         run.set_tags({"llmflow.dataset_dir": str(result.output_dir)})

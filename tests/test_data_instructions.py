@@ -15,7 +15,7 @@ from model_core.data.docstrings import stdlib_files
 from model_core.data.instruction_set import MIN_OUTPUT_CHARS, bundled_records
 from model_core.data.instructions import Record, TemplateEncoder, Turn, parse_records, render_prompt
 from model_core.data.packing import first_fit_rows, pack_documents, pack_examples
-from model_core.data.shards import write_shards
+from model_core.data.shards import write_manifest, write_shards
 from model_core.data.sources import InputFile, read_input
 from model_core.data.tokenizer import train_tokenizer
 from model_core.train.loader import make_batch
@@ -255,7 +255,7 @@ def test_masked_rows_round_trip_through_shards_and_narrow_the_batch_mask(tmp_pat
     assert [rows.doc_starts(row).tolist() for row in range(len(rows))] == [[0, 10], [0]]
     shards = write_shards(rows, tmp_path, "train", rows_per_shard=1, pad_id=PAD, vocab_size=VOCAB)
     assert [shard["file"] for shard in shards] == [f"train-{index:05d}.tokens" for index in range(len(rows))]
-    (tmp_path / "manifest.json").write_text(json.dumps({"seq_len": 15, "splits": {"train": {"shards": shards}}}))
+    write_manifest(tmp_path, {"seq_len": 15, "splits": {"train": {"shards": shards}}})
     loaded = all_rows(tmp_path, "train")
     assert np.array_equal(loaded.loss_mask, rows.loss_mask) and np.array_equal(loaded.tokens, rows.tokens)
     assert all(shard["loss_mask"] for shard in shards) and loaded.loss_mask.dtype == np.int8
@@ -271,7 +271,7 @@ def test_pretraining_rows_have_no_mask_and_batch_as_before(tmp_path):
     shards = write_shards(rows, tmp_path, "train", rows_per_shard=64, pad_id=PAD, vocab_size=VOCAB)
     assert shards[0]["loss_mask"] is False
     assert "response_tokens" not in shards[0]
-    (tmp_path / "manifest.json").write_text(json.dumps({"seq_len": 7, "splits": {"train": {"shards": shards}}}))
+    write_manifest(tmp_path, {"seq_len": 7, "splits": {"train": {"shards": shards}}})
     [read] = read_shards(tmp_path, "train")
     assert read.loss_mask is None and read.take(np.array([1, 0])).loss_mask is None
     batch = make_batch(read, PAD, reset_at_documents=False)

@@ -60,10 +60,6 @@ def params(tmp_path, corpus, **overrides):
     return DataParams(**{**values, **overrides})
 
 
-def without_reuse(manifest):
-    return {key: value for key, value in manifest.items() if key != "reuse"}
-
-
 def complete_documents(result, split):
     """Texts of every document that starts and ends inside one row of the split."""
     processor = spm.SentencePieceProcessor(model_file=str(result.tokenizer_path))
@@ -193,7 +189,7 @@ def test_a_bad_line_deep_in_a_large_file_is_reported_with_its_line_from_any_work
     corpus.write_bytes("\n".join(lines).encode() + b'\n{"text": "bad \xff' + b" padding" * 10 + b'"}\n')
     data = params(tmp_path, corpus, max_bad_record_fraction=0.05, shard_bytes=1 << 13, num_workers=2)
     result = prepare_dataset(data, TOKENIZER, MODEL)
-    assert result.manifest["reuse"]["input_shards"] >= 3
+    assert result.report["reuse"]["input_shards"] >= 3
     assert result.manifest["bad_records"] == [
         f"{corpus}:{bad + 1}: 'text' is int, not a string",
         f"{corpus}:{len(lines) + 1}: undecodable bytes replaced",
@@ -242,8 +238,8 @@ def test_filters_and_dedup_are_counted_per_reason_across_shards(tmp_path, docume
     assert [step["out"] for step in whole["steps"]] == [len(texts) - 1, len(texts) - 2, len(texts) - 3, len(texts) - 4, len(texts) - 5]
     # The repeat and the near copy sit in other shards than their originals.
     sharded = prepare_dataset(data.model_copy(update={"shard_bytes": 1 << 13, "output_dir": str(tmp_path / "b")}), TOKENIZER, MODEL)
-    assert sharded.manifest["reuse"]["input_shards"] >= 3
-    assert without_reuse(sharded.manifest) == without_reuse(whole)
+    assert sharded.report["reuse"]["input_shards"] >= 3
+    assert sharded.manifest == whole
 
 
 def test_progress_is_reported_per_stage(tmp_path, corpus):
@@ -345,7 +341,7 @@ def test_sharded_prep_equals_a_one_pass_reference(tmp_path, documents, last_row,
     result = prepare_dataset(data, TOKENIZER, MODEL)
     processor = spm.SentencePieceProcessor(model_file=str(result.tokenizer_path))
     expected, near = reference_dataset(texts + edited, data, processor)
-    assert result.manifest["reuse"]["input_shards"] >= 4 and result.manifest["counts"]["dropped"]["near_duplicate"] == near > 0
+    assert result.report["reuse"]["input_shards"] >= 4 and result.manifest["counts"]["dropped"]["near_duplicate"] == near > 0
     if partitioned:
         timings = json.loads((result.output_dir / prepare.REPORT_NAME).read_text())["jobs"]
         assert timings["exact dedup"] > 1 and timings["near dedup"] > 1
@@ -383,7 +379,7 @@ def test_compressed_jsonl_and_parquet_row_groups_give_the_same_documents(tmp_pat
         result = prepare_dataset(data.model_copy(update={"output_dir": str(tmp_path / f"out-{path.name}")}), TOKENIZER, MODEL)
         splits.append(result.manifest["splits"])
         if kind == "parquet":
-            assert result.manifest["reuse"]["input_shards"] > 1
+            assert result.report["reuse"]["input_shards"] > 1
     assert all(entry == splits[0] for entry in splits[1:])
 
 
@@ -391,17 +387,18 @@ def test_a_run_after_a_new_file_maps_only_that_file_and_equals_a_fresh_run(tmp_p
     first, second = write_jsonl(tmp_path / "a.jsonl", documents[:80]), tmp_path / "b.jsonl"
     pattern = str(tmp_path / "*.jsonl")
     data = params(tmp_path, first, sources=[DataSource(kind="jsonl", paths=[pattern])], shard_bytes=1 << 13)
-    before = prepare_dataset(data, TOKENIZER, MODEL).manifest
+    before = prepare_dataset(data, TOKENIZER, MODEL).report
     write_jsonl(second, documents[80:] + documents[:3])  # new documents and repeats of old ones
-    grown = prepare_dataset(data, TOKENIZER, MODEL).manifest
-    fresh = prepare_dataset(data.model_copy(update={"output_dir": str(tmp_path / "fresh")}), TOKENIZER, MODEL).manifest
-    assert grown["reuse"]["map_shards_reused"] == before["reuse"]["input_shards"]
-    assert grown["reuse"]["input_shards"] > grown["reuse"]["map_shards_reused"] and fresh["reuse"]["map_shards_reused"] == 0
-    assert grown["counts"]["dropped"]["exact_duplicate"] == 3
-    assert without_reuse(grown) == without_reuse(fresh)
+    grown = prepare_dataset(data, TOKENIZER, MODEL)
+    fresh = prepare_dataset(data.model_copy(update={"output_dir": str(tmp_path / "fresh")}), TOKENIZER, MODEL)
+    assert grown.report["reuse"]["map_shards_reused"] == before["reuse"]["input_shards"]
+    assert grown.report["reuse"]["input_shards"] > grown.report["reuse"]["map_shards_reused"]
+    assert fresh.report["reuse"]["map_shards_reused"] == 0
+    assert grown.manifest["counts"]["dropped"]["exact_duplicate"] == 3
+    assert grown.manifest_path.read_bytes() == fresh.manifest_path.read_bytes()
 
 
-def test_a_killed_prep_leaves_no_final_directory_and_a_rerun_finishes_it(tmp_path, corpus):
+def test_a_killed_prep_leaves_no_final_directory_and_a_rerun_finishes_it(tmp_path, corpus, monkeypatch):
     data = params(tmp_path, corpus, shard_bytes=1 << 13, num_workers=1)
     marker = tmp_path / "packing"
     script = f"""
@@ -427,11 +424,18 @@ prepare.prepare_dataset(DataParams.model_validate_json({data.model_dump_json()!r
     output = tmp_path / "out"
     assert [path for path in output.iterdir() if not path.name.startswith(".")] == []
     result = prepare_dataset(data, TOKENIZER, MODEL)
-    assert result.manifest["reuse"]["map_shards_reused"] == result.manifest["reuse"]["input_shards"]
+    assert result.report["reuse"]["map_shards_reused"] == result.report["reuse"]["input_shards"]
     assert [path.name for path in output.iterdir() if not path.name.startswith(".")] == [result.output_dir.name]
     assert [path.name for path in output.iterdir() if ".building-" in path.name] == []
+    assert "tokenizer_peak_rss_bytes" not in result.report  # a sample this small trains in the prep process
+    # The fresh build trains its tokenizer in a child process; this process's trainer must not run.
+    monkeypatch.setattr(prepare, "TRAIN_HERE_LINES", 0)
+    monkeypatch.setattr(prepare, "train_tokenizer", lambda *args: pytest.fail("trained in the prep process"))
     fresh = prepare_dataset(data.model_copy(update={"output_dir": str(tmp_path / "fresh")}), TOKENIZER, MODEL)
-    assert without_reuse(result.manifest) == without_reuse(fresh.manifest)
+    assert fresh.report["reuse"]["map_shards_reused"] == 0 and fresh.report["tokenizer_peak_rss_bytes"] > 10 * 2**20
+    # Built from cached map results or from nothing, its tokenizer trained here or apart, the same content: the
+    # same manifest, byte for byte.
+    assert result.manifest_path.read_bytes() == fresh.manifest_path.read_bytes()
 
 
 def test_reuse_checks_shard_sizes_and_on_request_their_sha256(tmp_path, corpus):
@@ -446,3 +450,8 @@ def test_reuse_checks_shard_sizes_and_on_request_their_sha256(tmp_path, corpus):
     rebuilt = prepare_dataset(data.model_copy(update={"verify_on_reuse": "sha256"}), TOKENIZER, MODEL)
     assert not rebuilt.reused and rebuilt.output_dir == first.output_dir
     assert file_sha256(shard) == first.manifest["splits"]["train"]["shards"][0]["sha256"]
+    # The manifest is always checked, against manifest.sha256: a changed byte there is found by either check.
+    manifest = rebuilt.manifest_path
+    manifest.write_bytes(manifest.read_bytes().replace(b'"seq_len": 256', b'"seq_len": 257'))
+    for full in (False, True):
+        assert prepare.verify_dataset(first.output_dir, full=full).startswith(f"{manifest} has sha256 ")

@@ -220,11 +220,12 @@ def test_one_and_two_local_workers_and_a_two_node_ray_cluster_write_identical_ma
         "two local workers": ["data.num_workers=2"],
         "ray": ["data.runner=ray", f"data.ray_address={ray_address}"],
     }
-    manifests = {}
+    manifests, reports = {}, {}
     for name, overrides in runs.items():
         result = data_prep_flow(prep_params(files, tmp_path / name.replace(" ", "-"), *overrides))
         manifests[name] = result.manifest_path.read_bytes()
-    assert json.loads(manifests["ray"])["reuse"]["input_shards"] >= 4
+        reports[name] = json.loads((result.dataset_dir / "prep_report.json").read_text())
+    assert reports["ray"]["reuse"]["input_shards"] >= 4
     assert manifests["one local worker"] == manifests["two local workers"] == manifests["ray"]
 
 

@@ -9,7 +9,7 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from model_core.data import PackedRows, open_split, read_shards, write_shard, write_shards
+from model_core.data import DatasetDamagedError, PackedRows, open_split, read_shards, write_manifest, write_shard, write_shards
 from model_core.data.packing import pack_documents, pack_examples
 from model_core.data.permutation import KeyedPermutation
 from model_core.storage import file_sha256
@@ -82,7 +82,7 @@ def _documents(seed: int, high: int, count: int = 400) -> PackedRows:
 
 
 def _manifest(directory, shards: list[dict], seq_len: int = 16, split: str = "train") -> None:
-    (directory / "manifest.json").write_text(json.dumps({"seq_len": seq_len, "splits": {split: {"shards": shards}}}))
+    write_manifest(directory, {"seq_len": seq_len, "splits": {split: {"shards": shards}}})
 
 
 def _assert_same_rows(got: PackedRows, want: PackedRows) -> None:
@@ -158,17 +158,46 @@ def test_ids_that_do_not_fit_the_vocabulary_are_refused(tmp_path):
 def test_a_shard_that_is_not_what_the_manifest_says_is_named(tmp_path):
     rows = _documents(5, 500, count=100)
     shards = write_shards(rows, tmp_path, "train", rows_per_shard=1000, pad_id=PAD, vocab_size=512)
+    path = tmp_path / shards[0]["file"]
+    whole = path.stat().st_size
+    # One row fewer ends the file at the same 64-byte boundary, and the file matches its sha256: the header tells.
     _manifest(tmp_path, [{**shards[0], "rows": shards[0]["rows"] - 1}])
     with pytest.raises(ValueError, match="train-00000.tokens is not the shard its manifest entry describes"):
         open_split(tmp_path, "train").take(np.array([0]))
     _manifest(tmp_path, shards)
-    path = tmp_path / shards[0]["file"]
     path.write_bytes(path.read_bytes()[:-200])
-    with pytest.raises(ValueError, match="train-00000.tokens is shorter than its manifest entry says"):
-        open_split(tmp_path, "train").take(np.array([len(rows) - 1]))
+    with pytest.raises(DatasetDamagedError, match=rf"holds {whole - 200} bytes but its manifest entry makes it {whole}"):
+        open_split(tmp_path, "train")
     _manifest(tmp_path, [{"file": "train-00000.parquet", "rows": 3, "sha256": "0"}])
     with pytest.raises(ValueError, match="older format than this reader's; prepare the dataset again"):
         open_split(tmp_path, "train")
+
+
+def test_a_shard_is_hashed_once_when_first_read_and_a_changed_byte_stops_the_read(tmp_path, monkeypatch):
+    from model_core.data import shards as shards_module
+
+    rows = _documents(6, 500, count=200)
+    shards = write_shards(rows, tmp_path, "train", rows_per_shard=50, pad_id=PAD, vocab_size=512)
+    _manifest(tmp_path, shards)
+    hashed = []
+    digest = shards_module.hashlib.file_digest
+    monkeypatch.setattr(shards_module.hashlib, "file_digest", lambda file, name: hashed.append(file.name) or digest(file, name))
+    split = open_split(tmp_path, "train")
+    assert hashed == []  # opening a split stats its shards; it reads none
+    split.take(np.array([0, 1, 120]))
+    split.take(np.array([2, 121, 60]))
+    assert len(hashed) == 3  # shards 0, 2 and 1, once each
+    path = tmp_path / shards[3]["file"]
+    damaged = bytearray(path.read_bytes())
+    damaged[len(damaged) // 2] ^= 0x01  # the same size: only the sha256 tells
+    path.write_bytes(bytes(damaged))
+    actual = file_sha256(path)
+    with pytest.raises(DatasetDamagedError) as caught:
+        open_split(tmp_path, "train").take(np.array([160]))
+    assert str(caught.value) == (
+        f"{path} has sha256 {actual} but manifest.json gives {shards[3]['sha256']}: the dataset changed after it "
+        f"was prepared; delete {tmp_path} to have the dataset prepared again"
+    )
 
 
 def test_taking_rows_reads_those_rows_only(tmp_path, monkeypatch):

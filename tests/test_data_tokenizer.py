@@ -1,15 +1,24 @@
 """Training, loading and checking the SentencePiece tokenizer."""
 
+import functools
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 
+from model_core.data import tokenizer as tokenizer_module
 from model_core.data.cleaning import clean_text
 from model_core.data.docstrings import stdlib_files
 from model_core.data.errors import DataPrepError
 from model_core.data.sources import InputFile, read_input
-from model_core.data.tokenizer import encode_documents, encoding_threads, open_tokenizer, train_tokenizer
+from model_core.data.tokenizer import (
+    encode_documents,
+    encoding_threads,
+    open_tokenizer,
+    train_tokenizer,
+    train_tokenizer_apart,
+)
 from params.schema import TokenizerParams
 
 VOCAB = 512
@@ -29,6 +38,22 @@ def model(texts):
 def test_training_is_deterministic_across_runs_and_thread_counts(texts, model):
     assert train_tokenizer(texts, TokenizerParams(), VOCAB, seed=0, num_threads=2) == model
     assert train_tokenizer(texts, TokenizerParams(), VOCAB, seed=0, num_threads=1) == model
+
+
+def test_training_apart_gives_the_same_model_from_another_process(texts, model, monkeypatch):
+    def here(*args, **kwargs):
+        raise AssertionError("trained in the calling process")
+
+    monkeypatch.setattr(tokenizer_module, "train_tokenizer", here)  # a spawned child imports the real one
+    trained, peak_bytes = train_tokenizer_apart(functools.partial(list, texts), TokenizerParams(), VOCAB, 0, 2)
+    assert trained == model and peak_bytes > 10 * 2**20
+
+
+def test_a_training_process_that_dies_is_named_with_its_signal():
+    die = functools.partial(signal.raise_signal, signal.SIGKILL)
+    with pytest.raises(DataPrepError, match=r"exit code -9 \(killed by SIGKILL\) before it returned a model; when "
+                       r"memory ran out, lower tokenizer.training_sentences=2000000$"):
+        train_tokenizer_apart(die, TokenizerParams(training_sentences=2_000_000), VOCAB, 0, 1)
 
 
 def test_decode_of_encode_gives_the_cleaned_text_back(texts, model):

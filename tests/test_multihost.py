@@ -299,5 +299,5 @@ def test_prep_on_a_ray_cluster_across_two_hosts_writes_the_local_runs_manifest(t
     local = load_params("tiny", [*prep, f"data.output_dir={tmp_path / 'local'}", "data.num_workers=1"])
     expected = prepare_dataset(local.data, local.tokenizer, local.model).output_dir / "manifest.json"
     (manifest,) = (tmp_path / "ray").glob("*/manifest.json")
-    assert json.loads(manifest.read_text())["reuse"]["input_shards"] >= 4
+    assert json.loads((manifest.parent / "prep_report.json").read_text())["reuse"]["input_shards"] >= 4
     assert manifest.read_bytes() == expected.read_bytes()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from model_core.data.instruction_set import bundled_fingerprint, bundled_jsonl
 from model_core.data.instructions import Record, TemplateEncoder, parse_records, separators
 from model_core.data.packing import first_fit_rows, pack_examples, select_documents
 from model_core.data.prepare import TOKENIZER_NAME, PrepResult, _check_bad_records, _hash, _rng, prepared, vocab_padding
-from model_core.data.shards import MANIFEST_NAME, build_or_reuse, write_shards
+from model_core.data.shards import MANIFEST_NAME, DatasetDamagedError, build_or_reuse, read_manifest, write_shards
 from model_core.data.sources import FileReport
 from model_core.data.tokenizer import load_tokenizer, open_tokenizer
 from model_core.storage import file_sha256
@@ -100,7 +99,9 @@ def prepare_instructions(
 def verify_instructions(directory: Path) -> str | None:
     """None when the manifest is an instruction dataset's and every file it lists is intact, else what is wrong."""
     try:
-        manifest = json.loads((directory / MANIFEST_NAME).read_text())
+        manifest = read_manifest(directory)
+    except DatasetDamagedError as error:
+        return error.problem
     except (OSError, ValueError) as error:
         return f"unreadable {MANIFEST_NAME}: {error}"
     if (manifest.get("kind"), manifest.get("format_version")) != (KIND, FORMAT_VERSION):

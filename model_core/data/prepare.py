@@ -51,15 +51,24 @@ from model_core.data.docstrings import stdlib_fingerprint
 from model_core.data.engine import LocalMapper, Mapper, available_cores, run_jobs
 from model_core.data.errors import DataPrepError
 from model_core.data.input_shards import InputShard, file_identity, plan_shards
-from model_core.data.shards import MANIFEST_NAME, shard_file_bytes
+from model_core.data.shards import (
+    MANIFEST_NAME,
+    TOKENIZER_NAME,
+    DatasetDamagedError,
+    read_manifest,
+    shard_file_bytes,
+    write_manifest,
+)
 from model_core.data.sources import FileReport, InputFile, fingerprint, list_inputs
-from model_core.data.tokenizer import load_tokenizer, open_tokenizer, train_tokenizer
+from model_core.data.tokenizer import load_tokenizer, open_tokenizer, train_tokenizer, train_tokenizer_apart
 from model_core.storage import commit_directory, file_sha256, write_file
 from params.schema import DataParams, ModelParams, TokenizerParams
 
 FORMAT_VERSION = 3  # 3: map/reduce prep, split by keyed hash, flat memory-mappable token shards
-TOKENIZER_NAME = "tokenizer.model"
-REPORT_NAME = "prep_report.json"  # timings and the run's own details, beside (not in) the manifest
+# How this build went (timings, jobs, workers, what it took from the .work cache), beside the manifest and
+# never in it: the manifest describes only the content, so identical datasets have identical manifests
+# however they were built (interrupted and rerun, any workers or shard size).
+REPORT_NAME = "prep_report.json"
 CACHE_DIR = ".cache"  # under data.output_dir: the extracted standard-library docstrings
 WORK_DIR = ".work"  # under data.output_dir: map results kept for later runs, and each build's scratch
 MAX_REPORTED_RECORDS = shard_map.MAX_REPORTED_RECORDS
@@ -67,6 +76,9 @@ MAX_REPORTED_RECORDS = shard_map.MAX_REPORTED_RECORDS
 _NON_DATA_PARAMS = {
     "output_dir", "num_workers", "runner", "ray_address", "ray_connect_timeout_s", "shard_bytes", "verify_on_reuse"
 }
+# A tokenizer sample of at most this many lines trains in the prep process: its trainer's memory (tens of MB)
+# is less than a child process costs to start (an interpreter and the data modules imported again).
+TRAIN_HERE_LINES = 50_000
 _PROGRESS_LOG_SECONDS = 10.0
 _PROGRESS_POLL_SECONDS = 2.0
 
@@ -82,6 +94,7 @@ class PrepResult:
     manifest_path: Path
     tokenizer_path: Path
     reused: bool
+    report: dict  # prep_report.json of the build that made the dataset ({} where there is none)
 
 
 def prepare_dataset(
@@ -121,7 +134,7 @@ def prepare_dataset(
         shards = plan_shards(inputs, data.shard_bytes, contents)
         manifest = build.run(shards)
         manifest.update(key=key, params=params, params_hash=_hash(params), input_fingerprint=input_fingerprint)
-        (build_dir / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+        write_manifest(build_dir, manifest)
         (build_dir / REPORT_NAME).write_text(json.dumps(build.report(workers), indent=2) + "\n")
         commit_directory(build_dir, final_dir, replace=True)  # a damaged copy under the name is replaced
     finally:
@@ -151,11 +164,14 @@ def data_params(data: DataParams, tokenizer: TokenizerParams, model: ModelParams
 
 
 def verify_dataset(directory: Path, full: bool = False) -> str | None:
-    """None when the manifest, the tokenizer (by sha256) and every shard it lists are intact, else what is
-    wrong. Shards are checked by their size, or with `full` by their sha256: hashing terabytes of shards on
-    every reuse (each `llmflow train` start) would take longer than many runs."""
+    """None when the manifest (by manifest.sha256), the tokenizer (by sha256) and every shard it lists are
+    intact, else what is wrong. Shards are checked by their size, or with `full` by their sha256: hashing
+    terabytes of shards on every reuse (each `llmflow train` start) would take longer than many runs, and
+    training checks each shard's sha256 when it first reads it."""
     try:
-        manifest = json.loads((directory / MANIFEST_NAME).read_text())
+        manifest = read_manifest(directory)
+    except DatasetDamagedError as error:
+        return error.problem
     except (OSError, ValueError) as error:
         return f"unreadable {MANIFEST_NAME}: {error}"
     if manifest.get("format_version") != FORMAT_VERSION:
@@ -234,6 +250,7 @@ class _Build:
         self.seconds: dict[str, float] = {}
         self.jobs: dict[str, int] = {}
         self.reuse: dict[str, int] = {}
+        self.tokenizer_peak_rss_bytes: int | None = None  # the training child's, where one trained it
 
     def run(self, shards: list[InputShard]) -> dict:
         self.single_shard = len(shards) == 1
@@ -272,7 +289,6 @@ class _Build:
             **vocab_padding(self.model),
             "seq_len": self.model.seq_len,
             "splits": splits,
-            "reuse": self.reuse,
         }
 
     def report(self, workers: int) -> dict:
@@ -281,6 +297,7 @@ class _Build:
             "jobs": self.jobs,
             "workers": workers,
             "reuse": self.reuse,
+            **({"tokenizer_peak_rss_bytes": self.tokenizer_peak_rss_bytes} if self.tokenizer_peak_rss_bytes else {}),
         }
 
     def _run_step(
@@ -342,10 +359,7 @@ class _Build:
             self.reuse["sample_shards_reused"] = sum(bool(r.get("reused")) for r in results)
             check_bad_records(results, self.data.max_bad_record_fraction, log=False)  # logged after the map step
             _filter_counts(results, self.data, 0)  # fails on an empty corpus before training on nothing
-            lines = _merged_sample([job.output for job in jobs], self.tokenizer.training_sentences)
-            model_bytes = train_tokenizer(
-                lines, self.tokenizer, self.model.unpadded_vocab_size, self.data.shuffle_seed, self.workers
-            )
+            model_bytes = self._train_tokenizer([job.output for job in jobs], sum(r["lines"] for r in results))
             origin = "the trained tokenizer"
         open_tokenizer(model_bytes, self.tokenizer, self.model.vocab_size, origin, self.model.vocab_padding)
         path = self.build_dir / TOKENIZER_NAME
@@ -360,6 +374,17 @@ class _Build:
             **{name: getattr(self.tokenizer, name) for name in ("unk_id", "bos_id", "eos_id", "pad_id")},
         }
         return info, path
+
+    def _train_tokenizer(self, samples: list[Path], sampled_lines: int) -> bytes:
+        """The tokenizer trained on the merged sample: in a child process (its memory ends with it) unless the
+        sample is small enough that starting a process would cost more than the memory it hands back."""
+        lines = functools.partial(_merged_sample, samples, self.tokenizer.training_sentences)
+        arguments = (self.tokenizer, self.model.unpadded_vocab_size, self.data.shuffle_seed, self.workers)
+        if min(sampled_lines, self.tokenizer.training_sentences) <= TRAIN_HERE_LINES:
+            return train_tokenizer(lines(), *arguments)
+        model_bytes, peak_bytes = train_tokenizer_apart(lines, *arguments)
+        self.tokenizer_peak_rss_bytes = peak_bytes
+        return model_bytes
 
     def _map_params(self, step: str, **extra: object) -> dict:
         fields = {"normalize_unicode", "min_chars", "max_chars", "dedup_exact", "shuffle_seed", "validation_fraction"}
@@ -708,12 +733,14 @@ def _alive(pid: int) -> bool:
 def prepared(directory: Path, reused: bool) -> PrepResult:
     """The result of a prepared dataset directory (its manifest read)."""
     manifest_path = directory / MANIFEST_NAME
+    report_path = directory / REPORT_NAME
     return PrepResult(
         output_dir=directory,
         manifest=json.loads(manifest_path.read_text()),
         manifest_path=manifest_path,
         tokenizer_path=directory / TOKENIZER_NAME,
         reused=reused,
+        report=json.loads(report_path.read_text()) if report_path.is_file() else {},
     )
 
 

@@ -19,6 +19,15 @@ needs (rows, token_dtype, doc_starts, loss_mask) besides its file name, sha256, 
 with a mask, `response_tokens`. `open_split` reads the rows a caller asks for, nothing else, straight into
 the result (positioned reads; consecutive rows in one read): a memory map would keep every page it ever
 touched in the process's resident memory, which over an epoch of random rows grows to the size of the split.
+
+What is read is checked first, so a damaged dataset stops a run with one line naming the file and both
+hashes (`DatasetDamagedError`) instead of training on it. manifest.sha256 (`sha256sum -c` reads it) holds
+the manifest's sha256, and the manifest every other file's. `open_split` checks the manifest and the
+tokenizer by their sha256 and every shard of the split by its size; a shard's sha256 is checked, streaming,
+when a `SplitRows` first opens it, before any of its rows is returned: once per shard per process, on the
+shards the process reads. Hashing every shard up front would cost each rank a read of the whole split
+before its first step (minutes per rank on a terabyte corpus), where a random batch reaches most shards
+within an epoch's first steps anyway.
 """
 
 from __future__ import annotations
@@ -27,6 +36,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -38,6 +48,8 @@ from model_core.data.packing import PackedRows
 from model_core.storage import build_directory
 
 MANIFEST_NAME = "manifest.json"
+MANIFEST_DIGEST_NAME = "manifest.sha256"
+TOKENIZER_NAME = "tokenizer.model"
 SHARD_SUFFIX = ".tokens"
 _MAGIC = b"LLMFROWS"
 _FORMAT_VERSION = 1
@@ -51,6 +63,18 @@ _TOKEN_DTYPES = {"uint16": np.dtype("<u2"), "int32": np.dtype("<i4")}
 _OFFSET_DTYPE, _VALUE_DTYPE, _MASK_DTYPE = np.dtype("<i8"), np.dtype("<i4"), np.dtype("i1")
 
 logger = logging.getLogger(__name__)
+
+
+class DatasetDamagedError(ValueError):
+    """A prepared dataset's file differs from what its manifest (or manifest.sha256) says: `problem` names the
+    file and both values, the message adds what to do."""
+
+    def __init__(self, problem: str, directory: Path) -> None:
+        super().__init__(problem, directory)
+        self.problem, self.directory = problem, directory
+
+    def __str__(self) -> str:
+        return f"{self.problem}; delete {self.directory} to have the dataset prepared again"
 
 
 def shard_name(split: str, index: int) -> str:
@@ -92,6 +116,12 @@ class _Layout:
             sections[name] = (at, size)
             at = -(-(at + size) // _ALIGN) * _ALIGN
         return sections
+
+    @property
+    def file_bytes(self) -> int:
+        """The size of the whole file: its last section's end."""
+        offset, size = list(self.sections().values())[-1]
+        return offset + size
 
     def header(self) -> np.ndarray:
         values = (_MAGIC, _FORMAT_VERSION, self.rows, self.row_len, self.doc_starts,
@@ -138,9 +168,7 @@ def write_shard(path: Path, rows: PackedRows, pad_id: int, vocab_size: int | Non
 
 def shard_file_bytes(entry: dict, row_len: int) -> int:
     """The size a shard's file has when it is whole, from its manifest entry."""
-    layout = _Layout(entry["rows"], row_len, entry["token_dtype"], entry["doc_starts"], entry["loss_mask"])
-    offset, size = list(layout.sections().values())[-1]
-    return offset + size
+    return _Layout(entry["rows"], row_len, entry["token_dtype"], entry["doc_starts"], entry["loss_mask"]).file_bytes
 
 
 def write_shards(
@@ -174,6 +202,7 @@ class SplitRows:
             raise ValueError(f"the shards of a split store their tokens as {sorted(token_dtypes)}; one type must")
         self._token_dtype = _TOKEN_DTYPES[token_dtypes.pop() if token_dtypes else "int32"]
         self._open: dict[int, int] = {}  # shard index -> file descriptor, least recently used first
+        self._checked: set[int] = set()  # shards whose whole file matched its sha256 in this process
         weakref.finalize(self, _close_all, self._open)
 
     def __len__(self) -> int:
@@ -205,15 +234,24 @@ class SplitRows:
             return rows
         return rows.take(order)
 
+    def check(self, indices: np.ndarray) -> None:
+        """Check now the shards that hold these rows, as the first read of each would (rows read only later,
+        such as the validation rows of a run's first evaluation, then cannot stop the run midway)."""
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        for shard in np.unique(np.searchsorted(self._first_rows, indices, side="right") - 1).tolist():
+            self._file(shard)
+
     def _file(self, shard: int) -> int:
         descriptor = self._open.pop(shard, None)
         if descriptor is None:
             descriptor = os.open(self._shards[shard].path, os.O_RDONLY)
-            try:
-                self._shards[shard].check(descriptor)
-            except Exception:
-                os.close(descriptor)
-                raise
+            if shard not in self._checked:
+                try:
+                    self._shards[shard].check(descriptor)
+                except Exception:
+                    os.close(descriptor)
+                    raise
+                self._checked.add(shard)
             if len(self._open) >= _OPEN_FILES:
                 os.close(self._open.pop(next(iter(self._open))))
         self._open[shard] = descriptor
@@ -248,23 +286,74 @@ def build_or_reuse(final_dir: Path, verify: Callable[[Path], str | None], build:
             return True
         logger.warning("prepared dataset %s is damaged (%s); rebuilding it", final_dir, problem)
     def write(directory: Path) -> None:
-        manifest = build(directory)
-        (directory / MANIFEST_NAME).write_text(json.dumps(manifest, indent=2) + "\n")
+        write_manifest(directory, build(directory))
 
     build_directory(final_dir, write, replace=True)
     return False
 
 
-class _Shard:
-    """Where one shard's file is and how it is laid out; reads runs of its rows from an open descriptor."""
+def write_manifest(directory: Path, manifest: dict) -> None:
+    """manifest.json, and manifest.sha256 with its sha256 (the root of the checksums: the manifest holds every
+    other file's)."""
+    text = (json.dumps(manifest, indent=2) + "\n").encode()
+    (directory / MANIFEST_NAME).write_bytes(text)
+    (directory / MANIFEST_DIGEST_NAME).write_text(f"{hashlib.sha256(text).hexdigest()}  {MANIFEST_NAME}\n")
 
-    def __init__(self, path: Path, layout: _Layout) -> None:
+
+def read_manifest(directory: str | Path) -> dict:
+    """A prepared dataset's manifest, after checking it against manifest.sha256 (DatasetDamagedError if not)."""
+    directory = Path(directory)
+    digest_path = directory / MANIFEST_DIGEST_NAME
+    try:
+        recorded = digest_path.read_bytes().decode(errors="replace")
+        text = (directory / MANIFEST_NAME).read_bytes()
+    except FileNotFoundError as error:
+        raise DatasetDamagedError(f"{error.filename} is missing", directory) from None
+    found = re.fullmatch(rf"([0-9a-f]{{64}})  {re.escape(MANIFEST_NAME)}\n", recorded)
+    if found is None:
+        raise DatasetDamagedError(f"{digest_path} does not hold '<64 hex digits>  {MANIFEST_NAME}'", directory)
+    _check_digest(directory / MANIFEST_NAME, hashlib.sha256(text).hexdigest(), found.group(1), MANIFEST_DIGEST_NAME)
+    return json.loads(text)
+
+
+def check_file(path: Path, expected_sha256: str) -> None:
+    """The whole file, streamed, must have the sha256 its manifest entry gives (DatasetDamagedError if not)."""
+    with open(path, "rb") as file:
+        actual = hashlib.file_digest(file, "sha256").hexdigest()
+    _check_digest(path, actual, expected_sha256, MANIFEST_NAME)
+
+
+def _check_digest(path: Path, actual: str, expected: str, recorded_in: str) -> None:
+    if actual != expected:
+        raise DatasetDamagedError(
+            f"{path} has sha256 {actual} but {recorded_in} gives {expected}: the dataset changed after it was prepared",
+            path.parent,
+        )
+
+
+class _Shard:
+    """Where one shard's file is, its sha256 and how it is laid out; reads runs of its rows from an open descriptor."""
+
+    def __init__(self, path: Path, layout: _Layout, sha256: str) -> None:
         self.path = path
         self.layout = layout
+        self.sha256 = sha256
         self._sections = layout.sections()
 
+    def check_size(self) -> None:
+        size = self.path.stat().st_size
+        if size != self.layout.file_bytes:
+            raise DatasetDamagedError(
+                f"{self.path} holds {size} bytes but its manifest entry makes it {self.layout.file_bytes}",
+                self.path.parent,
+            )
+
     def check(self, descriptor: int) -> None:
-        """The file's header must say what the manifest entry says."""
+        """The whole file must have the manifest entry's sha256 (read once more, streaming) and its header must
+        say what the entry says."""
+        with os.fdopen(os.dup(descriptor), "rb") as file:  # reads use offsets: the shared position is unused
+            actual = hashlib.file_digest(file, "sha256").hexdigest()
+        _check_digest(self.path, actual, self.sha256, MANIFEST_NAME)
         header = np.frombuffer(os.pread(descriptor, _HEADER.itemsize, 0), dtype=_HEADER)
         if len(header) != 1 or header[0] != self.layout.header()[()]:
             raise ValueError(
@@ -300,8 +389,11 @@ class _Shard:
 
 
 def _split_shards(directory: Path, split: str) -> tuple[list[_Shard], int]:
-    """The shards of a split as its manifest lists them, and the length of a row."""
-    manifest = json.loads((directory / MANIFEST_NAME).read_text())
+    """The shards of a split as its manifest lists them, and the length of a row; the manifest and the
+    tokenizer are checked by their sha256, the shards by their size."""
+    manifest = read_manifest(directory)
+    if "tokenizer" in manifest:
+        check_file(directory / manifest["tokenizer"].get("file", TOKENIZER_NAME), manifest["tokenizer"]["sha256"])
     row_len = manifest["seq_len"] + 1
     shards = []
     for entry in manifest["splits"][split]["shards"]:
@@ -311,7 +403,8 @@ def _split_shards(directory: Path, split: str) -> tuple[list[_Shard], int]:
                 "prepare the dataset again"
             )
         layout = _Layout(entry["rows"], row_len, entry["token_dtype"], entry["doc_starts"], entry["loss_mask"])
-        shards.append(_Shard(directory / entry["file"], layout))
+        shards.append(_Shard(directory / entry["file"], layout, entry["sha256"]))
+        shards[-1].check_size()
     return shards, row_len
 
 

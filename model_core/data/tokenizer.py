@@ -5,11 +5,20 @@ Trained tokenizers use identity normalisation and keep whitespace as it is (clea
 and whitespace), and `\n` is a piece of its own, so decode(encode(text)) == text for cleaned text;
 byte fallback covers characters outside the vocabulary. The thread count is cleared from the saved
 model, so the same sentences give the same .model bytes on any machine.
+
+SentencePiece's trainer takes memory in proportion to its sample and the allocator keeps it after training,
+so `train_tokenizer_apart` trains in a fresh process that ends with the training: the process that goes on
+to the map step keeps none of it.
 """
 
 from __future__ import annotations
 
 import io
+import multiprocessing
+import resource
+import signal
+from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +68,49 @@ def train_tokenizer(
     proto.ParseFromString(model.getvalue())
     proto.trainer_spec.ClearField("num_threads")
     return proto.SerializeToString()
+
+
+def train_tokenizer_apart(
+    lines: Callable[[], list[str]], params: TokenizerParams, vocab_size: int, seed: int, num_threads: int
+) -> tuple[bytes, int]:
+    """`train_tokenizer(lines(), ...)` in a "spawn" child process (never "fork": the caller may run threads);
+    the model and the child's peak resident memory in bytes. `lines` must pickle (a module-level function or
+    a partial of one), and makes the sample in the child, so this process never holds it."""
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(  # a daemon: a prep that is interrupted or fails ends its training too
+        target=_train_and_send, args=(send, lines, params, vocab_size, seed, num_threads), name="tokenizer training",
+        daemon=True,
+    )
+    child.start()
+    send.close()  # the child holds the only sending end: its death ends the pipe
+    try:
+        outcome, value = receive.recv()
+    except EOFError:
+        child.join()
+        killed = f" (killed by {signal.Signals(-child.exitcode).name})" if child.exitcode and child.exitcode < 0 else ""
+        raise DataPrepError(
+            f"the tokenizer's training process ended with exit code {child.exitcode}{killed} before it returned a "
+            f"model; when memory ran out, lower tokenizer.training_sentences={params.training_sentences}"
+        ) from None
+    finally:
+        receive.close()
+    child.join()
+    if outcome == "error":
+        raise value
+    return value
+
+
+def _train_and_send(
+    send: Connection, lines: Callable[[], list[str]], params: TokenizerParams, vocab_size: int, seed: int, threads: int
+) -> None:
+    try:
+        model = train_tokenizer(lines(), params, vocab_size, seed, threads)
+        send.send(("model", (model, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)))  # Linux: KiB
+    except Exception as error:  # noqa: BLE001 - handed to the parent, which raises it
+        send.send(("error", error))
+    finally:
+        send.close()
 
 
 def load_tokenizer(path: Path) -> bytes:

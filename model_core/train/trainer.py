@@ -18,7 +18,6 @@ with the same global batch, another dp.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from pathlib import Path
 import mindspore as ms
 import numpy as np
 
-from model_core.data import open_split
+from model_core.data import open_split, read_manifest
 from model_core.model.moe import router_noise
 from model_core.model.weights import WeightMismatchError
 from model_core.optim.step import scalar
@@ -130,6 +129,8 @@ class Trainer:
             world=self.dp_group.size,
         )
         self.validation = open_split(dataset_dir, "validation")
+        # First read at the first evaluation, steps into the run: a damaged shard there stops the run before it starts.
+        self.validation.check(np.arange(min(len(self.validation), train.eval_batches * train.micro_batch_size)))
         self.loss_scale = LossScale.from_params(params.precision)
         self.counters = _Counters()
         self.last_lr = 0.0
@@ -431,7 +432,7 @@ def routing_metrics(statistics: list[float], counted: float, model: ModelParams)
 def check_dataset(dataset_dir: str | Path, params: PipelineParams) -> None:
     """The prepared data must have been made for this model's tokens (its vocabulary less the padding rows no
     token uses, so a model padded for tensor parallelism trains on the same data) and sequence length."""
-    manifest = json.loads((Path(dataset_dir) / "manifest.json").read_text())
+    manifest = read_manifest(dataset_dir)  # checked against manifest.sha256 before anything trusts it
     model = params.model
     tokens = "model.vocab_size - model.vocab_padding" if model.vocab_padding else "model.vocab_size"
     checks = (
