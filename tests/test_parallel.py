@@ -21,7 +21,7 @@ from model_core.parallel import launch as launcher
 from model_core.parallel.data_parallel import bucket_indices
 from model_core.parallel.launch import launch, launch_training, log_tail
 from model_core.parallel.layout import Layout, ParallelConfigError, check_tensor_parallel
-from model_core.parallel.zero import shard_pieces
+from model_core.parallel.zero import gather_plan, shard_pieces
 from model_core.parallel.zero3 import Zero3AdamW, join_shards, shard_parameters, take_shard
 from model_core.train.loader import ShuffledBatches
 from params import ParamsError, load_params
@@ -177,6 +177,24 @@ def test_zero_shards_cover_every_element_exactly_once():
             covered += [offsets[p.index] + e for p in pieces for e in range(p.start, p.end)]
             assert sum(p.end - p.start for p in pieces) <= length
         assert covered == list(range(sum(sizes))) and lengths == {-(-sum(sizes) // shards)}
+
+
+@pytest.mark.parametrize(("shards", "length", "bucket"), [(1, 23, 4), (2, 12, 5), (3, 8, 3), (2, 15, 100)])
+def test_the_bucketed_gather_of_updated_shards_rebuilds_every_weight_once_its_last_bucket_is_in(shards, length, bucket):
+    sizes = [7, 3, 12, 1]  # 23 elements; length may exceed the even split (ZeRO-2 under pp), the rest is padding
+    flat = np.arange(shards * length, dtype=np.float32)
+    buckets, completions = gather_plan(sizes, shards, length, bucket)
+    assert all(hi - lo <= bucket for lo, hi in buckets) and buckets[-1][1] == length
+    gathered = [np.concatenate([flat[r * length + lo : r * length + hi] for r in range(shards)]) for lo, hi in buckets]
+    offsets = np.cumsum([0, *sizes])
+    written = []
+    for k, done in enumerate(completions):
+        for index, segments in done:
+            assert max(b for b, _, _ in segments) == k  # written as soon as its last bucket arrives
+            value = np.concatenate([gathered[b][start:end] for b, start, end in segments])
+            np.testing.assert_array_equal(value, flat[offsets[index] : offsets[index + 1]])
+            written.append(index)
+    assert sorted(written) == list(range(len(sizes)))
 
 
 @pytest.mark.parametrize(("shards", "length"), [(1, 12), (2, 6), (3, 4), (5, 3)])

@@ -39,6 +39,7 @@ from model_core.model.moe import Experts, swiglu_experts
 from model_core.optim.adamw import AdamW
 from model_core.optim.step import AccumulateGradients
 from model_core.parallel.comm import AllToAll, Group
+from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from model_core.parallel.zero import GradientShards, ShardedAdamW, moment_bytes
 from params.schema import OptimizerParams
 
@@ -112,9 +113,9 @@ class ExpertParallelOptimizer(nn.Cell):
         self.expert_moments = moment_names(expert_names)
         self.ep_group = ep_group
 
-    def construct(self, grads, lr, step):
-        self.dense(tuple(grads[i] for i in self.dense_positions), lr, step)
-        self.experts(tuple(grads[i] for i in self.expert_positions), lr, step)
+    def construct(self, grads, lr, step, grad_scale=None):
+        self.dense(tuple(grads[i] for i in self.dense_positions), lr, step, grad_scale)
+        self.experts(tuple(grads[i] for i in self.expert_positions), lr, step, grad_scale)
 
     def moment_bytes(self) -> int:
         return sum(o.moment_bytes() if hasattr(o, "moment_bytes") else moment_bytes(o) for o in (self.dense, self.experts))
@@ -179,26 +180,28 @@ class ExpertShardedAccumulateGradients(AccumulateGradients):
 def expert_parallel_optimizer(
     weights: Sequence[Parameter], names: Sequence[str], experts: set[int], optimizer: OptimizerParams, zero_stage: int,
     dp_group: Group, expert_dp_group: Group, ep_group: Group, gradient_shards: ExpertGradientShards | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> ExpertParallelOptimizer:
     """AdamW over `weights` whose positions `experts` are expert shards: the rest's moments ZeRO-1 sharded over
     `dp_group`, the experts' over `expert_dp_group` (when `zero_stage` >= 1 and the group has several ranks).
     Under ZeRO-2 `gradient_shards` holds the gradient shards (of the whole model or of a pipeline stage), and
-    both optimizers update from them."""
+    both optimizers update from them. `bucket_bytes`: as for `ShardedAdamW`."""
     dense, shards = [i for i in range(len(names)) if i not in experts], sorted(experts)
     if zero_stage == 2:
         pieces = len(gradient_shards.dense.buffers)
         return ExpertParallelOptimizer(
             ShardedAdamW([weights[i] for i in dense], optimizer, [names[i] for i in dense], dp_group,
-                         sharded_gradients=True, shard_length=gradient_shards.shard_length),
+                         sharded_gradients=True, shard_length=gradient_shards.shard_length, bucket_bytes=bucket_bytes),
             ShardedAdamW([weights[i] for i in shards], optimizer, [names[i] for i in shards], expert_dp_group,
-                         sharded_gradients=True, shard_length=gradient_shards.expert_shard_length),
+                         sharded_gradients=True, shard_length=gradient_shards.expert_shard_length,
+                         bucket_bytes=bucket_bytes),
             range(pieces), range(pieces, len(gradient_shards.buffers)), [names[i] for i in shards], ep_group,
         )
 
     def adamw(positions: list[int], group: Group) -> AdamW | ShardedAdamW:
         chosen, chosen_names = [weights[i] for i in positions], [names[i] for i in positions]
         if zero_stage >= 1 and group.size > 1:
-            return ShardedAdamW(chosen, optimizer, chosen_names, group)
+            return ShardedAdamW(chosen, optimizer, chosen_names, group, bucket_bytes=bucket_bytes)
         return AdamW.from_params(chosen, optimizer, chosen_names)
 
     return ExpertParallelOptimizer(

@@ -247,22 +247,23 @@ def parallelize(
     weight_names = [names[id(param)] for param in accumulate.weights]
     # Under ep the expert shards differ between the ranks of a dp group: their own optimizer and gradient sum.
     experts = {i for i, name in enumerate(weight_names) if table[name].expert} if ep_group.size > 1 else set()
+    bucket_bytes = int(params.parallel.gradient_bucket_mb * 2**20)
     if table.optimizer_offload:
         optimizer = offloaded_optimizer(
             accumulate.weights, accumulate.buffers, weight_names, params.optimizer, zero_stage, dp_group, zero3,
-            shard_length=accumulate.shard_length if zero_stage == 2 else None,
+            shard_length=accumulate.shard_length if zero_stage == 2 else None, bucket_bytes=bucket_bytes,
         )
     elif zero3 is not None:
         optimizer = Zero3AdamW(zero3, params.optimizer, weight_names)
     elif experts:
         optimizer = expert_parallel_optimizer(
             accumulate.weights, weight_names, experts, params.optimizer, zero_stage, dp_group, expert_dp_group, ep_group,
-            accumulate.shards if zero_stage == 2 else None,
+            accumulate.shards if zero_stage == 2 else None, bucket_bytes,
         )
     elif zero_stage >= 1:
         optimizer = ShardedAdamW(
             accumulate.weights, params.optimizer, weight_names, dp_group, sharded_gradients=zero_stage == 2,
-            shard_length=accumulate.shard_length if zero_stage == 2 else None,
+            shard_length=accumulate.shard_length if zero_stage == 2 else None, bucket_bytes=bucket_bytes,
         )
     else:
         optimizer = AdamW.from_params(accumulate.weights, params.optimizer, weight_names)
@@ -284,7 +285,6 @@ def parallelize(
     partial = [buffer for buffer, i in zip(accumulate.buffers, owners) if table[weight_names[i]].tp_partial]
     dense_buffers = ParameterTuple([buffer for buffer, i in zip(accumulate.buffers, owners) if i not in experts])
     expert_buffers = ParameterTuple([buffer for buffer, i in zip(accumulate.buffers, owners) if i in experts])
-    bucket_bytes = int(params.parallel.gradient_bucket_mb * 2**20)
     sums = [
         [tp_group] * table[weight_names[i]].tp_partial
         + ([expert_dp_group] * (expert_dp_group.size > 1) if i in experts else [dp_group] * summed_once_per_step)

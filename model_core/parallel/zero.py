@@ -27,6 +27,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from model_core.optim.adamw import AdamW, applies_weight_decay
 from model_core.optim.step import AccumulateGradients
 from model_core.parallel.comm import Group
+from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from params.schema import OptimizerParams
 
 
@@ -54,6 +55,75 @@ def shard_pieces(sizes: Sequence[int], shards: int, shard: int, length: int | No
     return pieces, length
 
 
+def gather_plan(
+    sizes: Sequence[int], shards: int, length: int, bucket_elements: int
+) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...], ...]]:
+    """How to all-gather `shards` shards of `length` elements (the flat, concatenated parameters of these sizes)
+    in buckets: bucket k gathers elements [lo, hi) of every shard (at most `bucket_elements` of each), so its
+    result holds shard r's at [r (hi - lo), (r + 1)(hi - lo)). Returns the buckets' (lo, hi) and, for each bucket,
+    the parameters it completes: (index, its segments in flat order as (bucket, start, end) of a gathered result)."""
+    buckets = tuple((lo, min(lo + bucket_elements, length)) for lo in range(0, length, bucket_elements))
+    completions: list[list] = [[] for _ in buckets]
+    offset = 0
+    for index, size in enumerate(sizes):
+        segments = []
+        for shard in range(shards):
+            first, last = max(offset, shard * length), min(offset + size, (shard + 1) * length)
+            for k, (lo, hi) in enumerate(buckets):
+                start, end = max(first - shard * length, lo), min(last - shard * length, hi)
+                if start < end:
+                    base = shard * (hi - lo) - lo
+                    segments.append((k, base + start, base + end))
+        completions[max(k for k, _, _ in segments)].append((index, tuple(segments)))
+        offset += size
+    return buckets, tuple(tuple(done) for done in completions)
+
+
+class ShardGather(nn.Cell):
+    """Every parameter set from the ranks' updated shards, bucket by bucket (`gather_plan`): no buffer of the
+    whole model is made, only each bucket's gathered result, kept until the parameters it ends are written.
+
+    Called with this rank's pieces (`pieces`: (parameter index, start, end), the pieces of `shard_pieces`) as
+    tensors in that order; each bucket's gather waits for the previous bucket's writes."""
+
+    def __init__(self, parameters: Sequence[Parameter], pieces: Sequence[tuple[int, int, int]], length: int,
+                 group: Group, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        super().__init__()
+        self.parameters = ParameterTuple(parameters)
+        self.group = group
+        self.shapes = tuple(tuple(p.shape) for p in parameters)
+        sizes = [int(np.prod(shape)) for shape in self.shapes]
+        bucket_elements = max(1, bucket_bytes // (4 * group.size))  # a gathered bucket holds bucket_bytes
+        self.buckets, self.completions = gather_plan(sizes, group.size, length, bucket_elements)
+        # For each bucket, the parts of this rank's pieces that fill [lo, hi) of its shard, and the padding after.
+        self.local, self.padding = [], []
+        for lo, hi in self.buckets:
+            parts, offset = [], 0
+            for k, (_, start, end) in enumerate(pieces):
+                first, last = max(lo, offset), min(hi, offset + end - start)
+                if first < last:
+                    parts.append((k, first - offset, last - offset))
+                offset += end - start
+            self.local.append(tuple(parts))
+            self.padding.append(hi - lo - sum(b - a for _, a, b in parts))
+        self.local, self.padding = tuple(self.local), tuple(self.padding)
+
+    def construct(self, pieces):
+        gathered = []
+        done = ops.zeros((), ms.float32)
+        for k in range(len(self.buckets)):
+            parts = [pieces[j].reshape(-1)[a:b] for j, a, b in self.local[k]]
+            if self.padding[k]:
+                parts.append(ops.zeros((self.padding[k],), ms.float32))
+            mine = ops.cat(parts) if len(parts) > 1 else parts[0]
+            gathered.append(self.group.all_gather(ops.depend(mine, done)))
+            for i, segments in self.completions[k]:
+                values = [gathered[b][start:end] for b, start, end in segments]
+                value = ops.cat(values) if len(values) > 1 else values[0]
+                done = ops.assign(self.parameters[i], value.reshape(self.shapes[i]))
+        return done
+
+
 class ShardedAdamW(nn.Cell):
     """AdamW over `parameters` with this rank's 1/dp of the moments; called like AdamW: (grads, lr, step).
 
@@ -68,8 +138,10 @@ class ShardedAdamW(nn.Cell):
         group: Group,
         sharded_gradients: bool = False,
         shard_length: int | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
-        """`shard_length` as for `shard_pieces` (ZeRO-2 passes its gradient shards' length)."""
+        """`shard_length` as for `shard_pieces` (ZeRO-2 passes its gradient shards' length); `bucket_bytes`: the
+        most one all-gathered bucket of updated parameters holds (`parallel.gradient_bucket_mb`)."""
         super().__init__()
         self.params = ParameterTuple(parameters)
         self.param_names = tuple(names)
@@ -89,18 +161,17 @@ class ShardedAdamW(nn.Cell):
         self.inner = AdamW.from_params(copies, optimizer, [f"{names[i]}[{start}:{end}]" for i, start, end in self.pieces])
         # The pieces are flat; decay follows the parameter they come from (matrices yes, norms no).
         self.inner.decays = tuple(applies_weight_decay(parameters[i]) for i, _, _ in self.pieces)
+        if not sharded_gradients:  # ZeRO-1: each piece's gradient is cut from the full buffer as it is used
+            self.inner.grad_slices = tuple((start, end) for _, start, end in self.pieces)
+        self.gather = ShardGather(parameters, self.pieces, self.shard_length, group, bucket_bytes)
 
-    def construct(self, grads, lr, step):
+    def construct(self, grads, lr, step, grad_scale=None):
         for k, (i, start, end) in enumerate(self.pieces):
             ops.assign(self.inner.params[k], self.params[i].reshape(-1)[start:end])
         if not self.sharded_gradients:
-            grads = tuple(grads[i].reshape(-1)[start:end] for i, start, end in self.pieces)
-        self.inner(grads, lr, step)
-        full = self.group.all_gather(self._padded([self.inner.params[k] for k in range(len(self.pieces))]))
-        offset = 0
-        for i in range(len(self.params)):
-            ops.assign(self.params[i], full[offset : offset + self.sizes[i]].reshape(self.shapes[i]))
-            offset += self.sizes[i]
+            grads = tuple(grads[i] for i, _, _ in self.pieces)
+        self.inner(grads, lr, step, grad_scale)
+        self.gather(self.inner.params)
 
     def _padded(self, parts):
         if self.padding:
