@@ -29,7 +29,7 @@ from pathlib import Path
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, nn
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from model_core.model.init import deferred, deferred_weights, shape_of
 from model_core.model.llama import Llama
@@ -342,7 +342,7 @@ class Parallelized:
         self.offload = optimizer if isinstance(optimizer, OffloadedOptimizer) else None
         self._apply = ApplyGradients(accumulate.buffers, optimizer) if self.offload is None else None
         self._zero = ZeroGradients(accumulate.buffers)
-        self._routing: np.ndarray | None = None
+        self._routing: Tensor | None = None  # summed on the device, read once a step
 
     @property
     def weights(self):
@@ -360,16 +360,20 @@ class Parallelized:
             passes = [micro_batches[i : i + per_pass] for i in range(0, len(micro_batches), per_pass)]
             summed = sum(self.pipeline.run(one, scale) for one in passes)
         else:
-            summed = 0.0
             steps = [self.accumulate] * len(micro_batches)
             if self.accumulate_and_sum is not None:
                 steps[-1] = self.accumulate_and_sum
+            losses = []
             for step, batch in zip(steps, micro_batches):
                 out = step(*batch.inputs(), scale, batch.router_noise)
                 if getattr(self.accumulate, "routed", False):  # an MoE model also returns its routing statistics
                     out, routing = out
-                    self._routing = routing.asnumpy() + (self._routing if self._routing is not None else 0.0)
-                summed += float(out.asnumpy())
+                    self._routing = routing if self._routing is None else self._routing + routing
+                losses.append(out)
+            # The losses stay on the device until the step is done: one read, not one per micro-batch.
+            summed = 0.0
+            for loss in ops.stack(losses).asnumpy().tolist():
+                summed += loss
         if self.sum_partial_gradients is not None:
             self.sum_partial_gradients()
         if self.sum_gradients is not None:
@@ -421,7 +425,7 @@ class Parallelized:
         if self.pipeline is not None:
             return self.pipeline.routing_statistics()
         routing, self._routing = self._routing, None
-        return routing
+        return routing.asnumpy() if routing is not None else None
 
     def full_weights(self) -> dict[str, np.ndarray]:
         """This rank's weights (its tp block of its stage) whole over dp and ep, by path. Collective under ZeRO-3
