@@ -136,15 +136,16 @@ class ExpertGradientShards(nn.Cell):
     positions `experts`) over `expert_dp_group`, each into fp32 `buffers`: the dense shard's pieces, then the
     experts'. `piece_params` names the weight of every buffer; `shard_length` and `expert_shard_length` are the
     two shards' (`shard_length`, when given, as for `zero.shard_pieces`: a pipeline's tied table cut alike on
-    both end stages)."""
+    both end stages); `bucket_bytes` as for `GradientShards`."""
 
     def __init__(self, weights: Sequence[Parameter], experts: set[int], dp_group: Group, expert_dp_group: Group,
-                 shard_length: int | None = None) -> None:
+                 shard_length: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__()
         self.dense_positions = tuple(i for i in range(len(weights)) if i not in experts)
         self.expert_positions = tuple(sorted(experts))
-        self.dense = GradientShards([weights[i] for i in self.dense_positions], dp_group, shard_length)
-        self.experts = GradientShards([weights[i] for i in self.expert_positions], expert_dp_group)
+        dense = [weights[i] for i in self.dense_positions]
+        self.dense = GradientShards(dense, dp_group, shard_length, bucket_bytes)
+        self.experts = GradientShards([weights[i] for i in self.expert_positions], expert_dp_group, None, bucket_bytes)
         self.buffers = ParameterTuple((*self.dense.buffers, *self.experts.buffers))
         self.piece_params = tuple(self.dense_positions[p] for p in self.dense.piece_params) + tuple(
             self.expert_positions[p] for p in self.experts.piece_params
@@ -163,8 +164,8 @@ class ExpertShardedAccumulateGradients(AccumulateGradients):
     `expert_dp_group`), whose `buffers`, `piece_params` and dense `shard_length` it shares."""
 
     def __init__(self, model: nn.Cell, experts: set[int], dp_group: Group, expert_dp_group: Group,
-                 loss: nn.Cell | None = None) -> None:
-        shards = ExpertGradientShards(model.trainable_params(), experts, dp_group, expert_dp_group)
+                 loss: nn.Cell | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        shards = ExpertGradientShards(model.trainable_params(), experts, dp_group, expert_dp_group, None, bucket_bytes)
         super().__init__(model, shards.buffers, loss)
         self.shards = shards
         self.piece_params = shards.piece_params

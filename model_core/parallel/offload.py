@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore import Parameter, ParameterTuple, Tensor, nn
 
 from model_core.optim.adamw import applies_weight_decay
 from model_core.optim.offload import OffloadedAdamW, Slot

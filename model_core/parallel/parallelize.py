@@ -220,6 +220,7 @@ def parallelize(
     model.set_train(True)  # training-only layers (LoRA's dropout) act in the step, not in evaluation
 
     pipeline = None
+    bucket_bytes = int(params.parallel.gradient_bucket_mb * 2**20)
     moe = params.model.moe
     routing_coefficients = (moe.aux_loss_coef, moe.z_loss_coef) if moe is not None else (0.0, 0.0)
     if tensor_parallelism is not None:
@@ -236,9 +237,11 @@ def parallelize(
             expert_dp_group=expert_dp_group,
         )
     elif zero_stage == 2 and ep_group.size > 1:  # dense gradients reduce-scattered over dp, experts' over expert-dp
-        accumulate = ExpertShardedAccumulateGradients(model, expert_positions(model, table), dp_group, expert_dp_group, loss)
+        accumulate = ExpertShardedAccumulateGradients(
+            model, expert_positions(model, table), dp_group, expert_dp_group, loss, bucket_bytes
+        )
     elif zero_stage == 2:  # gradients reduce-scattered per micro-batch into this rank's shard
-        accumulate = ShardedAccumulateGradients(model, dp_group, loss=loss)
+        accumulate = ShardedAccumulateGradients(model, dp_group, loss=loss, bucket_bytes=bucket_bytes)
     elif table.param_offload:  # the model's shard Parameters are the gradient buffers (`param_offload`)
         accumulate = AccumulateGradients(model, ParameterTuple(model.trainable_params()), loss)
     else:
@@ -247,7 +250,6 @@ def parallelize(
     weight_names = [names[id(param)] for param in accumulate.weights]
     # Under ep the expert shards differ between the ranks of a dp group: their own optimizer and gradient sum.
     experts = {i for i, name in enumerate(weight_names) if table[name].expert} if ep_group.size > 1 else set()
-    bucket_bytes = int(params.parallel.gradient_bucket_mb * 2**20)
     if table.optimizer_offload:
         optimizer = offloaded_optimizer(
             accumulate.weights, accumulate.buffers, weight_names, params.optimizer, zero_stage, dp_group, zero3,

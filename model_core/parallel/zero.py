@@ -10,9 +10,11 @@ independent of the layout; `state_dict` is a collective: every rank calls it.
 
 ZeRO-1 sums the full gradients over the group once per step and lets each rank slice its pieces out.
 ZeRO-2 keeps no full gradient buffer: each micro-batch's gradients, flattened the same way, are
-reduce-scattered over the group at once and only this rank's shard is added into shard-sized buffers, one
-per piece (`GradientShards`, which pipeline stages use too); the gradient norm sums the shards' squares over
-the group.
+reduce-scattered over the group bucket by bucket and only this rank's shard is added into shard-sized buffers,
+one per piece (`GradientShards`, which pipeline stages use too); the gradient norm sums the shards' squares over
+the group. Both stages write the updated shards back into the weights with a bucketed all-gather (`ShardGather`),
+and AdamW applies the loss scale and the clip factor to each gradient piece as it uses it: no buffer the size of
+the whole model is made at the update.
 """
 
 from __future__ import annotations
@@ -207,12 +209,15 @@ class ShardedAdamW(nn.Cell):
 class GradientShards(nn.Cell):
     """ZeRO-2's gradient store: fp32 `buffers`, one per piece of this rank's shard of the weights' flattened,
     concatenated gradients (the pieces `ShardedAdamW` updates). Called inside a compiled step with one
-    micro-batch's full gradients, it reduce-scatters them over the group and adds this rank's shard in.
+    micro-batch's full gradients, it reduce-scatters them over the group bucket by bucket (the buckets of
+    `gather_plan`, each of at most `bucket_bytes` before the reduction) and adds this rank's shard in: no flat copy
+    of all the gradients is made, only one bucket's at a time.
 
     `shard_length` (`shard_pieces`) lets two pipeline stages that hold the same tied table first cut it at
     the same offsets, so its gradient pieces can be summed over the two stages piece by piece."""
 
-    def __init__(self, weights: Sequence[Parameter], group: Group, shard_length: int | None = None) -> None:
+    def __init__(self, weights: Sequence[Parameter], group: Group, shard_length: int | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__()
         sizes = [int(np.prod(w.shape)) for w in weights]
         pieces, self.shard_length = shard_pieces(sizes, group.size, group.index, shard_length)
@@ -226,28 +231,81 @@ class GradientShards(nn.Cell):
         )
         self.group = group
         self.piece_params = tuple(p.index for p in pieces)  # the weight each buffer is a piece of
-        self.padding = self.shard_length * group.size - sum(sizes)
         self.piece_lengths = tuple(p.end - p.start for p in pieces)
+        buckets, completions = gather_plan(sizes, group.size, self.shard_length, max(1, bucket_bytes // (4 * group.size)))
+        self.buckets = buckets
+        self.inputs = bucket_inputs(buckets, completions, group.size)
+        self.completions = piece_completions(buckets, self.piece_lengths)
 
     def construct(self, grads):
-        flat = [grad.reshape(-1).astype(ms.float32) for grad in grads]
-        if self.padding:
-            flat.append(ops.zeros((self.padding,), ms.float32))
-        shard = self.group.reduce_scatter(ops.cat(flat))
-        offset = 0
-        for buffer, length in zip(self.buffers, self.piece_lengths):
-            ops.assign_add(buffer, shard[offset : offset + length])
-            offset += length
-        return shard
+        reduced = []
+        done = ops.zeros((), ms.float32)
+        for k in range(len(self.buckets)):
+            parts = []
+            for i, start, end in self.inputs[k]:
+                if i < 0:
+                    parts.append(ops.zeros((end - start,), ms.float32))
+                else:
+                    parts.append(grads[i].reshape(-1)[start:end].astype(ms.float32))
+            flat = ops.cat(parts) if len(parts) > 1 else parts[0]
+            done = self.group.reduce_scatter(ops.depend(flat, done))  # this rank's [lo, hi), summed over the group
+            reduced.append(done)
+            for j, segments in self.completions[k]:
+                values = [reduced[b][start:end] for b, start, end in segments]
+                ops.assign_add(self.buffers[j], ops.cat(values) if len(values) > 1 else values[0])
+        return done
+
+
+def bucket_inputs(buckets, completions, shards: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """What each bucket of a reduce-scatter is made of, in order: (weight, start, end) of a flattened gradient, or
+    (-1, 0, n) for n zeros (padding past the last weight): the `gather_plan` layout of `shards` shards read
+    backwards, so that block r of bucket k is elements [lo, hi) of shard r."""
+    placed: list[list[tuple[int, int, int, int]]] = [[] for _ in buckets]  # (position, weight, start, end)
+    for done in completions:
+        for index, segments in done:
+            offset = 0
+            for b, start, end in segments:
+                placed[b].append((start, index, offset, offset + end - start))
+                offset += end - start
+    inputs = []
+    for (lo, hi), items in zip(buckets, placed):
+        parts, position = [], 0
+        for at, index, start, end in sorted(items):
+            if at > position:
+                parts.append((-1, 0, at - position))
+            parts.append((index, start, end))
+            position = at + end - start
+        if position < shards * (hi - lo):
+            parts.append((-1, 0, shards * (hi - lo) - position))
+        inputs.append(tuple(parts))
+    return tuple(inputs)
+
+
+def piece_completions(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...], ...]:
+    """For each bucket, the pieces of this rank's shard (of these lengths, laid end to end from its start) that
+    the bucket completes: (piece, its segments as (bucket, start, end) of the buckets' reduced blocks)."""
+    completions: list[list] = [[] for _ in buckets]
+    offset = 0
+    for j, length in enumerate(lengths):
+        segments = []
+        for k, (lo, hi) in enumerate(buckets):
+            first, last = max(lo, offset), min(hi, offset + length)
+            if first < last:
+                segments.append((k, first - lo, last - lo))
+        completions[max(k for k, _, _ in segments)].append((j, tuple(segments)))
+        offset += length
+    return tuple(tuple(done) for done in completions)
 
 
 class ShardedAccumulateGradients(AccumulateGradients):
     """ZeRO-2 accumulation: forward + backward of one micro-batch, its gradients reduce-scattered over the
     group and this rank's shard added into fp32 buffers, one per piece (the pieces `ShardedAdamW` updates)."""
 
-    def __init__(self, model: nn.Cell, group: Group, loss: nn.Cell | None = None) -> None:
-        """`loss` as for `AccumulateGradients` (tensor parallelism passes its vocab-parallel one)."""
-        shards = GradientShards(model.trainable_params(), group)
+    def __init__(self, model: nn.Cell, group: Group, loss: nn.Cell | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        """`loss` as for `AccumulateGradients` (tensor parallelism passes its vocab-parallel one); `bucket_bytes` as
+        for `GradientShards`."""
+        shards = GradientShards(model.trainable_params(), group, bucket_bytes=bucket_bytes)
         super().__init__(model, shards.buffers, loss)
         self.shards = shards
         self.piece_params = shards.piece_params
