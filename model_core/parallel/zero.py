@@ -83,10 +83,12 @@ def gather_plan(
 
 class ShardGather(nn.Cell):
     """Every parameter set from the ranks' updated shards, bucket by bucket (`gather_plan`): no buffer of the
-    whole model is made, only each bucket's gathered result, kept until the parameters it ends are written.
+    whole model is made. Each gathered bucket is cut into the parameters' segments before the next is gathered,
+    and a parameter is written once its last segment is in; so besides one bucket, a rank holds the segments of
+    the parameters still incomplete (at most one per shard).
 
     Called with this rank's pieces (`pieces`: (parameter index, start, end), the pieces of `shard_pieces`) as
-    tensors in that order; each bucket's gather waits for the previous bucket's writes."""
+    tensors in that order."""
 
     def __init__(self, parameters: Sequence[Parameter], pieces: Sequence[tuple[int, int, int]], length: int,
                  group: Group, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
@@ -96,34 +98,58 @@ class ShardGather(nn.Cell):
         self.shapes = tuple(tuple(p.shape) for p in parameters)
         sizes = [int(np.prod(shape)) for shape in self.shapes]
         bucket_elements = max(1, bucket_bytes // (4 * group.size))  # a gathered bucket holds bucket_bytes
-        self.buckets, self.completions = gather_plan(sizes, group.size, length, bucket_elements)
-        # For each bucket, the parts of this rank's pieces that fill [lo, hi) of its shard, and the padding after.
-        self.local, self.padding = [], []
-        for lo, hi in self.buckets:
-            parts, offset = [], 0
-            for k, (_, start, end) in enumerate(pieces):
-                first, last = max(lo, offset), min(hi, offset + end - start)
-                if first < last:
-                    parts.append((k, first - offset, last - offset))
-                offset += end - start
-            self.local.append(tuple(parts))
-            self.padding.append(hi - lo - sum(b - a for _, a, b in parts))
-        self.local, self.padding = tuple(self.local), tuple(self.padding)
+        self.buckets, completions = gather_plan(sizes, group.size, length, bucket_elements)
+        # Segments are numbered in the order they are cut: bucket by bucket, each bucket's in parameter order.
+        cuts = [[] for _ in self.buckets]
+        numbered = {}
+        for done in completions:
+            for index, segments in done:
+                for segment in segments:
+                    cuts[segment[0]].append((index, segment))
+        for k in range(len(cuts)):
+            cuts[k].sort()
+            for index, segment in cuts[k]:
+                numbered[(index, segment)] = len(numbered)
+        self.cuts = tuple(tuple((start, end) for _, (_, start, end) in bucket) for bucket in cuts)
+        self.writes = tuple(
+            tuple((index, tuple(numbered[(index, segment)] for segment in segments)) for index, segments in done)
+            for done in completions
+        )
+        self.local = shard_fill(self.buckets, [end - start for _, start, end in pieces])
 
     def construct(self, pieces):
-        gathered = []
+        segments = []
         done = ops.zeros((), ms.float32)
         for k in range(len(self.buckets)):
-            parts = [pieces[j].reshape(-1)[a:b] for j, a, b in self.local[k]]
-            if self.padding[k]:
-                parts.append(ops.zeros((self.padding[k],), ms.float32))
+            parts = [pieces[j].reshape(-1)[a:b] if j >= 0 else ops.zeros((b - a,), ms.float32) for j, a, b in self.local[k]]
             mine = ops.cat(parts) if len(parts) > 1 else parts[0]
-            gathered.append(self.group.all_gather(ops.depend(mine, done)))
-            for i, segments in self.completions[k]:
-                values = [gathered[b][start:end] for b, start, end in segments]
+            bucket = self.group.all_gather(ops.depend(mine, done))
+            for start, end in self.cuts[k]:
+                segments.append(bucket[start:end])
+                done = ops.depend(done, segments[-1])  # the next gather waits until this bucket is cut up
+            for i, numbers in self.writes[k]:
+                values = [segments[n] for n in numbers]
                 value = ops.cat(values) if len(values) > 1 else values[0]
                 done = ops.assign(self.parameters[i], value.reshape(self.shapes[i]))
         return done
+
+
+def shard_fill(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """For each bucket [lo, hi), what fills it from this rank's pieces (of these lengths, laid end to end from the
+    shard's start): (piece, start, end) of a piece, or (-1, 0, n) for n zeros of padding after the last piece."""
+    filled = []
+    for lo, hi in buckets:
+        parts, offset = [], 0
+        for j, length in enumerate(lengths):
+            first, last = max(lo, offset), min(hi, offset + length)
+            if first < last:
+                parts.append((j, first - offset, last - offset))
+            offset += length
+        padding = hi - lo - sum(end - start for _, start, end in parts)
+        if padding:
+            parts.append((-1, 0, padding))
+        filled.append(tuple(parts))
+    return tuple(filled)
 
 
 class ShardedAdamW(nn.Cell):
