@@ -210,11 +210,12 @@ def test_the_bucketed_reduce_scatter_gives_each_rank_the_sum_of_its_pieces(shard
     for rank in range(shards):
         pieces, _ = shard_pieces(sizes, shards, rank, length)
         lengths = [p.end - p.start for p in pieces]
-        buffers, reduced = [np.zeros(n) for n in lengths], []
-        for k, (lo, hi) in enumerate(buckets):
+        buffers, reduced = [np.zeros(n) for n in lengths], [None] * len(buckets)
+        for k in reversed(range(len(buckets))):  # as `GradientShards` reduces them: the last bucket first
+            lo, hi = buckets[k]
             flat = sum(np.concatenate([np.zeros(end) if i < 0 else mine[i][start:end] for i, start, end in inputs[k]])
                        for mine in grads)
-            reduced.append(flat[rank * (hi - lo) : (rank + 1) * (hi - lo)])
+            reduced[k] = flat[rank * (hi - lo) : (rank + 1) * (hi - lo)]
             for j, segments in piece_completions(buckets, lengths)[k]:
                 buffers[j] += np.concatenate([reduced[b][start:end] for b, start, end in segments])
         held = np.concatenate(buffers)

@@ -83,8 +83,10 @@ class AccumulateGradients(nn.Cell):
     @ms.jit
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
         outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise)
-        for buffer, grad in zip(self.buffers, grads):
-            ops.assign_add(buffer, grad)
+        # Added last weight first, in the order the backward finishes the gradients: each add can then run as soon as
+        # its gradient exists, which frees it, instead of the whole fresh set waiting for the embedding's, last.
+        for i in range(len(grads) - 1, -1, -1):
+            ops.assign_add(self.buffers[i], grads[i])
         if self.routed:
             return outputs[1], outputs[2]
         return outputs[1]

@@ -74,7 +74,6 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from model_core.parallel.layout import Layout
 from model_core.parallel.placement import placement_table
 from params.schema import ModelParams, PipelineParams
@@ -447,8 +446,9 @@ def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind:
     recompute_graph = kind.recompute_bytes_per_layer * layers if candidate.recompute == "all" else 0
     if candidate.pp > 1:  # a stage compiles a forward-only graph too (its backward recomputes the forward)
         recompute_graph += kind.recompute_bytes_per_layer * layers
+    accumulated = 4 * (shard if zero >= 2 else held)  # the fp32 buffers the micro-batches add into
+    fresh = 4 * (shard if zero == 3 else held)  # the backward's gradients before they are added (ZeRO-2: reduced)
     state = {
-        "gradients": 2 * 4 * (shard if zero >= 2 else held),
         # AdamW's two moments of what this rank updates; ZeRO-1/2 also keep an fp32 copy of their shard to update
         # (the weights stay whole), while under ZeRO-3 the shard is the weight itself.
         "optimizer": OFFLOAD_STAGING_BYTES if candidate.offload
@@ -457,14 +457,37 @@ def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind:
     }
     backward = Memory(
         parameters=masters + compute_copies,
+        gradients=accumulated + fresh,
         activations=activation_bytes(params, candidate, stage, kind),
         communication=backward_communication_bytes(params, candidate, held),
         phase="backward",
         **state,
     )
-    gathered = 4 * held + 4 * shard if dp > 1 and zero in (1, 2) else 0
-    update = Memory(parameters=masters, activations=0, communication=gathered, phase="update", **state)
+    # The update scales each gradient in place as AdamW takes it; ZeRO-1/2 then gather the updated shards in buckets.
+    gathered = 0
+    if dp > 1 and zero in (1, 2):
+        sizes = [math.prod(row.block_shape(candidate.tp, candidate.ep)) for row in
+                 placement_table(params.model, Layout(dp=candidate.ep, tp=candidate.tp, pp=candidate.pp, ep=candidate.ep)).on_stage(stage)]
+        gathered = shard_gather_bytes(sizes, dp, bucket_bytes(params))
+    update = Memory(parameters=masters, gradients=accumulated, activations=0, communication=gathered, phase="update",
+                    **state)
     return max(backward, update, key=lambda memory: memory.total)
+
+
+def bucket_bytes(params: PipelineParams) -> int:
+    return int(params.parallel.gradient_bucket_mb * 2**20)
+
+
+def shard_gather_bytes(sizes: list[int], dp: int, bucket: int) -> int:
+    """What `zero.ShardGather` holds while it writes the updated shards back: one gathered bucket, and the segments
+    gathered so far of the parameters still incomplete, at most the largest parameter that meets each shard."""
+    length = math.ceil(sum(sizes) / dp)
+    largest, offset = [0] * dp, 0
+    for size in sizes:
+        for shard in range(offset // length, min(dp, (offset + size - 1) // length + 1)):
+            largest[shard] = max(largest[shard], size)
+        offset += size
+    return min(bucket, 4 * length * dp) + 4 * sum(largest)
 
 
 def backward_communication_bytes(params: PipelineParams, candidate: Candidate, parameters: int) -> int:
@@ -472,7 +495,7 @@ def backward_communication_bytes(params: PipelineParams, candidate: Candidate, p
     model, c = params.model, _DTYPE_BYTES[params.precision.compute_dtype]
     total = 0
     if candidate.dp > 1:
-        total += 2 * min(DEFAULT_BUCKET_BYTES, 4 * parameters)
+        total += 2 * min(bucket_bytes(params), 4 * parameters)
         if candidate.zero_stage == 3:
             total += 2 * 4 * parameters // (model.num_layers // candidate.pp)
     tokens = params.train.micro_batch_size * model.seq_len

@@ -264,9 +264,11 @@ class GradientShards(nn.Cell):
         self.completions = piece_completions(buckets, self.piece_lengths)
 
     def construct(self, grads):
-        reduced = []
+        reduced = [None] * len(self.buckets)
         done = ops.zeros((), ms.float32)
-        for k in range(len(self.buckets)):
+        # The last bucket first: the backward finishes the last weights' gradients first, so each bucket can be
+        # reduced, and its gradients freed, while the earlier layers' backward still runs.
+        for k in range(len(self.buckets) - 1, -1, -1):
             parts = []
             for i, start, end in self.inputs[k]:
                 if i < 0:
@@ -275,7 +277,7 @@ class GradientShards(nn.Cell):
                     parts.append(grads[i].reshape(-1)[start:end].astype(ms.float32))
             flat = ops.cat(parts) if len(parts) > 1 else parts[0]
             done = self.group.reduce_scatter(ops.depend(flat, done))  # this rank's [lo, hi), summed over the group
-            reduced.append(done)
+            reduced[k] = done
             for j, segments in self.completions[k]:
                 values = [reduced[b][start:end] for b, start, end in segments]
                 ops.assign_add(self.buffers[j], ops.cat(values) if len(values) > 1 else values[0])
@@ -309,7 +311,8 @@ def bucket_inputs(buckets, completions, shards: int) -> tuple[tuple[tuple[int, i
 
 def piece_completions(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...], ...]:
     """For each bucket, the pieces of this rank's shard (of these lengths, laid end to end from its start) that
-    the bucket completes: (piece, its segments as (bucket, start, end) of the buckets' reduced blocks)."""
+    the bucket completes when the buckets are reduced last first: (piece, its segments as (bucket, start, end) of
+    the buckets' reduced blocks)."""
     completions: list[list] = [[] for _ in buckets]
     offset = 0
     for j, length in enumerate(lengths):
@@ -318,7 +321,7 @@ def piece_completions(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int,
             first, last = max(lo, offset), min(hi, offset + length)
             if first < last:
                 segments.append((k, first - lo, last - lo))
-        completions[max(k for k, _, _ in segments)].append((j, tuple(segments)))
+        completions[min(k for k, _, _ in segments)].append((j, tuple(segments)))
         offset += length
     return tuple(tuple(done) for done in completions)
 
