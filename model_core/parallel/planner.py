@@ -433,8 +433,15 @@ def activation_bytes(params: PipelineParams, candidate: Candidate, stage: int, k
 
 
 def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind: DeviceKind, runtime: int) -> Memory:
-    """Bytes of one rank of `stage` under `candidate` at the larger of its two peaks: the backward (activations,
-    fresh gradients, gradient buckets) and the update (ZeRO-1/2's all-gathered parameters)."""
+    """Bytes of one rank of `stage` under `candidate` at the larger of its two peaks (`stage_phases`)."""
+    return max(stage_phases(params, candidate, stage, kind, runtime), key=lambda memory: memory.total)
+
+
+def stage_phases(
+    params: PipelineParams, candidate: Candidate, stage: int, kind: DeviceKind, runtime: int
+) -> tuple[Memory, Memory]:
+    """Bytes of one rank of `stage` under `candidate` at its two peaks: the backward (activations, fresh gradients,
+    gradient buckets) and the update (ZeRO-1/2's bucketed gather of the updated shards)."""
     c = _DTYPE_BYTES[params.precision.compute_dtype]
     dp, zero = candidate.dp, candidate.zero_stage
     dense, experts = stage_parameter_split(params.model, candidate.tp, candidate.pp, stage, candidate.ep)
@@ -446,8 +453,12 @@ def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind:
     recompute_graph = kind.recompute_bytes_per_layer * layers if candidate.recompute == "all" else 0
     if candidate.pp > 1:  # a stage compiles a forward-only graph too (its backward recomputes the forward)
         recompute_graph += kind.recompute_bytes_per_layer * layers
+    sizes = [math.prod(row.block_shape(candidate.tp, candidate.ep)) for row in
+             placement_table(params.model, Layout(dp=candidate.ep, tp=candidate.tp, pp=candidate.pp, ep=candidate.ep)).on_stage(stage)]
     accumulated = 4 * (shard if zero >= 2 else held)  # the fp32 buffers the micro-batches add into
-    fresh = 4 * (shard if zero == 3 else held)  # the backward's gradients before they are added (ZeRO-2: reduced)
+    # The backward's gradients are added (ZeRO-2: reduced) last weight first, as they are made, so about one fresh
+    # gradient is alive at a time, the largest; under ZeRO-3 each is cut to its shard as it is made.
+    fresh = 4 * (shard if zero == 3 else max(sizes) + (bucket_bytes(params) // 4 if zero == 2 else 0))
     state = {
         # AdamW's two moments of what this rank updates; ZeRO-1/2 also keep an fp32 copy of their shard to update
         # (the weights stay whole), while under ZeRO-3 the shard is the weight itself.
@@ -466,12 +477,10 @@ def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind:
     # The update scales each gradient in place as AdamW takes it; ZeRO-1/2 then gather the updated shards in buckets.
     gathered = 0
     if dp > 1 and zero in (1, 2):
-        sizes = [math.prod(row.block_shape(candidate.tp, candidate.ep)) for row in
-                 placement_table(params.model, Layout(dp=candidate.ep, tp=candidate.tp, pp=candidate.pp, ep=candidate.ep)).on_stage(stage)]
         gathered = shard_gather_bytes(sizes, dp, bucket_bytes(params))
     update = Memory(parameters=masters, gradients=accumulated, activations=0, communication=gathered, phase="update",
                     **state)
-    return max(backward, update, key=lambda memory: memory.total)
+    return backward, update
 
 
 def bucket_bytes(params: PipelineParams) -> int:
