@@ -3,8 +3,8 @@
 For a model (params.model), a micro-batch (params.train.micro_batch_size sequences of model.seq_len tokens
 per data-parallel rank) and `devices` of `device_memory_bytes` each, `plan` lists every layout (dp, tp, pp,
 ZeRO stage, recompute none/all) with dp * tp * pp == devices that the model allows, estimates the bytes of
-its busiest rank, and recommends one. Pure Python: nothing here imports MindSpore, so it plans for machines
-this process does not run on. docs/planner.md has a worked example and the CPU measurements.
+its busiest rank, and recommends one. It counts from the params alone and runs nothing on a device, so it plans
+for machines this process does not run on. docs/planner.md has a worked example and the CPU measurements.
 
 The counts follow how llmflow's trainer holds memory. P is the parameters one rank of a pipeline stage holds
 (attention and MLP matrices and the vocabulary split 1/tp, norm weights replicated; the embedding on the
@@ -13,8 +13,10 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
 
     parameters     4P fp32 masters, + cP compute-dtype copies the matmuls keep for the backward when c != 4;
                    ZeRO-3: 4P/dp
-    gradients      4P accumulation buffer + 4P the backward's fresh gradients (or the update's scaled copies);
-                   ZeRO-2 and 3: both /dp
+    gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward its fresh gradients, which are
+                   added (ZeRO-2: reduce-scattered, one bucket at a time) last weight first as the backward makes
+                   them, so about one is alive at a time: 4 bytes an element of the largest weight (ZeRO-2: + one
+                   bucket; ZeRO-3: 4P/dp). The update scales each gradient in place as AdamW takes it.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and ShardedAdamW's fp32
                    copy of its shard)
     activations    per layer and micro-batch, what the hand-written backwards of model_core.model.fused keep:
@@ -28,9 +30,25 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
     communication  dp > 1: two gradient buckets (the flat input and the summed output); ZeRO-3: two layers'
                    gathered parameters; tp > 1: two BTH c activations (sent and received); pp > 1: a tick's
                    exchange, two fp32 BTH messages three times over (host buffer, its tensor, the sum);
-                   ZeRO-1/2 in the update: the all-gathered 4P and the padded shard 4P/dp
+                   ZeRO-1/2 in the update: one all-gathered bucket (parallel.gradient_bucket_mb) and the segments
+                   gathered so far of the weights still incomplete, at most the largest weight meeting each shard
     runtime        the device kind's process baseline and its compiled graph's cost per layer (and per
                    recomputed layer; a pipeline stage's forward-only graph is charged like one)
+
+Model states per parameter of a rank at its peak (the backward) against the ZeRO paper's (Rajbhandari et al.
+2020, Fig. 1: mixed precision with Adam; fp32 training keeps no separate master), w standing for the largest
+weight's fraction of P (0.02 for Llama-2 7B) and b for one bucket:
+
+    stage   fp32, llmflow       fp32, paper    mixed (c = 2), llmflow   mixed, paper
+    0       16 + 4w             16             18 + 4w                  16
+    1       8 + 12/dp + 4w      8 + 8/dp       10 + 12/dp + 4w          4 + 12/dp
+    2       4 + 16/dp + 4w + b  4 + 12/dp      6 + 16/dp + 4w + b       2 + 14/dp
+    3       20/dp               16/dp          20/dp                    16/dp
+
+What is left over the paper: the fp32 weights stay whole in the model with the compute-dtype copies beside them
+(mixed: 4 + 2 bytes where the paper keeps 2 and an fp32 master only in the shard), the fp32 gradient buffer
+(4 bytes where the paper's are 2), ZeRO-1/2's fp32 copy of the shard for AdamW (4/dp) and ZeRO-3's fresh
+gradient shards (4/dp).
 
 Optimizer offload (`parallel.optimizer_offload`, `model_core/optim/offload.py`) is one more candidate for
 layouts with ZeRO-2 or 3: the moments leave the device for host memory (on the CPU backend a memory-mapped
