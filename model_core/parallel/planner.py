@@ -13,10 +13,11 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
 
     parameters     4P fp32 masters, + cP compute-dtype copies the matmuls keep for the backward when c != 4;
                    ZeRO-3: 4P/dp
-    gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward its fresh gradients, which are
-                   added (ZeRO-2: reduce-scattered, one bucket at a time) last weight first as the backward makes
-                   them, so about one is alive at a time: 4 bytes an element of the largest weight (ZeRO-2: + one
-                   bucket; ZeRO-3: 4P/dp). The update scales each gradient in place as AdamW takes it.
+    gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward 4P fresh gradients, which the
+                   compiled backward holds although they are added (ZeRO-2: reduce-scattered, a bucket at a time)
+                   last weight first, as they are made; ZeRO-2's backward also holds every bucket's flat input, 4P
+                   more; ZeRO-3: 4P/dp. The update scales each gradient in place as AdamW takes it; ZeRO-1 cuts each
+                   piece of its shard out of the buffer and scales it, both held by its compiled update: 8P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and ShardedAdamW's fp32
                    copy of its shard)
     activations    per layer and micro-batch, what the hand-written backwards of model_core.model.fused keep:
@@ -36,19 +37,18 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    recomputed layer; a pipeline stage's forward-only graph is charged like one)
 
 Model states per parameter of a rank at its peak (the backward) against the ZeRO paper's (Rajbhandari et al.
-2020, Fig. 1: mixed precision with Adam; fp32 training keeps no separate master), w standing for the largest
-weight's fraction of P (0.02 for Llama-2 7B) and b for one bucket:
+2020, Fig. 1: mixed precision with Adam; fp32 training keeps no separate master):
 
-    stage   fp32, llmflow       fp32, paper    mixed (c = 2), llmflow   mixed, paper
-    0       16 + 4w             16             18 + 4w                  16
-    1       8 + 12/dp + 4w      8 + 8/dp       10 + 12/dp + 4w          4 + 12/dp
-    2       4 + 16/dp + 4w + b  4 + 12/dp      6 + 16/dp + 4w + b       2 + 14/dp
-    3       20/dp               16/dp          20/dp                    16/dp
+    stage   fp32, llmflow   fp32, paper    mixed (c = 2), llmflow   mixed, paper
+    0       20              16             22                       16
+    1       12 + 12/dp      8 + 8/dp       14 + 12/dp               4 + 12/dp
+    2       12 + 16/dp      4 + 12/dp      14 + 16/dp               2 + 14/dp
+    3       20/dp           16/dp          20/dp                    16/dp
 
-What is left over the paper: the fp32 weights stay whole in the model with the compute-dtype copies beside them
-(mixed: 4 + 2 bytes where the paper keeps 2 and an fp32 master only in the shard), the fp32 gradient buffer
-(4 bytes where the paper's are 2), ZeRO-1/2's fp32 copy of the shard for AdamW (4/dp) and ZeRO-3's fresh
-gradient shards (4/dp).
+What is left over the paper: the fresh gradients the compiled backward holds beside the fp32 accumulation buffer
+(and ZeRO-2's bucket inputs), fp32 weights kept whole next to the compute-dtype copies (mixed: 4 + 2 bytes where
+the paper keeps 2 and an fp32 master only in the shard), ZeRO-1/2's fp32 copy of the shard for AdamW and ZeRO-3's
+fresh gradient shards (4/dp each). benchmarks/README.md ("Model states against the ZeRO paper") measures them.
 
 Optimizer offload (`parallel.optimizer_offload`, `model_core/optim/offload.py`) is one more candidate for
 layouts with ZeRO-2 or 3: the moments leave the device for host memory (on the CPU backend a memory-mapped
@@ -471,12 +471,11 @@ def stage_phases(
     recompute_graph = kind.recompute_bytes_per_layer * layers if candidate.recompute == "all" else 0
     if candidate.pp > 1:  # a stage compiles a forward-only graph too (its backward recomputes the forward)
         recompute_graph += kind.recompute_bytes_per_layer * layers
-    sizes = [math.prod(row.block_shape(candidate.tp, candidate.ep)) for row in
-             placement_table(params.model, Layout(dp=candidate.ep, tp=candidate.tp, pp=candidate.pp, ep=candidate.ep)).on_stage(stage)]
     accumulated = 4 * (shard if zero >= 2 else held)  # the fp32 buffers the micro-batches add into
-    # The backward's gradients are added (ZeRO-2: reduced) last weight first, as they are made, so about one fresh
-    # gradient is alive at a time, the largest; under ZeRO-3 each is cut to its shard as it is made.
-    fresh = 4 * (shard if zero == 3 else max(sizes) + (bucket_bytes(params) // 4 if zero == 2 else 0))
+    # The backward's fresh gradients: the compiled backward's memory holds a whole set of them (benchmarks/README.md,
+    # "Model states against the ZeRO paper"); ZeRO-2's also holds every bucket's flat input to the reduce-scatter;
+    # under ZeRO-3 each is cut to its shard.
+    fresh = 4 * (shard if zero == 3 else 2 * held if zero == 2 else held)
     state = {
         # AdamW's two moments of what this rank updates; ZeRO-1/2 also keep an fp32 copy of their shard to update
         # (the weights stay whole), while under ZeRO-3 the shard is the weight itself.
@@ -495,9 +494,14 @@ def stage_phases(
     # The update scales each gradient in place as AdamW takes it; ZeRO-1/2 then gather the updated shards in buckets.
     gathered = 0
     if dp > 1 and zero in (1, 2):
+        layout = Layout(dp=candidate.ep, tp=candidate.tp, pp=candidate.pp, ep=candidate.ep)
+        sizes = [math.prod(row.block_shape(candidate.tp, candidate.ep)) for row in
+                 placement_table(params.model, layout).on_stage(stage)]
         gathered = shard_gather_bytes(sizes, dp, bucket_bytes(params))
-    update = Memory(parameters=masters, gradients=accumulated, activations=0, communication=gathered, phase="update",
-                    **state)
+    # ZeRO-1 cuts each piece's gradient out of the full buffer and scales it: the compiled update holds both, 8P/dp.
+    pieces = 8 * shard if dp > 1 and zero == 1 and not candidate.offload else 0
+    update = Memory(parameters=masters, gradients=accumulated + pieces, activations=0, communication=gathered,
+                    phase="update", **state)
     return backward, update
 
 
