@@ -113,9 +113,9 @@ class ExpertParallelOptimizer(nn.Cell):
         self.expert_moments = moment_names(expert_names)
         self.ep_group = ep_group
 
-    def construct(self, grads, lr, step, grad_scale=None):
-        self.dense(tuple(grads[i] for i in self.dense_positions), lr, step, grad_scale)
-        self.experts(tuple(grads[i] for i in self.expert_positions), lr, step, grad_scale)
+    def construct(self, grads, lr, step):
+        self.dense(tuple(grads[i] for i in self.dense_positions), lr, step)
+        self.experts(tuple(grads[i] for i in self.expert_positions), lr, step)
 
     def moment_bytes(self) -> int:
         return sum(o.moment_bytes() if hasattr(o, "moment_bytes") else moment_bytes(o) for o in (self.dense, self.experts))

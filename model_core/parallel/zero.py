@@ -13,8 +13,7 @@ ZeRO-2 keeps no full gradient buffer: each micro-batch's gradients, flattened th
 reduce-scattered over the group bucket by bucket and only this rank's shard is added into shard-sized buffers,
 one per piece (`GradientShards`, which pipeline stages use too); the gradient norm sums the shards' squares over
 the group. Both stages write the updated shards back into the weights with a bucketed all-gather (`ShardGather`),
-and AdamW applies the loss scale and the clip factor to each gradient piece as it uses it: no buffer the size of
-the whole model is made at the update.
+so the update makes no all-gathered buffer the size of the whole model.
 """
 
 from __future__ import annotations
@@ -189,16 +188,14 @@ class ShardedAdamW(nn.Cell):
         self.inner = AdamW.from_params(copies, optimizer, [f"{names[i]}[{start}:{end}]" for i, start, end in self.pieces])
         # The pieces are flat; decay follows the parameter they come from (matrices yes, norms no).
         self.inner.decays = tuple(applies_weight_decay(parameters[i]) for i, _, _ in self.pieces)
-        if not sharded_gradients:  # ZeRO-1: each piece's gradient is cut from the full buffer as it is used
-            self.inner.grad_slices = tuple((start, end) for _, start, end in self.pieces)
         self.gather = ShardGather(parameters, self.pieces, self.shard_length, group, bucket_bytes)
 
-    def construct(self, grads, lr, step, grad_scale=None):
+    def construct(self, grads, lr, step):
         for k, (i, start, end) in enumerate(self.pieces):
             ops.assign(self.inner.params[k], self.params[i].reshape(-1)[start:end])
         if not self.sharded_gradients:
-            grads = tuple(grads[i] for i, _, _ in self.pieces)
-        self.inner(grads, lr, step, grad_scale)
+            grads = tuple(grads[i].reshape(-1)[start:end] for i, start, end in self.pieces)
+        self.inner(grads, lr, step)
         self.gather(self.inner.params)
 
     def _padded(self, parts):
