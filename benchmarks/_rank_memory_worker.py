@@ -155,7 +155,7 @@ def main() -> None:
     # Neither a final checkpoint nor a validation pass is part of what a rank holds to train.
     trainer.save = lambda: None
     trainer.evaluate = lambda: float("nan")
-    trainer.run()
+    result = trainer.run()
     param_bytes, optimizer_bytes = held_bytes(trainer.model, trainer.optimizer)
     largest, unmatched = largest_full_tensor_bytes(trainer.model, args.weights)
     report = {
@@ -170,6 +170,7 @@ def main() -> None:
         "largest_full_tensor_bytes": largest,
         "parameters_not_in_checkpoint": unmatched,
         "peak_rss_bytes": _maxrss_bytes(),
+        "skipped_steps": result.skipped_steps,
     }
     (args.out / f"rank{rank}.json").write_text(json.dumps(report))
 

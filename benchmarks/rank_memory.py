@@ -23,6 +23,20 @@ and reports:
 The last line printed is one JSON object: `max_build_over_share` (over ranks and layouts), `planner_error` (the
 largest relative error of the planner's parameters + optimizer bytes against the measured ones),
 `planner_peak_rss_error`, and the per-rank figures keyed by layout.
+
+`--states` measures model states against the ZeRO paper instead (Rajbhandari et al. 2020, Fig. 1): a model whose
+states dominate a rank (hidden 1536, FFN 4096, 2 layers, vocab 8000, tied: 69.0M parameters, 276 MB in fp32;
+sequences of 32 tokens, micro-batch 1), trained 3 steps at dp2 under each ZeRO stage, in fp32 and in the mixed
+precision the CPU runs (float16 compute, fp32 weights, dynamic loss scaling), every layout from the same
+converted checkpoint. A rank's measured model-state bytes are its peak RSS minus its RSS just before it built its
+model (the runtime, the joined job and the imports are the baseline; what the step's graph and its small
+activations add counts against us). Printed per rank with the planner's CPU estimate of its peak and the paper's
+bytes for the stage, a P + b P / dp: fp32 16, 8 + 8/dp, 4 + 12/dp, 16/dp; mixed precision 16, 4 + 12/dp,
+2 + 14/dp, 16/dp. The last line: `fp32_states_over_paper` and `mixed_states_over_paper` (the worst stage's
+measured over paper bytes; issue 32's targets 1.15 and 1.25) and `planner_error` (the largest relative error of
+the planner's peak against the measured peak RSS; target 0.10).
+
+    flock /tmp/cpu.lock python benchmarks/rank_memory.py --states [--layouts fp32-zero1,mixed-zero2,...]
 """
 
 from __future__ import annotations
@@ -53,6 +67,26 @@ LAYOUTS = {
     "tp2xpp2": (4, 1, ["parallel.tensor_parallel=2", *PIPELINE]),
     "dp2-zero3": (2, 1, ["parallel.data_parallel=2", "parallel.zero_stage=3"]),
 }
+STATES_MODEL = [
+    "model.vocab_size=8000", "model.hidden_size=1536", "model.num_layers=2", "model.num_heads=12",
+    "model.num_kv_heads=12", "model.ffn_hidden_size=4096", "model.seq_len=32", "model.tie_embeddings=true",
+]
+STATES_BATCH = ["train.micro_batch_size=1", "parallel.data_parallel=2"]
+PRECISIONS = {
+    "fp32": ["precision.compute_dtype=float32"],
+    # A first scale that does not overflow float16 here, so every step updates (and AdamW makes its moments).
+    "mixed": ["precision.compute_dtype=float16", "precision.initial_loss_scale=1024"],
+}
+# The ZeRO paper's model-state bytes per parameter, (a, b) for a P + b P / dp, by precision and stage.
+PAPER_BYTES = {
+    "fp32": {0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)},
+    "mixed": {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)},
+}
+STATES = {
+    f"{precision}-zero{stage}": (2, 1, [*STATES_BATCH, *overrides, f"parallel.zero_stage={stage}"])
+    for precision, overrides in PRECISIONS.items()
+    for stage in range(4)
+}
 WORKER = Path(__file__).with_name("_rank_memory_worker.py")
 MB = 1e6
 
@@ -60,23 +94,37 @@ MB = 1e6
 def layout_params(name: str, extra: list[str] = ()):
     from params import load_params
 
+    if name in STATES:
+        return load_params("tiny", [*STATES_MODEL, *STATES[name][2], *extra])
     return load_params("tiny", [*MODEL, *BATCH, *LAYOUTS[name][2], *extra])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ", ".join(LAYOUTS))
-    parser.add_argument("--steps", type=int, default=2, help="optimizer steps each layout runs after building")
+    parser.add_argument("--states", action="store_true", help="model states per ZeRO stage against the ZeRO paper")
+    parser.add_argument("--layouts", help="comma-separated subset of " + ", ".join(LAYOUTS) + " (with --states: of "
+                        + ", ".join(STATES) + ")")
+    parser.add_argument("--steps", type=int, help="optimizer steps each layout runs after building (2; --states: 3)")
     args = parser.parse_args()
-    names = args.layouts.split(",")
-    unknown = sorted(set(names) - set(LAYOUTS))
+    runs = STATES if args.states else LAYOUTS
+    names = args.layouts.split(",") if args.layouts else list(runs)
+    steps = args.steps or (3 if args.states else 2)
+    unknown = sorted(set(names) - set(runs))
     if unknown:
-        parser.error(f"unknown layout(s) {', '.join(unknown)}; choose from {', '.join(LAYOUTS)}")
+        parser.error(f"unknown layout(s) {', '.join(unknown)}; choose from {', '.join(runs)}")
     with tempfile.TemporaryDirectory(prefix="rank-memory-") as workdir:
         workdir = Path(workdir)
-        dataset = prepare_data(workdir / "data")
-        weights = write_converted_checkpoint(workdir)
-        ranks = {name: run_layout(name, dataset, weights, workdir / name, args.steps) for name in names}
+        first = names[0]
+        dataset = prepare_data(workdir / "data", first)
+        weights = write_converted_checkpoint(workdir, first)
+        ranks = {name: run_layout(name, dataset, weights, workdir / name, steps) for name in names}
+    if args.states:
+        for name, reports in ranks.items():
+            for report in reports:
+                add_state_figures(name, report)
+        print_states_table(ranks)
+        print(json.dumps(states_summary(ranks)))
+        return
     for name, reports in ranks.items():
         for report in reports:
             add_planner_figures(name, report)
@@ -84,16 +132,16 @@ def main() -> None:
     print(json.dumps(summary(ranks)))
 
 
-def prepare_data(out: Path) -> Path:
-    """The tiny preset's corpus (the standard library's docstrings) tokenised for the reference model."""
+def prepare_data(out: Path, name: str) -> Path:
+    """The tiny preset's corpus (the standard library's docstrings) tokenised for the model of layout `name`."""
     from model_core.data import prepare_dataset
 
-    params = layout_params("dp1", [f"data.output_dir={out}"])
+    params = layout_params(name, [f"data.output_dir={out}"])
     return prepare_dataset(params.data, params.tokenizer, params.model).output_dir
 
 
-def write_converted_checkpoint(workdir: Path) -> Path:
-    """A randomly initialised Hugging Face Llama of the reference shape, converted as `llmflow convert hf-to-ms`
+def write_converted_checkpoint(workdir: Path, name: str) -> Path:
+    """A randomly initialised Hugging Face Llama of layout `name`'s shape, converted as `llmflow convert hf-to-ms`
     converts one: the directory every layout's `initial_weights` reads."""
     import numpy as np
     from safetensors.numpy import save_file
@@ -101,7 +149,7 @@ def write_converted_checkpoint(workdir: Path) -> Path:
     from model_core.convert import hf_to_ms
     from model_core.convert.llama import hf_config, tensor_names
 
-    model = layout_params("dp1").model
+    model = layout_params(name).model
     generator = np.random.default_rng(0)
     state = {}
     for theirs, shape in tensor_names(model).values():
@@ -117,10 +165,11 @@ def write_converted_checkpoint(workdir: Path) -> Path:
 
 def run_layout(name: str, dataset: Path, weights: Path, out: Path, steps: int) -> list[dict]:
     """Every rank's report of one layout, in rank order."""
-    workers, threads, overrides = LAYOUTS[name]
+    workers, threads, overrides = STATES[name] if name in STATES else LAYOUTS[name]
+    model = [*STATES_MODEL] if name in STATES else [*MODEL, *BATCH]
     out.mkdir(parents=True)
     command = [str(WORKER), "--threads", str(threads), "--steps", str(steps), str(dataset), str(weights), str(out)]
-    command += [item for override in [*MODEL, *BATCH, *overrides] for item in ("--set", override)]
+    command += [item for override in [*model, *overrides] for item in ("--set", override)]
     if workers == 1:
         subprocess.run([sys.executable, *command], check=True, cwd=REPO)
     else:
@@ -148,6 +197,53 @@ def add_planner_figures(name: str, report: dict) -> None:
     # runtime are not Parameters of either and are left out of this comparison.
     report["planned_param_optimizer_bytes"] = on_cpu.parameters + on_cpu.optimizer
     report["planned_peak_rss_bytes"] = on_cpu.total
+
+
+def add_state_figures(name: str, report: dict) -> None:
+    """The paper's model-state bytes for this run's stage and precision, and the planner's CPU estimate of the peak."""
+    from model_core.parallel.planner import CPU, Candidate, stage_memory, stage_parameters
+
+    params = layout_params(name)
+    parallel = params.parallel
+    precision, stage = name.split("-zero")
+    a, b = PAPER_BYTES[precision][int(stage)]
+    parameters = stage_parameters(params.model, 1, 1, 0)
+    report["parameters"] = parameters
+    report["paper_state_bytes"] = a * parameters + b * parameters / parallel.data_parallel
+    report["state_bytes"] = report["peak_rss_bytes"] - report["rss_before_bytes"]
+    candidate = Candidate(parallel.data_parallel, 1, 1, parallel.zero_stage, "none")
+    report["planned_peak_rss_bytes"] = stage_memory(params, candidate, 0, CPU, CPU.runtime_bytes).total
+
+
+def print_states_table(ranks: dict[str, list[dict]]) -> None:
+    header = ["run", "rank", "skipped", "before", "peak", "plan peak", "error", "states", "paper", "states/paper",
+              "bytes/P"]
+    print("MB (10^6 bytes) per rank; states = peak RSS - RSS before the model was built")
+    print("".join(f"{cell:>13}" for cell in header))
+    for name, reports in ranks.items():
+        for r in reports:
+            cells = [
+                name, r["rank"], r["skipped_steps"], f"{r['rss_before_bytes'] / MB:.0f}", f"{r['peak_rss_bytes'] / MB:.0f}",
+                f"{r['planned_peak_rss_bytes'] / MB:.0f}", f"{relative_error(r['planned_peak_rss_bytes'], r['peak_rss_bytes']):.3f}",
+                f"{r['state_bytes'] / MB:.0f}", f"{r['paper_state_bytes'] / MB:.0f}",
+                f"{r['state_bytes'] / r['paper_state_bytes']:.2f}", f"{r['state_bytes'] / r['parameters']:.1f}",
+            ]
+            print("".join(f"{cell:>13}" for cell in cells))
+
+
+def states_summary(ranks: dict[str, list[dict]]) -> dict:
+    def worst(precision: str) -> float | None:
+        ratios = [r["state_bytes"] / r["paper_state_bytes"] for name, reports in ranks.items()
+                  if name.startswith(precision) for r in reports]
+        return round(max(ratios), 3) if ratios else None
+
+    every = [report for reports in ranks.values() for report in reports]
+    return {
+        "fp32_states_over_paper": worst("fp32"),
+        "mixed_states_over_paper": worst("mixed"),
+        "planner_error": round(max(relative_error(r["planned_peak_rss_bytes"], r["peak_rss_bytes"]) for r in every), 3),
+        "runs": ranks,
+    }
 
 
 def relative_error(estimate: float, measured: float) -> float:

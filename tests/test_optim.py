@@ -8,9 +8,12 @@ import mindspore as ms
 import numpy as np
 import pytest
 import torch
-from mindspore import Parameter, Tensor, nn
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from model_core.optim.adamw import AdamW, clip_by_global_norm
+from model_core.optim.step import ApplyGradients
+from model_core.parallel import comm
+from model_core.parallel.zero import ShardedAdamW
 from model_core.train.schedule import learning_rate
 from params.schema import OptimizerParams
 
@@ -101,6 +104,36 @@ def test_twenty_steps_match_torch_adamw(mode, request):
         got = parameter.asnumpy()
         assert np.abs(got - start).max() > 1e-3, f"{parameter.name} did not change in {mode} mode"
         assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), parameter.name
+
+
+def apply_three_steps(make, values, grads, grad_scale: float) -> list[np.ndarray]:
+    """Three `ApplyGradients` updates (lr 1e-2) of `make(parameters)`'s optimizer from buffers holding `grads`;
+    the parameters after them."""
+    parameters = [Parameter(Tensor(value), name=name) for name, value in values.items()]
+    buffers = ParameterTuple(
+        Parameter(Tensor(np.zeros(shape, np.float32)), name=f"grad.{name}", requires_grad=False)
+        for name, shape in SHAPES.items()
+    )
+    apply = ApplyGradients(buffers, make(parameters))
+    for step, step_grads in enumerate(grads, start=1):
+        for buffer, grad in zip(buffers, step_grads):
+            ops.assign(buffer, Tensor(grad))
+        apply(Tensor(1e-2, ms.float32), Tensor(step, ms.int32), Tensor(grad_scale, ms.float32))
+        assert all(not buffer.asnumpy().any() for buffer in buffers), "the buffers are zeroed after the update"
+    return [parameter.asnumpy() for parameter in parameters]
+
+
+def test_zero1_over_a_group_of_one_with_small_gather_buckets_equals_adamw():
+    values, grads = initial_values(), gradient_steps(3)
+    settings = OptimizerParams(beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
+    names = list(SHAPES)
+    expected = apply_three_steps(lambda p: AdamW(p, BETAS, EPS, WEIGHT_DECAY), values, grads, 0.25)
+    # Its updated shard is gathered back in buckets of 64 bytes: every weight but the smallest from several.
+    sharded = apply_three_steps(
+        lambda p: ShardedAdamW(p, settings, names, comm.Group((0,), 0), bucket_bytes=64), values, grads, 0.25
+    )
+    for name, want, got in zip(names, expected, sharded):
+        np.testing.assert_array_equal(got, want, err_msg=name)
 
 
 def test_weight_decay_skips_norms_and_biases():

@@ -10,6 +10,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 from conftest import SMALL_MODEL
+from mindspore import Parameter, Tensor
 
 from model_core.data import PackedRows
 from model_core.model import Llama
@@ -21,7 +22,7 @@ from model_core.parallel import launch as launcher
 from model_core.parallel.data_parallel import bucket_indices
 from model_core.parallel.launch import launch, launch_training, log_tail
 from model_core.parallel.layout import Layout, ParallelConfigError
-from model_core.parallel.zero import shard_pieces
+from model_core.parallel.zero import GradientShards, bucket_inputs, gather_plan, piece_completions, shard_pieces
 from model_core.parallel.zero3 import Zero3AdamW, join_shards, shard_parameters, take_shard
 from model_core.train.loader import ShuffledBatches
 from params import ParamsError, load_params
@@ -177,6 +178,69 @@ def test_zero_shards_cover_every_element_exactly_once():
             covered += [offsets[p.index] + e for p in pieces for e in range(p.start, p.end)]
             assert sum(p.end - p.start for p in pieces) <= length
         assert covered == list(range(sum(sizes))) and lengths == {-(-sum(sizes) // shards)}
+
+
+@pytest.mark.parametrize(("shards", "length", "bucket"), [(1, 23, 4), (2, 12, 5), (3, 8, 3), (2, 15, 100)])
+def test_the_bucketed_gather_of_updated_shards_rebuilds_every_weight_once_its_last_bucket_is_in(shards, length, bucket):
+    sizes = [7, 3, 12, 1]  # 23 elements; length may exceed the even split (ZeRO-2 under pp), the rest is padding
+    flat = np.arange(shards * length, dtype=np.float32)
+    buckets, completions = gather_plan(sizes, shards, length, bucket)
+    assert all(hi - lo <= bucket for lo, hi in buckets) and buckets[-1][1] == length
+    gathered = [np.concatenate([flat[r * length + lo : r * length + hi] for r in range(shards)]) for lo, hi in buckets]
+    offsets = np.cumsum([0, *sizes])
+    written = []
+    for k, done in enumerate(completions):
+        for index, segments in done:
+            assert max(b for b, _, _ in segments) == k  # written as soon as its last bucket arrives
+            value = np.concatenate([gathered[b][start:end] for b, start, end in segments])
+            np.testing.assert_array_equal(value, flat[offsets[index] : offsets[index + 1]])
+            written.append(index)
+    assert sorted(written) == list(range(len(sizes)))
+
+
+@pytest.mark.parametrize(("shards", "length", "bucket"), [(1, 23, 4), (2, 12, 5), (3, 8, 3), (3, 10, 4)])
+def test_the_bucketed_reduce_scatter_gives_each_rank_the_sum_of_its_pieces(shards, length, bucket):
+    sizes = [7, 3, 12, 1]
+    rng = np.random.default_rng(0)
+    grads = [[rng.standard_normal(size) for size in sizes] for _ in range(shards)]  # each rank's, flattened
+    whole = np.concatenate([np.concatenate(rank) for rank in grads]).reshape(shards, -1).sum(axis=0)
+    whole = np.concatenate([whole, np.zeros(shards * length - whole.size)])
+    buckets, completions = gather_plan(sizes, shards, length, bucket)
+    inputs = bucket_inputs(buckets, completions, shards)
+    for rank in range(shards):
+        pieces, _ = shard_pieces(sizes, shards, rank, length)
+        lengths = [p.end - p.start for p in pieces]
+        buffers, reduced = [np.zeros(n) for n in lengths], [None] * len(buckets)
+        for k in reversed(range(len(buckets))):  # as `GradientShards` reduces them: the last bucket first
+            lo, hi = buckets[k]
+            flat = sum(np.concatenate([np.zeros(end) if i < 0 else mine[i][start:end] for i, start, end in inputs[k]])
+                       for mine in grads)
+            reduced[k] = flat[rank * (hi - lo) : (rank + 1) * (hi - lo)]
+            for j, segments in piece_completions(buckets, lengths)[k]:
+                buffers[j] += np.concatenate([reduced[b][start:end] for b, start, end in segments])
+        held = np.concatenate(buffers)
+        np.testing.assert_allclose(held, whole[rank * length : rank * length + held.size], rtol=0, atol=1e-12)
+
+
+def test_gradient_shards_over_a_group_of_one_add_every_gradient_through_small_buckets():
+    weights = [Parameter(Tensor(np.zeros(shape, np.float32)), name=f"w{i}") for i, shape in enumerate([(4, 5), (3,), (6, 2)])]
+    shards = GradientShards(weights, comm.Group((0,), 0), bucket_bytes=28)  # 7 elements a bucket
+
+    class Step(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.shards = shards
+
+        @ms.jit
+        def construct(self, grads):
+            return self.shards(grads)
+
+    grads = [np.arange(w.size, dtype=np.float32).reshape(w.shape) + i for i, w in enumerate(weights)]
+    step = Step()
+    for _ in range(2):
+        step(ms.mutable(tuple(Tensor(g) for g in grads)))
+    held = np.concatenate([buffer.asnumpy() for buffer in shards.buffers])
+    np.testing.assert_array_equal(held, 2 * np.concatenate([g.reshape(-1) for g in grads]))
 
 
 @pytest.mark.parametrize(("shards", "length"), [(1, 12), (2, 6), (3, 4), (5, 3)])

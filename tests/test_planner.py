@@ -32,8 +32,10 @@ from model_core.parallel.planner import (
     format_plan_table,
     parse_bytes,
     plan,
+    shard_gather_bytes,
     stage_memory,
     stage_parameters,
+    stage_phases,
 )
 from params import load_params
 
@@ -150,6 +152,22 @@ def test_llama2_7b_on_8_devices_of_64_gib_gets_tensor_parallel_2_with_zero1_and_
     assert _total(load_params("llama2_7b_dp8"), 8, 1, 1, 1, "all") > 64 * GIB
     with_reserve = plan(load_params("llama2_7b_dp8"), 8, 64 * GIB, runtime_bytes=4 * GIB).recommended
     assert with_reserve.candidate == Candidate(2, 4, 1, 1, "all")
+
+
+def test_the_zero_update_holds_no_whole_model_buffer():
+    """The update gathers the updated shards in buckets: a 7B dp8 ZeRO-1/2 rank holds, beyond its weights and
+    optimizer state, its gradients and their scaled copy (ZeRO-1: and its pieces cut from them) and one bucket
+    plus the parameters in progress, not an all-gather of every parameter; its peak is the backward."""
+    params = load_params("llama2_7b_dp8")
+    held = stage_parameters(params.model, 1, 1, 0)
+    shard = math.ceil(held / 8)
+    sizes = [row.size for row in placement_table(params.model, Layout())]
+    for stage, gradients in ((1, 8 * held + 4 * shard), (2, 8 * shard)):
+        backward, update = stage_phases(params, Candidate(8, 1, 1, stage, "all"), 0, ACCELERATOR, 0)
+        assert (update.gradients, update.communication) == (gradients, shard_gather_bytes(sizes, 8, 32 * 2**20))
+        assert update.communication < 0.2 * 4 * held and backward.total > update.total
+    # One bucket, and the largest parameter meeting each shard: [8, 2 | 2, 6 | 6] over 3 shards of 8.
+    assert shard_gather_bytes([8, 2, 2, 6, 6], 3, 40) == 40 + 4 * (8 + 6 + 6)
 
 
 def test_nothing_fits_says_so_and_names_the_smallest():
@@ -335,14 +353,15 @@ def test_cli_plan_prints_the_table_and_fails_when_nothing_fits(capsys):
 def test_offload_is_advised_only_within_twenty_percent_of_the_device_and_says_what_it_moves():
     """The same 7B layouts as above at two device sizes: just under the smallest layout without offload (only
     offload fits, within the gap rule: advised, with its traffic), and where offload alone would fit but the
-    layout without it is far over (not advised; the plan says to change the layout)."""
+    layout without it is far over (not advised; the plan says to change the layout). Nodes of 4 devices: with 8,
+    tp8 without ZeRO would be the smallest layout, and it has no offload twin (offload comes with ZeRO-2/3)."""
     params = load_params("llama2_7b_dp8", ["train.micro_batch_size=1", "model.seq_len=512"])
-    everything = plan(params, devices=8, device_memory_bytes=10**15)
+    everything = plan(params, devices=8, device_memory_bytes=10**15, devices_per_node=4)
     plain = min(e.memory.total for e in everything.estimates if not e.candidate.offload)
     offloaded = [e for e in everything.estimates if e.candidate.offload]
     assert offloaded and all(e.candidate.zero_stage >= 2 for e in offloaded)
 
-    near = plan(params, devices=8, device_memory_bytes=int(plain / 1.1))
+    near = plan(params, devices=8, device_memory_bytes=int(plain / 1.1), devices_per_node=4)
     chosen = near.recommended
     assert chosen is not None and chosen.candidate.offload
     assert chosen.memory.total <= near.device_memory_bytes < chosen.without_offload
@@ -353,7 +372,7 @@ def test_offload_is_advised_only_within_twenty_percent_of_the_device_and_says_wh
     assert "offload=optimizer" in table and "offload moves" in table and "at 25 GB/s" in table
 
     smallest = min(e.memory.total for e in offloaded)
-    far = plan(params, devices=8, device_memory_bytes=smallest)
+    far = plan(params, devices=8, device_memory_bytes=smallest, devices_per_node=4)
     assert far.recommended is None and any(e.fits for e in far.estimates)
     assert "change the layout instead" in format_plan_table(far)
 

@@ -154,12 +154,6 @@ _RATIO = re.compile(
 _MEASURED = re.compile(
     rf"\b(?:measured|took|profiled)\b[^.;]*?{_NUMBER}\s*(?:[mµun]?s|CPU[- ]s(?:econds?)?|[KMGT]i?B|%|x)(?![\w/])", re.I
 )
-# Cleaned on another branch of issue 34 (model_core/optim and the parallel placement modules); drop each entry
-# once that branch is merged.
-_DOCSTRINGS_CLEANED_ELSEWHERE = {
-    "model_core/optim/adamw.py", "model_core/optim/step.py", "model_core/parallel/data_parallel.py",
-    "model_core/parallel/planner.py",
-}
 
 
 def _quoted_measurements(docstring: str) -> list[str]:
@@ -203,8 +197,6 @@ def test_model_core_docstrings_quote_no_measurements():
     quoted = []
     for path in sorted((REPO_ROOT / "model_core").rglob("*.py")):
         relative = str(path.relative_to(REPO_ROOT))
-        if relative in _DOCSTRINGS_CLEANED_ELSEWHERE:
-            continue
         tree = ast.parse(path.read_text(encoding="utf-8"), filename=relative)
         for node in ast.walk(tree):
             if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import SMALL_MODEL
-from mindspore import ops
+from mindspore import Tensor, ops
 from safetensors.numpy import load_file
 
 from model_core.model.weights import model_weights
@@ -75,6 +75,20 @@ def test_accumulation_equals_one_larger_batch(dataset_dir, tmp_path):
         np.testing.assert_allclose([r[key] for r in history_four], [r[key] for r in history_one], rtol=1e-5, err_msg=key)
     for name, value in _weights(one).items():
         np.testing.assert_allclose(_weights(four)[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def test_a_step_reads_the_device_twice_whatever_its_micro_batches(dataset_dir, tmp_path, monkeypatch):
+    # One process, four micro-batches: the summed losses are read once, after the last backward, and the gradient
+    # norm once, for the non-finite check and the clip. Under dp one host all-reduce adds the token count and one
+    # the summed loss (with MoE routing statistics riding along): four in all.
+    trainer = Trainer(small(tmp_path, "train.steps=2", "train.micro_batch_size=2", "train.grad_accum_steps=4"),
+                      dataset_dir, tmp_path / "a")
+    trainer._optimizer_step()  # compiles
+    reads = []
+    read = Tensor.asnumpy
+    monkeypatch.setattr(Tensor, "asnumpy", lambda self: reads.append(tuple(self.shape)) or read(self))
+    trainer._optimizer_step()
+    assert reads == [(4,), ()], reads
 
 
 def test_recompute_gives_the_same_gradients(dataset_dir, tmp_path):

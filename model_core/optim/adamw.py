@@ -5,11 +5,9 @@ The update is torch.optim.AdamW's, bias correction included:
     p = p - lr m_hat / (sqrt(v_hat) + eps),  m_hat = m / (1 - b1^t),  v_hat = v / (1 - b2^t)
 `ops.Adam` (one fused pass per parameter: m, v as above, p = p - lr_t m / (sqrt(v) + eps') with
 lr_t = lr sqrt(1 - b2^t) / (1 - b1^t)) does the moments and the step; passing eps' = eps sqrt(1 - b2^t) makes its
-denominator torch's, which is exact algebra. The decoupled decay is a separate in-place multiply before it.
-Measured on MindSpore 2.10 (2-core CPU, jit): a 4M-element update takes 2.9 ms in `ops.Adam` and 4.7 ms for the
-decay, against 17 ms in `ops.AdamWeightDecay`, which does both in one kernel; over the 29.4M parameters of the
-reference model the optimizer step went from ~115 ms to ~55 ms. Written as ops + ops.assign the update took
-190-210 ms.
+denominator torch's, which is exact algebra. The decoupled decay is a separate in-place multiply before it. This
+pair is used rather than `ops.AdamWeightDecay`, which does both in one kernel, or the update written as ops and
+`ops.assign`, because on the CPU both are several times slower (benchmarks/README.md, "AdamW kernels").
 
 Weight decay applies to a parameter iff it has two or more dimensions (weight matrices, embeddings, LoRA
 adapters); 1-D parameters, which are the norm weights and biases, are never decayed.

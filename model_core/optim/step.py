@@ -109,10 +109,10 @@ SQUARES_ROW = 1024  # elements of the rows a flat tensor is cut into before it i
 
 
 def sum_of_squares(x):
-    """sum(x * x) in two levels: row sums first, then their sum. The CPU kernel reduces a whole tensor to a scalar
-    ~6x slower (20 ms against 3.6 ms for [8000, 512]), and a long fp32 sum loses digits with its length: a flat
-    ZeRO shard summed as one row of 0.5M elements put the gradient norm 1e-5 off its float64 value, so a flat
-    tensor is cut into rows of `SQUARES_ROW` (and a short tail) first."""
+    """sum(x * x) in two levels: row sums first, then their sum. The CPU kernel that reduces a whole tensor to a
+    scalar is several times slower (benchmarks/README.md, "Sum of squares"), and a long fp32 sum loses digits with
+    its length: a flat ZeRO shard summed as one row of 0.5M elements put the gradient norm 1e-5 off its float64
+    value, so a flat tensor is cut into rows of `SQUARES_ROW` (and a short tail) first."""
     if x.ndim > 1 or x.shape[0] <= SQUARES_ROW:
         return mint.sum(row_sum(x * x))
     whole = x.shape[0] - x.shape[0] % SQUARES_ROW

@@ -5,7 +5,7 @@ The gradients are *summed*, not averaged: the trainer scales each micro-batch's 
 1 / (tokens counted in the whole global batch, over all ranks), so the sum over ranks is exactly the
 gradient of the mean loss over the global batch, as one process training on all of it would compute.
 The sum runs over a few flat buckets (`bucket_bytes` each, parameters in model order) rather than one
-all-reduce per parameter: each collective has a fixed latency (~1 ms between two CPU workers).
+all-reduce per parameter: each collective has a fixed latency, whatever its size.
 
 With `parallel.overlap_gradient_reduction` the sum of a step's last micro-batch is part of its backward graph
 (`AccumulateAndSumGradients`): each bucket, taken in the order the backward finishes gradients (last layers

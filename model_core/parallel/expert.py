@@ -39,6 +39,7 @@ from model_core.model.moe import Experts, swiglu_experts
 from model_core.optim.adamw import AdamW
 from model_core.optim.step import AccumulateGradients
 from model_core.parallel.comm import AllToAll, Group
+from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from model_core.parallel.zero import GradientShards, ShardedAdamW, moment_bytes
 from params.schema import OptimizerParams
 
@@ -135,15 +136,16 @@ class ExpertGradientShards(nn.Cell):
     positions `experts`) over `expert_dp_group`, each into fp32 `buffers`: the dense shard's pieces, then the
     experts'. `piece_params` names the weight of every buffer; `shard_length` and `expert_shard_length` are the
     two shards' (`shard_length`, when given, as for `zero.shard_pieces`: a pipeline's tied table cut alike on
-    both end stages)."""
+    both end stages); `bucket_bytes` as for `GradientShards`."""
 
     def __init__(self, weights: Sequence[Parameter], experts: set[int], dp_group: Group, expert_dp_group: Group,
-                 shard_length: int | None = None) -> None:
+                 shard_length: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__()
         self.dense_positions = tuple(i for i in range(len(weights)) if i not in experts)
         self.expert_positions = tuple(sorted(experts))
-        self.dense = GradientShards([weights[i] for i in self.dense_positions], dp_group, shard_length)
-        self.experts = GradientShards([weights[i] for i in self.expert_positions], expert_dp_group)
+        dense = [weights[i] for i in self.dense_positions]
+        self.dense = GradientShards(dense, dp_group, shard_length, bucket_bytes)
+        self.experts = GradientShards([weights[i] for i in self.expert_positions], expert_dp_group, None, bucket_bytes)
         self.buffers = ParameterTuple((*self.dense.buffers, *self.experts.buffers))
         self.piece_params = tuple(self.dense_positions[p] for p in self.dense.piece_params) + tuple(
             self.expert_positions[p] for p in self.experts.piece_params
@@ -162,8 +164,8 @@ class ExpertShardedAccumulateGradients(AccumulateGradients):
     `expert_dp_group`), whose `buffers`, `piece_params` and dense `shard_length` it shares."""
 
     def __init__(self, model: nn.Cell, experts: set[int], dp_group: Group, expert_dp_group: Group,
-                 loss: nn.Cell | None = None) -> None:
-        shards = ExpertGradientShards(model.trainable_params(), experts, dp_group, expert_dp_group)
+                 loss: nn.Cell | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        shards = ExpertGradientShards(model.trainable_params(), experts, dp_group, expert_dp_group, None, bucket_bytes)
         super().__init__(model, shards.buffers, loss)
         self.shards = shards
         self.piece_params = shards.piece_params
@@ -179,26 +181,28 @@ class ExpertShardedAccumulateGradients(AccumulateGradients):
 def expert_parallel_optimizer(
     weights: Sequence[Parameter], names: Sequence[str], experts: set[int], optimizer: OptimizerParams, zero_stage: int,
     dp_group: Group, expert_dp_group: Group, ep_group: Group, gradient_shards: ExpertGradientShards | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> ExpertParallelOptimizer:
     """AdamW over `weights` whose positions `experts` are expert shards: the rest's moments ZeRO-1 sharded over
     `dp_group`, the experts' over `expert_dp_group` (when `zero_stage` >= 1 and the group has several ranks).
     Under ZeRO-2 `gradient_shards` holds the gradient shards (of the whole model or of a pipeline stage), and
-    both optimizers update from them."""
+    both optimizers update from them. `bucket_bytes`: as for `ShardedAdamW`."""
     dense, shards = [i for i in range(len(names)) if i not in experts], sorted(experts)
     if zero_stage == 2:
         pieces = len(gradient_shards.dense.buffers)
         return ExpertParallelOptimizer(
             ShardedAdamW([weights[i] for i in dense], optimizer, [names[i] for i in dense], dp_group,
-                         sharded_gradients=True, shard_length=gradient_shards.shard_length),
+                         sharded_gradients=True, shard_length=gradient_shards.shard_length, bucket_bytes=bucket_bytes),
             ShardedAdamW([weights[i] for i in shards], optimizer, [names[i] for i in shards], expert_dp_group,
-                         sharded_gradients=True, shard_length=gradient_shards.expert_shard_length),
+                         sharded_gradients=True, shard_length=gradient_shards.expert_shard_length,
+                         bucket_bytes=bucket_bytes),
             range(pieces), range(pieces, len(gradient_shards.buffers)), [names[i] for i in shards], ep_group,
         )
 
     def adamw(positions: list[int], group: Group) -> AdamW | ShardedAdamW:
         chosen, chosen_names = [weights[i] for i in positions], [names[i] for i in positions]
         if zero_stage >= 1 and group.size > 1:
-            return ShardedAdamW(chosen, optimizer, chosen_names, group)
+            return ShardedAdamW(chosen, optimizer, chosen_names, group, bucket_bytes=bucket_bytes)
         return AdamW.from_params(chosen, optimizer, chosen_names)
 
     return ExpertParallelOptimizer(

@@ -5,9 +5,9 @@ the moments it would hold in memory without offload:
   ZeRO 0     one slot per weight, the whole weight and its whole gradient buffer;
   ZeRO-1/2   one slot per piece of this rank's shard of the flattened weights (`zero.shard_pieces`): ZeRO-1 reads
              the piece out of the full, dp-summed gradient buffer, ZeRO-2 from its shard-sized piece buffer.
-             After the update the rank's pieces are in the weights themselves and one all-gather of the
-             concatenated pieces sets every weight (`GatherUpdatedShards`), as `ShardedAdamW` does, without
-             its fp32 copy of the shard;
+             After the update the rank's pieces are in the weights themselves and a bucketed all-gather of
+             them sets every weight (`GatherUpdatedShards`), as `ShardedAdamW` does, without its fp32 copy of
+             the shard;
   ZeRO-3     one slot per weight shard (the weights are the shards), decayed as the full weight would be.
 `state_dict`/`load_state_dict` speak whole moments keyed `adam_m.<path>`/`adam_v.<path>`, as every other
 optimizer does, so a checkpoint does not say whether offload was on (`state_dict` is a collective under ZeRO).
@@ -19,12 +19,13 @@ from collections.abc import Mapping, Sequence
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore import Parameter, ParameterTuple, Tensor, nn
 
 from model_core.optim.adamw import applies_weight_decay
 from model_core.optim.offload import OffloadedAdamW, Slot
 from model_core.parallel.comm import Group
-from model_core.parallel.zero import shard_pieces
+from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
+from model_core.parallel.zero import ShardGather, shard_pieces
 from model_core.parallel.zero3 import ShardedParameters, join_shards, take_shard
 from params.schema import OptimizerParams
 
@@ -32,30 +33,19 @@ PREFIXES = ("adam_m", "adam_v")
 
 
 class GatherUpdatedShards(nn.Cell):
-    """Every weight from the ranks' updated pieces: the pieces this rank updated in place, concatenated and padded
-    to the shard length, all-gathered over the group and written into each weight."""
+    """Every weight from the ranks' updated pieces, which this rank updated in place in its weights: all-gathered
+    over the group bucket by bucket (`zero.ShardGather`) and written into each weight."""
 
     def __init__(self, weights: Sequence[Parameter], pieces: Sequence[tuple[int, int, int]], shard_length: int,
-                 group: Group) -> None:
+                 group: Group, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__()
         self.weights = ParameterTuple(weights)
         self.pieces = tuple(pieces)
-        self.shapes = tuple(tuple(w.shape) for w in weights)
-        self.sizes = tuple(int(np.prod(shape)) for shape in self.shapes)
-        self.padding = shard_length - sum(end - start for _, start, end in self.pieces)
-        self.group = group
+        self.gather = ShardGather(weights, self.pieces, shard_length, group, bucket_bytes)
 
     @ms.jit
     def construct(self):
-        parts = [self.weights[i].reshape(-1)[start:end] for i, start, end in self.pieces]
-        if self.padding:
-            parts.append(ops.zeros((self.padding,), ms.float32))
-        full = self.group.all_gather(ops.cat(parts))
-        offset = 0
-        for i in range(len(self.weights)):
-            ops.assign(self.weights[i], full[offset : offset + self.sizes[i]].reshape(self.shapes[i]))
-            offset += self.sizes[i]
-        return offset
+        return self.gather(tuple(self.weights[i].reshape(-1)[start:end] for i, start, end in self.pieces))
 
 
 class OffloadedOptimizer:
@@ -146,10 +136,11 @@ def offloaded_optimizer(
     group: Group,
     zero3: ShardedParameters | None = None,
     shard_length: int | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> OffloadedOptimizer:
     """The offloaded AdamW of a rank under `zero_stage` over `group` (see the module docstring). `weights`,
     `buffers` and `names` as the gradient accumulation holds them (ZeRO-2: one buffer per piece of the shard cut
-    with `shard_length`)."""
+    with `shard_length`); `bucket_bytes`: the most one all-gathered bucket of updated weights holds."""
     if zero3 is not None:
         if zero3.offloaded is not None:  # the shards' values are in the parameter offload file
             weights = [zero3.offloaded.weights[name] for name in names]
@@ -168,6 +159,6 @@ def offloaded_optimizer(
         weight = weights[piece.index]
         gradient, start = (buffers[k], 0) if zero_stage == 2 else (buffers[piece.index], piece.start)
         slots.append(Slot(names[piece.index], weight, piece.start, piece.end, gradient, start, applies_weight_decay(weight)))
-    gather = GatherUpdatedShards(weights, [(p.index, p.start, p.end) for p in pieces], length, group)
+    gather = GatherUpdatedShards(weights, [(p.index, p.start, p.end) for p in pieces], length, group, bucket_bytes)
     adamw = OffloadedAdamW(slots, optimizer, after_update=gather)
     return OffloadedOptimizer(adamw, names, shapes, "zero1/2", group, length)

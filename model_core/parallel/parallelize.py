@@ -29,7 +29,7 @@ from pathlib import Path
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, nn
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from model_core.model.init import deferred, deferred_weights, shape_of
 from model_core.model.llama import Llama
@@ -211,6 +211,7 @@ def parallelize(
     model.set_train(True)  # training-only layers (LoRA's dropout) act in the step, not in evaluation
 
     pipeline = None
+    bucket_bytes = int(params.parallel.gradient_bucket_mb * 2**20)
     moe = params.model.moe
     routing_coefficients = (moe.aux_loss_coef, moe.z_loss_coef) if moe is not None else (0.0, 0.0)
     if tensor_parallelism is not None:
@@ -227,9 +228,11 @@ def parallelize(
             expert_dp_group=expert_dp_group,
         )
     elif zero_stage == 2 and ep_group.size > 1:  # dense gradients reduce-scattered over dp, experts' over expert-dp
-        accumulate = ExpertShardedAccumulateGradients(model, expert_positions(model, table), dp_group, expert_dp_group, loss)
+        accumulate = ExpertShardedAccumulateGradients(
+            model, expert_positions(model, table), dp_group, expert_dp_group, loss, bucket_bytes
+        )
     elif zero_stage == 2:  # gradients reduce-scattered per micro-batch into this rank's shard
-        accumulate = ShardedAccumulateGradients(model, dp_group, loss=loss)
+        accumulate = ShardedAccumulateGradients(model, dp_group, loss=loss, bucket_bytes=bucket_bytes)
     elif table.param_offload:  # the model's shard Parameters are the gradient buffers (`param_offload`)
         accumulate = AccumulateGradients(model, ParameterTuple(model.trainable_params()), loss)
     else:
@@ -241,19 +244,19 @@ def parallelize(
     if table.optimizer_offload:
         optimizer = offloaded_optimizer(
             accumulate.weights, accumulate.buffers, weight_names, params.optimizer, zero_stage, dp_group, zero3,
-            shard_length=accumulate.shard_length if zero_stage == 2 else None,
+            shard_length=accumulate.shard_length if zero_stage == 2 else None, bucket_bytes=bucket_bytes,
         )
     elif zero3 is not None:
         optimizer = Zero3AdamW(zero3, params.optimizer, weight_names)
     elif experts:
         optimizer = expert_parallel_optimizer(
             accumulate.weights, weight_names, experts, params.optimizer, zero_stage, dp_group, expert_dp_group, ep_group,
-            accumulate.shards if zero_stage == 2 else None,
+            accumulate.shards if zero_stage == 2 else None, bucket_bytes,
         )
     elif zero_stage >= 1:
         optimizer = ShardedAdamW(
             accumulate.weights, params.optimizer, weight_names, dp_group, sharded_gradients=zero_stage == 2,
-            shard_length=accumulate.shard_length if zero_stage == 2 else None,
+            shard_length=accumulate.shard_length if zero_stage == 2 else None, bucket_bytes=bucket_bytes,
         )
     else:
         optimizer = AdamW.from_params(accumulate.weights, params.optimizer, weight_names)
@@ -275,7 +278,6 @@ def parallelize(
     partial = [buffer for buffer, i in zip(accumulate.buffers, owners) if table[weight_names[i]].tp_partial]
     dense_buffers = ParameterTuple([buffer for buffer, i in zip(accumulate.buffers, owners) if i not in experts])
     expert_buffers = ParameterTuple([buffer for buffer, i in zip(accumulate.buffers, owners) if i in experts])
-    bucket_bytes = int(params.parallel.gradient_bucket_mb * 2**20)
     sums = [
         [tp_group] * table[weight_names[i]].tp_partial
         + ([expert_dp_group] * (expert_dp_group.size > 1) if i in experts else [dp_group] * summed_once_per_step)
@@ -333,7 +335,7 @@ class Parallelized:
         self.offload = optimizer if isinstance(optimizer, OffloadedOptimizer) else None
         self._apply = ApplyGradients(accumulate.buffers, optimizer) if self.offload is None else None
         self._zero = ZeroGradients(accumulate.buffers)
-        self._routing: np.ndarray | None = None
+        self._routing: Tensor | None = None  # summed on the device, read once a step
 
     @property
     def weights(self):
@@ -351,16 +353,20 @@ class Parallelized:
             passes = [micro_batches[i : i + per_pass] for i in range(0, len(micro_batches), per_pass)]
             summed = sum(self.pipeline.run(one, scale) for one in passes)
         else:
-            summed = 0.0
             steps = [self.accumulate] * len(micro_batches)
             if self.accumulate_and_sum is not None:
                 steps[-1] = self.accumulate_and_sum
+            losses = []
             for step, batch in zip(steps, micro_batches):
                 out = step(*batch.inputs(), scale, batch.router_noise)
                 if getattr(self.accumulate, "routed", False):  # an MoE model also returns its routing statistics
                     out, routing = out
-                    self._routing = routing.asnumpy() + (self._routing if self._routing is not None else 0.0)
-                summed += float(out.asnumpy())
+                    self._routing = routing if self._routing is None else self._routing + routing
+                losses.append(out)
+            # The losses stay on the device until the step is done: one read, not one per micro-batch.
+            summed = 0.0
+            for loss in ops.stack(losses).asnumpy().tolist():
+                summed += loss
         if self.sum_partial_gradients is not None:
             self.sum_partial_gradients()
         if self.sum_gradients is not None:
@@ -412,7 +418,7 @@ class Parallelized:
         if self.pipeline is not None:
             return self.pipeline.routing_statistics()
         routing, self._routing = self._routing, None
-        return routing
+        return routing.asnumpy() if routing is not None else None
 
     def full_weights(self) -> dict[str, np.ndarray]:
         """This rank's weights (its tp block of its stage) whole over dp and ep, by path. Collective under ZeRO-3

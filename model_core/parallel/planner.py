@@ -3,8 +3,8 @@
 For a model (params.model), a micro-batch (params.train.micro_batch_size sequences of model.seq_len tokens
 per data-parallel rank) and `devices` of `device_memory_bytes` each, `plan` lists every layout (dp, tp, pp,
 ZeRO stage, recompute none/all) with dp * tp * pp == devices that the model allows, estimates the bytes of
-its busiest rank, and recommends one. Pure Python: nothing here imports MindSpore, so it plans for machines
-this process does not run on. docs/planner.md has a worked example and the CPU measurements.
+its busiest rank, and recommends one. It counts from the params alone and runs nothing on a device, so it plans
+for machines this process does not run on. docs/planner.md has a worked example and the CPU measurements.
 
 The counts follow how llmflow's trainer holds memory. P is the parameters one rank of a pipeline stage holds
 (attention and MLP matrices and the vocabulary split 1/tp, norm weights replicated; the embedding on the
@@ -13,8 +13,9 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
 
     parameters     4P fp32 masters, + cP compute-dtype copies the matmuls keep for the backward when c != 4;
                    ZeRO-3: 4P/dp
-    gradients      4P accumulation buffer + 4P the backward's fresh gradients (or the update's scaled copies);
-                   ZeRO-2 and 3: both /dp
+    gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward 4P fresh gradients, which the
+                   compiled backward holds (ZeRO-2: also every bucket's flat input to its reduce-scatter, 4P more;
+                   ZeRO-3: 4P/dp); in the update a scaled copy of every buffer (ZeRO-1: and its pieces, 4P/dp).
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and ShardedAdamW's fp32
                    copy of its shard)
     activations    per layer and micro-batch, what the hand-written backwards of model_core.model.fused keep:
@@ -28,9 +29,24 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
     communication  dp > 1: two gradient buckets (the flat input and the summed output); ZeRO-3: two layers'
                    gathered parameters; tp > 1: two BTH c activations (sent and received); pp > 1: a tick's
                    exchange, two fp32 BTH messages three times over (host buffer, its tensor, the sum);
-                   ZeRO-1/2 in the update: the all-gathered 4P and the padded shard 4P/dp
+                   ZeRO-1/2 in the update: one all-gathered bucket (parallel.gradient_bucket_mb) and the segments
+                   gathered so far of the weights still incomplete, at most the largest weight meeting each shard
     runtime        the device kind's process baseline and its compiled graph's cost per layer (and per
                    recomputed layer; a pipeline stage's forward-only graph is charged like one)
+
+Model states per parameter of a rank at its peak (the backward) against the ZeRO paper's (Rajbhandari et al.
+2020, Fig. 1: mixed precision with Adam; fp32 training keeps no separate master):
+
+    stage   fp32, llmflow   fp32, paper    mixed (c = 2), llmflow   mixed, paper
+    0       20              16             22                       16
+    1       12 + 12/dp      8 + 8/dp       14 + 12/dp               4 + 12/dp
+    2       12 + 16/dp      4 + 12/dp      14 + 16/dp               2 + 14/dp
+    3       20/dp           16/dp          20/dp                    16/dp
+
+What is left over the paper: the fresh gradients the compiled backward holds beside the fp32 accumulation buffer
+(and ZeRO-2's bucket inputs), fp32 weights kept whole next to the compute-dtype copies (mixed: 4 + 2 bytes where
+the paper keeps 2 and an fp32 master only in the shard), ZeRO-1/2's fp32 copy of the shard for AdamW and ZeRO-3's
+fresh gradient shards (4/dp each). benchmarks/README.md ("Model states against the ZeRO paper") measures them.
 
 Optimizer offload (`parallel.optimizer_offload`, `model_core/optim/offload.py`) is one more candidate for
 layouts with ZeRO-2 or 3: the moments leave the device for host memory (on the CPU backend a memory-mapped
@@ -47,9 +63,8 @@ more bytes a step.
 A rank peaks either in the backward (activations, fresh gradients, gradient buckets) or in the update (no
 activations, but ZeRO's all-gather); the estimate is the larger of the two, on the busiest stage. A device
 kind scales the counted activations by what it was measured to hold: the CPU constants are fitted to peak
-RSS of real training steps (within 4% on the fitted configs, 5% on held-out ones and 8% on a dp2 ZeRO-1 rank
-under msrun; tests/test_planner.py re-measures); accelerators are counted, and their runtime's own reserve
-is the caller's `runtime_bytes`.
+RSS of real training steps (how closely: benchmarks/README.md, "Rank memory"; tests/test_planner.py
+re-measures); accelerators are counted, and their runtime's own reserve is the caller's `runtime_bytes`.
 
 Mixture-of-experts models add expert parallelism (ep, carved out of dp: `model_core.parallel.expert`): the
 expert stacks' parameters, gradients and moments count 1/ep on a rank (and their ZeRO-1 shard 1/(dp/ep) of
@@ -74,7 +89,6 @@ import math
 import re
 from dataclasses import dataclass, replace
 
-from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from model_core.parallel.layout import Layout
 from model_core.parallel.placement import placement_table
 from params import rules
@@ -433,8 +447,15 @@ def activation_bytes(params: PipelineParams, candidate: Candidate, stage: int, k
 
 
 def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind: DeviceKind, runtime: int) -> Memory:
-    """Bytes of one rank of `stage` under `candidate` at the larger of its two peaks: the backward (activations,
-    fresh gradients, gradient buckets) and the update (ZeRO-1/2's all-gathered parameters)."""
+    """Bytes of one rank of `stage` under `candidate` at the larger of its two peaks (`stage_phases`)."""
+    return max(stage_phases(params, candidate, stage, kind, runtime), key=lambda memory: memory.total)
+
+
+def stage_phases(
+    params: PipelineParams, candidate: Candidate, stage: int, kind: DeviceKind, runtime: int
+) -> tuple[Memory, Memory]:
+    """Bytes of one rank of `stage` under `candidate` at its two peaks: the backward (activations, fresh gradients,
+    gradient buckets) and the update (scaled gradients, ZeRO-1/2's bucketed gather of the updated shards)."""
     c = _DTYPE_BYTES[params.precision.compute_dtype]
     dp, zero = candidate.dp, candidate.zero_stage
     dense, experts = stage_parameter_split(params.model, candidate.tp, candidate.pp, stage, candidate.ep)
@@ -446,8 +467,12 @@ def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind:
     recompute_graph = kind.recompute_bytes_per_layer * layers if candidate.recompute == "all" else 0
     if candidate.pp > 1:  # a stage compiles a forward-only graph too (its backward recomputes the forward)
         recompute_graph += kind.recompute_bytes_per_layer * layers
+    accumulated = 4 * (shard if zero >= 2 else held)  # the fp32 buffers the micro-batches add into
+    # The backward's fresh gradients: the compiled backward's memory holds a whole set of them (benchmarks/README.md,
+    # "Model states against the ZeRO paper"); ZeRO-2's also holds every bucket's flat input to the reduce-scatter;
+    # under ZeRO-3 each is cut to its shard.
+    fresh = 4 * (shard if zero == 3 else 2 * held if zero == 2 else held)
     state = {
-        "gradients": 2 * 4 * (shard if zero >= 2 else held),
         # AdamW's two moments of what this rank updates; ZeRO-1/2 also keep an fp32 copy of their shard to update
         # (the weights stay whole), while under ZeRO-3 the shard is the weight itself.
         "optimizer": OFFLOAD_STAGING_BYTES if candidate.offload
@@ -456,14 +481,40 @@ def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind:
     }
     backward = Memory(
         parameters=masters + compute_copies,
+        gradients=accumulated + fresh,
         activations=activation_bytes(params, candidate, stage, kind),
         communication=backward_communication_bytes(params, candidate, held),
         phase="backward",
         **state,
     )
-    gathered = 4 * held + 4 * shard if dp > 1 and zero in (1, 2) else 0
-    update = Memory(parameters=masters, activations=0, communication=gathered, phase="update", **state)
-    return max(backward, update, key=lambda memory: memory.total)
+    # ZeRO-1/2 gather the updated shards back in buckets.
+    gathered = 0
+    if dp > 1 and zero in (1, 2):
+        layout = Layout(dp=candidate.ep, tp=candidate.tp, pp=candidate.pp, ep=candidate.ep)
+        sizes = [math.prod(row.block_shape(candidate.tp, candidate.ep)) for row in
+                 placement_table(params.model, layout).on_stage(stage)]
+        gathered = shard_gather_bytes(sizes, dp, bucket_bytes(params))
+    # The update scales a copy of every gradient buffer (`ApplyGradients`); ZeRO-1 then cuts its pieces out of them.
+    scaled = 0 if candidate.offload else accumulated + (4 * shard if dp > 1 and zero == 1 else 0)
+    update = Memory(parameters=masters, gradients=accumulated + scaled, activations=0, communication=gathered,
+                    phase="update", **state)
+    return backward, update
+
+
+def bucket_bytes(params: PipelineParams) -> int:
+    return int(params.parallel.gradient_bucket_mb * 2**20)
+
+
+def shard_gather_bytes(sizes: list[int], dp: int, bucket: int) -> int:
+    """What `zero.ShardGather` holds while it writes the updated shards back: one gathered bucket, and the segments
+    gathered so far of the parameters still incomplete, at most the largest parameter that meets each shard."""
+    length = math.ceil(sum(sizes) / dp)
+    largest, offset = [0] * dp, 0
+    for size in sizes:
+        for shard in range(offset // length, min(dp, (offset + size - 1) // length + 1)):
+            largest[shard] = max(largest[shard], size)
+        offset += size
+    return min(bucket, 4 * length * dp) + 4 * sum(largest)
 
 
 def backward_communication_bytes(params: PipelineParams, candidate: Candidate, parameters: int) -> int:
@@ -471,7 +522,7 @@ def backward_communication_bytes(params: PipelineParams, candidate: Candidate, p
     model, c = params.model, _DTYPE_BYTES[params.precision.compute_dtype]
     total = 0
     if candidate.dp > 1:
-        total += 2 * min(DEFAULT_BUCKET_BYTES, 4 * parameters)
+        total += 2 * min(bucket_bytes(params), 4 * parameters)
         if candidate.zero_stage == 3:
             total += 2 * 4 * parameters // (model.num_layers // candidate.pp)
     tokens = params.train.micro_batch_size * model.seq_len

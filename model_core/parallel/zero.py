@@ -10,9 +10,10 @@ independent of the layout; `state_dict` is a collective: every rank calls it.
 
 ZeRO-1 sums the full gradients over the group once per step and lets each rank slice its pieces out.
 ZeRO-2 keeps no full gradient buffer: each micro-batch's gradients, flattened the same way, are
-reduce-scattered over the group at once and only this rank's shard is added into shard-sized buffers, one
-per piece (`GradientShards`, which pipeline stages use too); the gradient norm sums the shards' squares over
-the group.
+reduce-scattered over the group bucket by bucket and only this rank's shard is added into shard-sized buffers,
+one per piece (`GradientShards`, which pipeline stages use too); the gradient norm sums the shards' squares over
+the group. Both stages write the updated shards back into the weights with a bucketed all-gather (`ShardGather`),
+so the update makes no all-gathered buffer the size of the whole model.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from model_core.optim.adamw import AdamW, applies_weight_decay
 from model_core.optim.step import AccumulateGradients
 from model_core.parallel.comm import Group
+from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from params.schema import OptimizerParams
 
 
@@ -54,6 +56,101 @@ def shard_pieces(sizes: Sequence[int], shards: int, shard: int, length: int | No
     return pieces, length
 
 
+def gather_plan(
+    sizes: Sequence[int], shards: int, length: int, bucket_elements: int
+) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...], ...]]:
+    """How to all-gather `shards` shards of `length` elements (the flat, concatenated parameters of these sizes)
+    in buckets: bucket k gathers elements [lo, hi) of every shard (at most `bucket_elements` of each), so its
+    result holds shard r's at [r (hi - lo), (r + 1)(hi - lo)). Returns the buckets' (lo, hi) and, for each bucket,
+    the parameters it completes: (index, its segments in flat order as (bucket, start, end) of a gathered result)."""
+    buckets = tuple((lo, min(lo + bucket_elements, length)) for lo in range(0, length, bucket_elements))
+    completions: list[list] = [[] for _ in buckets]
+    offset = 0
+    for index, size in enumerate(sizes):
+        segments = []
+        for shard in range(shards):
+            first, last = max(offset, shard * length), min(offset + size, (shard + 1) * length)
+            for k, (lo, hi) in enumerate(buckets):
+                start, end = max(first - shard * length, lo), min(last - shard * length, hi)
+                if start < end:
+                    base = shard * (hi - lo) - lo
+                    segments.append((k, base + start, base + end))
+        completions[max(k for k, _, _ in segments)].append((index, tuple(segments)))
+        offset += size
+    return buckets, tuple(tuple(done) for done in completions)
+
+
+class ShardGather(nn.Cell):
+    """Every parameter set from the ranks' updated shards, bucket by bucket (`gather_plan`): no buffer of the
+    whole model is made. Each gathered bucket is cut into the parameters' segments before the next is gathered,
+    and a parameter is written once its last segment is in; so besides one bucket, a rank holds the segments of
+    the parameters still incomplete (at most one per shard).
+
+    Called with this rank's pieces (`pieces`: (parameter index, start, end), the pieces of `shard_pieces`) as
+    tensors in that order."""
+
+    def __init__(self, parameters: Sequence[Parameter], pieces: Sequence[tuple[int, int, int]], length: int,
+                 group: Group, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        super().__init__()
+        self.parameters = ParameterTuple(parameters)
+        self.group = group
+        self.shapes = tuple(tuple(p.shape) for p in parameters)
+        sizes = [int(np.prod(shape)) for shape in self.shapes]
+        bucket_elements = max(1, bucket_bytes // (4 * group.size))  # a gathered bucket holds bucket_bytes
+        self.buckets, completions = gather_plan(sizes, group.size, length, bucket_elements)
+        # Segments are numbered in the order they are cut: bucket by bucket, each bucket's in parameter order.
+        cuts = [[] for _ in self.buckets]
+        numbered = {}
+        for done in completions:
+            for index, segments in done:
+                for segment in segments:
+                    cuts[segment[0]].append((index, segment))
+        for k in range(len(cuts)):
+            cuts[k].sort()
+            for index, segment in cuts[k]:
+                numbered[(index, segment)] = len(numbered)
+        self.cuts = tuple(tuple((start, end) for _, (_, start, end) in bucket) for bucket in cuts)
+        self.writes = tuple(
+            tuple((index, tuple(numbered[(index, segment)] for segment in segments)) for index, segments in done)
+            for done in completions
+        )
+        self.local = shard_fill(self.buckets, [end - start for _, start, end in pieces])
+
+    def construct(self, pieces):
+        segments = []
+        done = ops.zeros((), ms.float32)
+        for k in range(len(self.buckets)):
+            parts = [pieces[j].reshape(-1)[a:b] if j >= 0 else ops.zeros((b - a,), ms.float32) for j, a, b in self.local[k]]
+            mine = ops.cat(parts) if len(parts) > 1 else parts[0]
+            bucket = self.group.all_gather(ops.depend(mine, done))
+            for start, end in self.cuts[k]:
+                segments.append(bucket[start:end])
+                done = ops.depend(done, segments[-1])  # the next gather waits until this bucket is cut up
+            for i, numbers in self.writes[k]:
+                values = [segments[n] for n in numbers]
+                value = ops.cat(values) if len(values) > 1 else values[0]
+                done = ops.assign(self.parameters[i], value.reshape(self.shapes[i]))
+        return done
+
+
+def shard_fill(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """For each bucket [lo, hi), what fills it from this rank's pieces (of these lengths, laid end to end from the
+    shard's start): (piece, start, end) of a piece, or (-1, 0, n) for n zeros of padding after the last piece."""
+    filled = []
+    for lo, hi in buckets:
+        parts, offset = [], 0
+        for j, length in enumerate(lengths):
+            first, last = max(lo, offset), min(hi, offset + length)
+            if first < last:
+                parts.append((j, first - offset, last - offset))
+            offset += length
+        padding = hi - lo - sum(end - start for _, start, end in parts)
+        if padding:
+            parts.append((-1, 0, padding))
+        filled.append(tuple(parts))
+    return tuple(filled)
+
+
 class ShardedAdamW(nn.Cell):
     """AdamW over `parameters` with this rank's 1/dp of the moments; called like AdamW: (grads, lr, step).
 
@@ -68,8 +165,10 @@ class ShardedAdamW(nn.Cell):
         group: Group,
         sharded_gradients: bool = False,
         shard_length: int | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
-        """`shard_length` as for `shard_pieces` (ZeRO-2 passes its gradient shards' length)."""
+        """`shard_length` as for `shard_pieces` (ZeRO-2 passes its gradient shards' length); `bucket_bytes`: the
+        most one all-gathered bucket of updated parameters holds (`parallel.gradient_bucket_mb`)."""
         super().__init__()
         self.params = ParameterTuple(parameters)
         self.param_names = tuple(names)
@@ -89,6 +188,7 @@ class ShardedAdamW(nn.Cell):
         self.inner = AdamW.from_params(copies, optimizer, [f"{names[i]}[{start}:{end}]" for i, start, end in self.pieces])
         # The pieces are flat; decay follows the parameter they come from (matrices yes, norms no).
         self.inner.decays = tuple(applies_weight_decay(parameters[i]) for i, _, _ in self.pieces)
+        self.gather = ShardGather(parameters, self.pieces, self.shard_length, group, bucket_bytes)
 
     def construct(self, grads, lr, step):
         for k, (i, start, end) in enumerate(self.pieces):
@@ -96,11 +196,7 @@ class ShardedAdamW(nn.Cell):
         if not self.sharded_gradients:
             grads = tuple(grads[i].reshape(-1)[start:end] for i, start, end in self.pieces)
         self.inner(grads, lr, step)
-        full = self.group.all_gather(self._padded([self.inner.params[k] for k in range(len(self.pieces))]))
-        offset = 0
-        for i in range(len(self.params)):
-            ops.assign(self.params[i], full[offset : offset + self.sizes[i]].reshape(self.shapes[i]))
-            offset += self.sizes[i]
+        self.gather(self.inner.params)
 
     def _padded(self, parts):
         if self.padding:
@@ -136,12 +232,15 @@ class ShardedAdamW(nn.Cell):
 class GradientShards(nn.Cell):
     """ZeRO-2's gradient store: fp32 `buffers`, one per piece of this rank's shard of the weights' flattened,
     concatenated gradients (the pieces `ShardedAdamW` updates). Called inside a compiled step with one
-    micro-batch's full gradients, it reduce-scatters them over the group and adds this rank's shard in.
+    micro-batch's full gradients, it reduce-scatters them over the group bucket by bucket (the buckets of
+    `gather_plan`, each of at most `bucket_bytes` before the reduction) and adds this rank's shard in: no flat copy
+    of all the gradients is made, only one bucket's at a time.
 
     `shard_length` (`shard_pieces`) lets two pipeline stages that hold the same tied table first cut it at
     the same offsets, so its gradient pieces can be summed over the two stages piece by piece."""
 
-    def __init__(self, weights: Sequence[Parameter], group: Group, shard_length: int | None = None) -> None:
+    def __init__(self, weights: Sequence[Parameter], group: Group, shard_length: int | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__()
         sizes = [int(np.prod(w.shape)) for w in weights]
         pieces, self.shard_length = shard_pieces(sizes, group.size, group.index, shard_length)
@@ -155,28 +254,84 @@ class GradientShards(nn.Cell):
         )
         self.group = group
         self.piece_params = tuple(p.index for p in pieces)  # the weight each buffer is a piece of
-        self.padding = self.shard_length * group.size - sum(sizes)
         self.piece_lengths = tuple(p.end - p.start for p in pieces)
+        buckets, completions = gather_plan(sizes, group.size, self.shard_length, max(1, bucket_bytes // (4 * group.size)))
+        self.buckets = buckets
+        self.inputs = bucket_inputs(buckets, completions, group.size)
+        self.completions = piece_completions(buckets, self.piece_lengths)
 
     def construct(self, grads):
-        flat = [grad.reshape(-1).astype(ms.float32) for grad in grads]
-        if self.padding:
-            flat.append(ops.zeros((self.padding,), ms.float32))
-        shard = self.group.reduce_scatter(ops.cat(flat))
-        offset = 0
-        for buffer, length in zip(self.buffers, self.piece_lengths):
-            ops.assign_add(buffer, shard[offset : offset + length])
-            offset += length
-        return shard
+        reduced = [None] * len(self.buckets)
+        done = ops.zeros((), ms.float32)
+        # The last bucket first: the backward finishes the last weights' gradients first, so each bucket can be
+        # reduced, and its gradients freed, while the earlier layers' backward still runs.
+        for k in range(len(self.buckets) - 1, -1, -1):
+            parts = []
+            for i, start, end in self.inputs[k]:
+                if i < 0:
+                    parts.append(ops.zeros((end - start,), ms.float32))
+                else:
+                    parts.append(grads[i].reshape(-1)[start:end].astype(ms.float32))
+            flat = ops.cat(parts) if len(parts) > 1 else parts[0]
+            done = self.group.reduce_scatter(ops.depend(flat, done))  # this rank's [lo, hi), summed over the group
+            reduced[k] = done
+            for j, segments in self.completions[k]:
+                values = [reduced[b][start:end] for b, start, end in segments]
+                ops.assign_add(self.buffers[j], ops.cat(values) if len(values) > 1 else values[0])
+        return done
+
+
+def bucket_inputs(buckets, completions, shards: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """What each bucket of a reduce-scatter is made of, in order: (weight, start, end) of a flattened gradient, or
+    (-1, 0, n) for n zeros (padding past the last weight): the `gather_plan` layout of `shards` shards read
+    backwards, so that block r of bucket k is elements [lo, hi) of shard r."""
+    placed: list[list[tuple[int, int, int, int]]] = [[] for _ in buckets]  # (position, weight, start, end)
+    for done in completions:
+        for index, segments in done:
+            offset = 0
+            for b, start, end in segments:
+                placed[b].append((start, index, offset, offset + end - start))
+                offset += end - start
+    inputs = []
+    for (lo, hi), items in zip(buckets, placed):
+        parts, position = [], 0
+        for at, index, start, end in sorted(items):
+            if at > position:
+                parts.append((-1, 0, at - position))
+            parts.append((index, start, end))
+            position = at + end - start
+        if position < shards * (hi - lo):
+            parts.append((-1, 0, shards * (hi - lo) - position))
+        inputs.append(tuple(parts))
+    return tuple(inputs)
+
+
+def piece_completions(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...], ...]:
+    """For each bucket, the pieces of this rank's shard (of these lengths, laid end to end from its start) that
+    the bucket completes when the buckets are reduced last first: (piece, its segments as (bucket, start, end) of
+    the buckets' reduced blocks)."""
+    completions: list[list] = [[] for _ in buckets]
+    offset = 0
+    for j, length in enumerate(lengths):
+        segments = []
+        for k, (lo, hi) in enumerate(buckets):
+            first, last = max(lo, offset), min(hi, offset + length)
+            if first < last:
+                segments.append((k, first - lo, last - lo))
+        completions[min(k for k, _, _ in segments)].append((j, tuple(segments)))
+        offset += length
+    return tuple(tuple(done) for done in completions)
 
 
 class ShardedAccumulateGradients(AccumulateGradients):
     """ZeRO-2 accumulation: forward + backward of one micro-batch, its gradients reduce-scattered over the
     group and this rank's shard added into fp32 buffers, one per piece (the pieces `ShardedAdamW` updates)."""
 
-    def __init__(self, model: nn.Cell, group: Group, loss: nn.Cell | None = None) -> None:
-        """`loss` as for `AccumulateGradients` (tensor parallelism passes its vocab-parallel one)."""
-        shards = GradientShards(model.trainable_params(), group)
+    def __init__(self, model: nn.Cell, group: Group, loss: nn.Cell | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        """`loss` as for `AccumulateGradients` (tensor parallelism passes its vocab-parallel one); `bucket_bytes` as
+        for `GradientShards`."""
+        shards = GradientShards(model.trainable_params(), group, bucket_bytes=bucket_bytes)
         super().__init__(model, shards.buffers, loss)
         self.shards = shards
         self.piece_params = shards.piece_params

@@ -254,11 +254,12 @@ class Trainer:
         scale = scalar(self.loss_scale.scale / max(counted, 1))
         noise = self._router_noise(len(rows), size, micro[0].tokens.shape[1])
         summed = self.parallel.gradients([_micro_batch(batch, n) for batch, n in zip(micro, noise)], scale)
-        [summed] = sum_over(self.dp_group, [summed])
-        loss = summed / max(counted, 1)
         routing = self.parallel.routing_statistics()
+        # One host all-reduce carries the summed loss and the routing statistics together.
+        summed, *routing_sums = sum_over(self.dp_group, [summed, *(routing if routing is not None else [])])
+        loss = summed / max(counted, 1)
         if routing is not None:
-            self.last_routing = routing_metrics(sum_over(self.dp_group, list(routing)), counted, self.params.model)
+            self.last_routing = routing_metrics(routing_sums, counted, self.params.model)
         grad_norm = self.parallel.gradient_norm(scalar(1.0 / self.loss_scale.scale))
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         self.loss_scale.update(finite)
