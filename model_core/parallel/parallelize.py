@@ -225,7 +225,7 @@ def parallelize(
             model, layout, rank, params.model, params.parallel.pipeline_schedule, stage_loss,
             zero2_group=dp_group if zero_stage == 2 else None, routing_coefficients=routing_coefficients,
             experts=expert_weights(model, table) if ep_group.size > 1 else (),
-            expert_dp_group=expert_dp_group,
+            expert_dp_group=expert_dp_group, bucket_bytes=bucket_bytes,
         )
     elif zero_stage == 2 and ep_group.size > 1:  # dense gradients reduce-scattered over dp, experts' over expert-dp
         accumulate = ExpertShardedAccumulateGradients(

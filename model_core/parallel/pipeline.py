@@ -42,7 +42,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from model_core.model import Llama, counted_tokens, token_cross_entropy
 from model_core.optim.step import routing_loss
 from model_core.parallel import comm
-from model_core.parallel.data_parallel import sum_over
+from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES, sum_over
 from model_core.parallel.expert import ExpertGradientShards
 from model_core.parallel.layout import Layout
 from model_core.parallel.tensor import VocabParallelCrossEntropy
@@ -422,8 +422,8 @@ class PipelineStage:
     stage's; `run` adds a step's gradients into `buffers` and returns the summed loss of its micro-batches.
 
     With `zero2_group` (ZeRO-2 over the dp group) every backward reduce-scatters its weight gradients over that
-    group and `buffers` are the pieces of this rank's shard (`zero.GradientShards`: `piece_params`,
-    `shard_length`). A tied table comes first among the end stages' weights and both ends cut shards of one
+    group, `bucket_bytes` (`parallel.gradient_bucket_mb`) at a time, and `buffers` are the pieces of this rank's
+    shard (`zero.GradientShards`: `piece_params`, `shard_length`). A tied table comes first among the end stages' weights and both ends cut shards of one
     length, so its pieces sit at the same offsets on both and are summed over the pair piece by piece. Under
     expert parallelism the expert shards among the stage's weights (`experts`: every expert stack's ep block) are
     reduce-scattered over `expert_dp_group` instead (`expert.ExpertGradientShards`: the dense pieces first, the
@@ -447,6 +447,7 @@ class PipelineStage:
         routing_coefficients: tuple[float, float] = (0.0, 0.0),
         experts: Collection[Parameter] = (),
         expert_dp_group: comm.Group | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         self.group = comm.group(layout.pp_group(rank))
         self.stages, self.stage = layout.pp, self.group.index
@@ -474,8 +475,8 @@ class PipelineStage:
             dense = [w for i, w in enumerate(self.weights) if i not in held_experts]
             length = _common_shard_length(dense, zero2_group, ends)
             self.shards = (
-                ExpertGradientShards(self.weights, held_experts, zero2_group, expert_dp_group, length)
-                if held_experts else GradientShards(self.weights, zero2_group, length)
+                ExpertGradientShards(self.weights, held_experts, zero2_group, expert_dp_group, length, bucket_bytes)
+                if held_experts else GradientShards(self.weights, zero2_group, length, bucket_bytes)
             )
             self.buffers = self.shards.buffers
             self.piece_params, self.shard_length = self.shards.piece_params, self.shards.shard_length
