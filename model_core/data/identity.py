@@ -28,11 +28,16 @@ class InputDigest:
 
 @dataclass(frozen=True)
 class SplitIdentity:
-    name: str  # `<kind>/<split>`: pretraining/train, instructions/validation
+    kind: str  # pretraining or instructions
+    split: str  # train or validation
     digest: str
     directory: Path
     inputs: tuple[InputDigest, ...]  # empty for a dataset whose manifest does not list its inputs
     profile: dict[str, int]  # the split's documents (or examples), rows, tokens and shards; the dataset's seq_len
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}/{self.split}"
 
 
 def split_identities(directory: str | Path, splits: tuple[str, ...] = ("train", "validation")) -> list[SplitIdentity]:
@@ -50,7 +55,7 @@ def _identity(directory: Path, manifest: dict, split: str) -> SplitIdentity:
     counted = ("documents", "examples", "rows", "tokens")  # a pretraining split counts documents, instructions examples
     profile = {key: entry[key] for key in counted if key in entry}
     profile.update(shards=len(entry["shards"]), seq_len=manifest["seq_len"])
-    return SplitIdentity(f"{dataset_kind(manifest)}/{split}", digest, directory, input_digests(manifest), profile)
+    return SplitIdentity(dataset_kind(manifest), split, digest, directory, input_digests(manifest), profile)
 
 
 def dataset_kind(manifest: dict) -> str:
