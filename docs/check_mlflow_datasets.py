@@ -2,10 +2,11 @@
 
 Runs one shrunk tiny pipeline with a LoRA fine-tune (`llmflow run`, as a user would), so that every stage that
 reads data runs: data prep, smoke, pretrain, finetune, evaluate. Serves the store with `mlflow server`, opens
-the page of the pipeline's parent run and of each of its stage runs in headless Chromium, and checks that each
-page lists the run's datasets with their digests and contexts as the store records them (the parent: every
-dataset of its stages; the stages: e.g. finetune's pretraining/train as "base model"). Writes a screenshot of
-the parent run's page. Exit status 0 when all is there, 1 naming what is missing.
+the page of the pipeline's parent run and of each of its stage runs in headless Chromium, clicks the run's
+first dataset and checks that the dataset drawer lists the run's datasets with their digests and contexts as
+the store records them (the parent: every dataset of its stages; the stages: e.g. finetune's
+pretraining/train as "base model"). Writes a screenshot of the parent run's page with the drawer open. Exit
+status 0 when all is there, 1 naming what is missing.
 
     apt-get install chromium && pip install playwright      # once; no browser download (Debian's Chromium)
     python docs/check_mlflow_datasets.py [--work DIR] [--screenshot docs/mlflow-datasets.png]
@@ -64,20 +65,22 @@ def datasets(run) -> list[tuple[str, str, str]]:
 
 
 def page_texts(base: str, experiment: str, runs: dict[str, object], screenshot: Path) -> dict[str, str]:
-    """The text of each run's page, once its datasets have rendered; a screenshot of the first (the parent's)."""
+    """The text of each run's page with its dataset drawer open (the run page's *Datasets* row shows the first
+    and "+N"; the drawer lists them all, each with its context, and the details of the one clicked); a
+    screenshot of the first (the parent's)."""
     from playwright.sync_api import sync_playwright
 
     texts = {}
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
-        page = browser.new_page(viewport={"width": 1600, "height": 1300})
+        page = browser.new_page(viewport={"width": 1600, "height": 1000})
         for name, run in runs.items():
             page.goto(f"{base}/#/experiments/{experiment}/runs/{run.info.run_id}")
-            first = datasets(run)[0][0]
-            page.get_by_text(first).first.wait_for(timeout=120_000)
-            time.sleep(1)  # the rest of the run's details fill in after the first paint
+            first, digest, _ = datasets(run)[0]
+            page.get_by_role("button", name=f"{first} ({digest})").first.click(timeout=120_000)
+            page.get_by_text("datasets used").first.wait_for(timeout=60_000)
+            time.sleep(1)  # the drawer slides in
             if name == "pipeline":
-                page.get_by_text("Datasets").first.scroll_into_view_if_needed()
                 screenshot.parent.mkdir(parents=True, exist_ok=True)
                 page.screenshot(path=str(screenshot))
             texts[name] = page.inner_text("body")
