@@ -19,7 +19,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the schema's validators call this module: a runtime import would be circular
-    from params.schema import ModelParams, ParallelParams, PipelineParams
+    from params.schema import DataSource, ModelParams, ParallelParams, PipelineParams
+
+# How far the weights of a mixture whose every source has one may sum from 1 (they are then scaled to 1 exactly).
+WEIGHT_SUM_TOLERANCE = 1e-3
 
 
 class ParallelConfigError(ValueError):
@@ -166,5 +169,29 @@ def expert_problems(ep: int, zero_stage: int, model: ModelParams) -> list[str]:
         problems.append(
             f"parallel.zero_stage=3 with model.moe ({len(model.moe_layers)} MoE blocks): mixture-of-experts "
             "models train with data, tensor, pipeline and expert parallelism and ZeRO 0 to 2 for now"
+        )
+    return problems
+
+
+def source_names(sources: Sequence[DataSource]) -> list[str]:
+    """Each data source's name: its `name`, or `source<i>` by its place."""
+    return [source.name or f"source{index}" for index, source in enumerate(sources)]
+
+
+def mixture_problems(sources: Sequence[DataSource]) -> list[str]:
+    """What the data sources' weights and epochs alone rule out (what needs the data, a weight on a source with no
+    rows, is judged when training opens the dataset: model_core/train/mixture.py)."""
+    names = source_names(sources)
+    problems = [f"data.sources: two sources are named {name!r}" for name in sorted({n for n in names if names.count(n) > 1})]
+    weighted = [(name, source.weight) for name, source in zip(names, sources) if source.weight is not None]
+    total = sum(weight for _, weight in weighted)
+    others = [name for name, source in zip(names, sources) if source.weight is None]
+    listed = ", ".join(f"{name}={weight}" for name, weight in weighted)
+    if weighted and not others and abs(total - 1.0) > WEIGHT_SUM_TOLERANCE:
+        problems.append(f"data.sources weights ({listed}) sum to {total:.6g}, not 1: every source has a weight, so they are its shares")
+    if others and total >= 1.0:
+        problems.append(
+            f"data.sources weights ({listed}) sum to {total:.6g}, leaving no share for {', '.join(others)} "
+            "(sources without a weight are read by epochs; weights must then sum to less than 1)"
         )
     return problems
