@@ -192,3 +192,14 @@ def test_a_trainer_resumed_under_another_global_batch_continues_at_its_sample_an
     assert trainer.batches.state_dict()["samples"] == 80 + 2 * 16
     assert first["data/source0/tokens_seen"] == (80 + 16) * params.model.seq_len
     assert read_manifest(dataset_dir)["splits"]["train"]["rows"] * result.history[-1]["data/source0/epochs"] == pytest.approx(112)
+
+
+def test_the_weights_are_not_in_the_datasets_key_but_in_the_runs():
+    from model_core.data.prepare import data_params
+    from params.identity import training_inputs
+
+    sources = [{"kind": "text", "paths": ["a"], "weight": 0.7}, {"kind": "text", "paths": ["b"], "name": "code"}]
+    other = [{**sources[0], "weight": 0.2}, {**sources[1], "epochs": 3}]
+    params = [load_params("tiny", [f"data.sources={json.dumps(chosen)}"]) for chosen in (sources, other)]
+    assert data_params(params[0].data, params[0].tokenizer, params[0].model) == data_params(params[1].data, params[1].tokenizer, params[1].model)
+    assert training_inputs(params[0]) != training_inputs(params[1])

@@ -38,7 +38,8 @@ def test_pretraining_key_ignores_later_stages_cadence_and_layout():
     # The same global batch of 16 sequences, cut differently: the same run.
     assert key("train.micro_batch_size=4", "train.grad_accum_steps=4") == key("train.micro_batch_size=8", "train.grad_accum_steps=2")
     assert key("train.micro_batch_size=4", "parallel.data_parallel=2") == key("train.micro_batch_size=8")
-    for change in ("train.steps=301", "optimizer.lr=2e-3", "train.seed=1", "model.init_std=0.01", "train.micro_batch_size=4"):
+    mixture = "data.sources=[{kind: text, paths: [a], weight: 0.5}, {kind: text, paths: [b], epochs: 2}]"
+    for change in ("train.steps=301", "optimizer.lr=2e-3", "train.seed=1", "model.init_std=0.01", "train.micro_batch_size=4", mixture):
         assert key(change) != key(), change
 
 
