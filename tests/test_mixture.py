@@ -14,6 +14,7 @@ from conftest import PARALLEL_RUN, docstring_documents
 from model_core.data import open_split, prepare_dataset, read_manifest
 from model_core.data.cleaning import clean_text
 from model_core.data.mixture import Mixture, MixtureError, MixtureSource, mixture_sources
+from model_core.data.permutation import KeyedPermutation
 from model_core.train.loader import ShuffledBatches, make_batch
 from params import load_params
 from params.schema import DataParams, DataSource, ModelParams, TokenizerParams
@@ -203,3 +204,23 @@ def test_the_weights_are_not_in_the_datasets_key_but_in_the_runs():
     params = [load_params("tiny", [f"data.sources={json.dumps(chosen)}"]) for chosen in (sources, other)]
     assert data_params(params[0].data, params[0].tokenizer, params[0].model) == data_params(params[1].data, params[1].tokenizer, params[1].model)
     assert training_inputs(params[0]) != training_inputs(params[1])
+
+
+def test_a_continued_run_carries_each_sources_epochs_and_reads_it_in_an_order_not_yet_used(mixed):
+    earlier = _loader(mixed)
+    for _ in range(100):
+        earlier.next_rows()
+    read = earlier.state_dict()["epochs"]
+    assert 1 < read["books"] < 2  # in its second epoch
+    continued = _loader(mixed)
+    continued.mixture.carry(read)
+    assert continued.consumed()["books"][1] == read["books"]
+    books = continued.mixture.sources[2]
+    rows, sources = continued.mixture.rows(np.arange(2000))
+    first = rows[sources == 2][: books.rows]
+    used = [KeyedPermutation(books.rows, (5, 2, epoch)).forward(np.arange(books.rows)) + books.first_row for epoch in (0, 1)]
+    assert sorted(first.tolist()) == sorted(used[0].tolist()) and all(not np.array_equal(first, u) for u in used)
+    np.testing.assert_array_equal(first, KeyedPermutation(books.rows, (5, 2, 2)).forward(np.arange(books.rows)) + books.first_row)
+    resumed = _loader(mixed)
+    resumed.load_state_dict(json.loads(json.dumps(continued.state_dict())))
+    assert resumed.consumed() == continued.consumed()

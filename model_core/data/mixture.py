@@ -14,10 +14,17 @@ row `KeyedPermutation(rows, (seed, source, epoch)).forward(k % rows)` of the sou
 source read to its end starts its next epoch in another order. The position of a run is the number of
 samples consumed: it means the same samples however they were batched (any global batch, any number of
 data-parallel ranks), so a run resumes under another batch without repeating or skipping one.
+
+A run that continues an earlier one on new data (continued pretraining, a mixture whose sources grew)
+starts the new stream at its first sample and carries each source's epochs by name (`carry`): a source read
+1.5 times goes on counting from 1.5, and its new rows are read in the orders of epochs 2, 3, ..., never one
+the earlier run used. Rows are not matched across the two datasets (a grown source is packed and shuffled
+anew), so a grown source's next epoch is its old documents and its new ones together.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -115,6 +122,11 @@ class Mixture:
         order = np.lexsort((owner, times))  # IEEE division and a stable sort: the same order on every platform
         self._period_source = owner[order].astype(np.int32)
         self._period_rank = rank[order].astype(np.int64)
+        self.epochs_before = [0.0] * len(self.sources)  # read by the run this one continues (`carry`)
+
+    def carry(self, epochs: dict[str, float]) -> None:
+        """Go on from the epochs an earlier run read of each source, by name (others start at 0)."""
+        self.epochs_before = [float(epochs.get(source.name, 0.0)) for source in self.sources]
 
     def identity(self) -> list[dict]:
         """What decides the stream besides the seed: each source's rows and quota."""
@@ -134,9 +146,10 @@ class Mixture:
             mine = np.flatnonzero(source == index)
             entry = self.sources[index]
             epoch, offset = np.divmod(within[mine], entry.rows)
+            first_epoch = math.ceil(self.epochs_before[index])  # past every epoch an earlier run started
             for value in np.unique(epoch).tolist():
                 chosen = mine[epoch == value]
-                order = KeyedPermutation(entry.rows, (self.seed, index, value))
+                order = KeyedPermutation(entry.rows, (self.seed, index, first_epoch + value))
                 rows[chosen] = entry.first_row + order.forward(offset[epoch == value]).astype(np.int64)
         return rows, source
 

@@ -97,18 +97,23 @@ class ShuffledBatches:
         return self.rows.take(self.mixture.rows(self.last_samples)[0])
 
     def consumed(self) -> dict[str, tuple[int, float]]:
-        """Per source: the samples the run has read of it and the epochs they make (above 1: repeated)."""
+        """Per source: the samples the run has read of it and the epochs read in all (above 1: repeated; those
+        of a run this one continues included)."""
         counts = self.mixture.consumed(self.samples)
         return {
-            source.name: (count, count / source.rows if source.rows else 0.0)
-            for source, count in zip(self.mixture.sources, counts)
+            source.name: (count, before + (count / source.rows if source.rows else 0.0))
+            for source, count, before in zip(self.mixture.sources, counts, self.mixture.epochs_before)
         }
 
     def _identity(self) -> dict:
         return {"seed": self.seed, "order": _ORDER, "sources": self.mixture.identity()}
 
     def state_dict(self) -> dict:
-        return {"samples": self.samples, "global_batch_rows": self.global_batch_rows, **self._identity()}
+        epochs = {name: read for name, (_, read) in self.consumed().items()}
+        return {
+            "samples": self.samples, "global_batch_rows": self.global_batch_rows, "epochs": epochs,
+            "epochs_before": self.mixture.epochs_before, **self._identity(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue at the saved sample, whatever batch it was saved under (`state["global_batch_rows"]`)."""
@@ -119,6 +124,7 @@ class ShuffledBatches:
                     "the saved position would point at different samples"
                 )
         self.samples = state["samples"]
+        self.mixture.epochs_before = list(state["epochs_before"])
 
 
 def sequential_batches(rows: Rows, batch_rows: int, count: int, pad_id: int, reset_at_documents: bool):

@@ -103,7 +103,8 @@ class Trainer:
         LoRA adapters (and nothing else) on top of those weights. `continue_from`: a training checkpoint of an
         earlier run (on other data) whose weights, AdamW moments, loss scale and step number this run starts
         from when it has no checkpoint of its own to resume; it then trains `steps` more steps, its learning-rate
-        warmup and decay run again over them, and the data is read from its start."""
+        warmup and decay run again over them, and the data is read from its first sample (each source's epochs
+        going on from the earlier run's count)."""
         device = device_target()
         check_precision(params.precision, device)
         self.params = params
@@ -134,7 +135,7 @@ class Trainer:
             sources=sources,
         )
         self.batch_change: tuple[int, int] | None = None  # (saved, this run's) global batch rows of a resume across them
-        self.epochs_reported = {name: 0 for name in self.batches.consumed()}
+        self.epochs_reported: dict[str, int] = {}  # whole epochs of each source the log has announced
         self.validation = open_split(dataset_dir, "validation")
         # First read at the first evaluation, steps into the run: a damaged shard there stops the run before it starts.
         self.validation.check(np.arange(min(len(self.validation), train.eval_batches * train.micro_batch_size)))
@@ -176,7 +177,10 @@ class Trainer:
         found = ckpt.Checkpoint(path, -1)
         if problem := ckpt.verify(found):
             raise ResumeError(f"checkpoint {path} to continue from is not usable: {problem}")
-        state = self._load(found)  # the data position belongs to the earlier data: this data starts at its start
+        state = self._load(found)
+        # The position belongs to the earlier data: this data starts at its first sample, each source going on
+        # from the epochs the earlier run read of it (data/mixture.py).
+        self.batches.mixture.carry(state["data"].get("epochs", {}))
         self.schedule_start = state["step"]
         self.counters = _Counters(step=state["step"], tokens_seen=state["counters"]["tokens_seen"])
 
@@ -361,7 +365,7 @@ class Trainer:
         for name, (samples, epochs) in self.batches.consumed().items():
             metrics[f"data/{name}/tokens_seen"] = samples * self.params.model.seq_len
             metrics[f"data/{name}/epochs"] = epochs
-            if int(epochs) > self.epochs_reported[name]:
+            if int(epochs) > self.epochs_reported.setdefault(name, int(epochs)):
                 self.epochs_reported[name] = int(epochs)
                 logger.info("data source %s read whole %d time(s): it is repeated, in a new order", name, int(epochs))
         if self.batch_change is not None:
