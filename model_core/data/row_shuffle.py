@@ -24,6 +24,7 @@ shard or writing a bucket takes tens of milliseconds, less than a task run of an
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,11 +84,11 @@ class SplitStream:
         return sum(self.rows[:source])
 
     def token_start(self, source: int) -> int:
-        return self.offsets[self.sources.index(source)] if source in self.sources else self.offsets[-1]
+        return self.offsets[bisect.bisect_left(self.sources, source)]
 
     def end_shard(self, source: int) -> int:
         """One past the source's last shard."""
-        return max(index for index, owner in enumerate(self.sources) if owner == source) + 1
+        return bisect.bisect_right(self.sources, source)
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps({"offsets": self.offsets, "sources": self.sources, "rows": self.rows}))
