@@ -3,8 +3,8 @@
 Every rule about what a layout may do lives here: the arithmetic of the degrees (dp x tp x pp against the world,
 tp against heads, key/value heads, FFN width and vocabulary, pp against the layers, micro-batches against the
 stages, ep against dp and the experts) and the feature combinations not built (ZeRO-3 with mixture-of-experts
-blocks, optimizer offload under expert parallelism, parameter offload with pipeline stages or a LoRA fine-tune).
-A refusal is one line naming both settings and both values.
+blocks, optimizer offload under expert parallelism, parameter offload with pipeline stages or a LoRA fine-tune),
+and what the data sources' weights and epochs may be. A refusal is one line naming both settings and both values.
 
 It lives in params/ and imports no MindSpore, so the CLI judges a run in milliseconds and every layer may ask:
 the schema's validators apply the rules that hold whatever a run does (so a file, a `--set` or a Prefect
@@ -180,7 +180,7 @@ def source_names(sources: Sequence[DataSource]) -> list[str]:
 
 def mixture_problems(sources: Sequence[DataSource]) -> list[str]:
     """What the data sources' weights and epochs alone rule out (what needs the data, a weight on a source with no
-    rows, is judged when training opens the dataset: model_core/train/mixture.py)."""
+    rows, is judged when training opens the dataset: model_core/data/mixture.py)."""
     names = source_names(sources)
     problems = [f"data.sources: two sources are named {name!r}" for name in sorted({n for n in names if names.count(n) > 1})]
     weighted = [(name, source.weight) for name, source in zip(names, sources) if source.weight is not None]
