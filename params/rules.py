@@ -3,8 +3,8 @@
 Every rule about what a layout may do lives here: the arithmetic of the degrees (dp x tp x pp against the world,
 tp against heads, key/value heads, FFN width and vocabulary, pp against the layers, micro-batches against the
 stages, ep against dp and the experts) and the feature combinations not built (ZeRO-3 with mixture-of-experts
-blocks, optimizer offload under expert parallelism, parameter offload with pipeline stages or a LoRA fine-tune).
-A refusal is one line naming both settings and both values.
+blocks, optimizer offload under expert parallelism, parameter offload with pipeline stages or a LoRA fine-tune),
+and what the data sources' weights and epochs may be. A refusal is one line naming both settings and both values.
 
 It lives in params/ and imports no MindSpore, so the CLI judges a run in milliseconds and every layer may ask:
 the schema's validators apply the rules that hold whatever a run does (so a file, a `--set` or a Prefect
@@ -19,7 +19,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the schema's validators call this module: a runtime import would be circular
-    from params.schema import ModelParams, ParallelParams, PipelineParams
+    from params.schema import DataSource, ModelParams, ParallelParams, PipelineParams
+
+# How far the weights of a mixture whose every source has one may sum from 1 (they are then scaled to 1 exactly).
+WEIGHT_SUM_TOLERANCE = 1e-3
 
 
 class ParallelConfigError(ValueError):
@@ -166,5 +169,29 @@ def expert_problems(ep: int, zero_stage: int, model: ModelParams) -> list[str]:
         problems.append(
             f"parallel.zero_stage=3 with model.moe ({len(model.moe_layers)} MoE blocks): mixture-of-experts "
             "models train with data, tensor, pipeline and expert parallelism and ZeRO 0 to 2 for now"
+        )
+    return problems
+
+
+def source_names(sources: Sequence[DataSource]) -> list[str]:
+    """Each data source's name: its `name`, or `source<i>` by its place."""
+    return [source.name or f"source{index}" for index, source in enumerate(sources)]
+
+
+def mixture_problems(sources: Sequence[DataSource]) -> list[str]:
+    """What the data sources' weights and epochs alone rule out (what needs the data, a weight on a source with no
+    rows, is judged when training opens the dataset: model_core/data/mixture.py)."""
+    names = source_names(sources)
+    problems = [f"data.sources: two sources are named {name!r}" for name in sorted({n for n in names if names.count(n) > 1})]
+    weighted = [(name, source.weight) for name, source in zip(names, sources) if source.weight is not None]
+    total = sum(weight for _, weight in weighted)
+    others = [name for name, source in zip(names, sources) if source.weight is None]
+    listed = ", ".join(f"{name}={weight}" for name, weight in weighted)
+    if weighted and not others and abs(total - 1.0) > WEIGHT_SUM_TOLERANCE:
+        problems.append(f"data.sources weights ({listed}) sum to {total:.6g}, not 1: every source has a weight, so they are its shares")
+    if others and total >= 1.0:
+        problems.append(
+            f"data.sources weights ({listed}) sum to {total:.6g}, leaving no share for {', '.join(others)} "
+            "(sources without a weight are read by epochs; weights must then sum to less than 1)"
         )
     return problems

@@ -322,7 +322,8 @@ def test_progress_lines_give_rates_and_an_eta_as_map_results_land_not_when_the_m
 def reference_dataset(texts, data, processor):
     """The dataset's rows computed in one pass over the whole corpus in memory: clean, filter, exact dedup
     (first occurrence kept), split by keyed hash, tokenize, near dedup over all documents in corpus order,
-    pack each split's documents in corpus order, put stream row forward(p) at position p."""
+    pack each split's documents in corpus order, put stream row forward(p) at position p (one source: the
+    training rows are shuffled within its range, keyed by the source too)."""
     cleaned = [clean_text(text) for text in texts]
     kept = [text for text in cleaned if data.min_chars <= len(text) <= data.max_chars]
     kept = list(dict.fromkeys(kept))
@@ -335,7 +336,8 @@ def reference_dataset(texts, data, processor):
     splits = {}
     for split, chosen in (("train", ~validation & ~near), ("validation", validation & ~near)):
         rows = pack_documents(token_ids, lengths, MODEL.seq_len + 1, 1, 2, 3, data.last_row, np.flatnonzero(chosen))
-        order = KeyedPermutation(len(rows), (data.shuffle_seed, 1 if split == "train" else 2)).forward(np.arange(len(rows), dtype=np.uint64))
+        key = (data.shuffle_seed, 1, 0) if split == "train" else (data.shuffle_seed, 2)
+        order = KeyedPermutation(len(rows), key).forward(np.arange(len(rows), dtype=np.uint64))
         splits[split] = rows.take(order.astype(np.int64))
     return splits, int(near.sum())
 
