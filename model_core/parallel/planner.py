@@ -15,7 +15,8 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    ZeRO-3: 4P/dp
     gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward 4P fresh gradients, which the
                    compiled backward holds (ZeRO-2: also every bucket's flat input to its reduce-scatter, 4P more;
-                   ZeRO-3: 4P/dp); in the update a scaled copy of every buffer (ZeRO-1: and its pieces, 4P/dp).
+                   ZeRO-3: 4P/dp). The update scales each gradient in place as AdamW takes it; ZeRO-1 cuts each
+                   piece of its shard out of the buffer and scales it, both held by its compiled update: 8P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and ShardedAdamW's fp32
                    copy of its shard)
     activations    per layer and micro-batch, what the hand-written backwards of model_core.model.fused keep:
@@ -457,7 +458,8 @@ def stage_phases(
     params: PipelineParams, candidate: Candidate, stage: int, kind: DeviceKind, runtime: int
 ) -> tuple[Memory, Memory]:
     """Bytes of one rank of `stage` under `candidate` at its two peaks: the backward (activations, fresh gradients,
-    gradient buckets) and the update (scaled gradients, ZeRO-1/2's bucketed gather of the updated shards)."""
+    gradient buckets) and the update (ZeRO-1's scaled gradient pieces, ZeRO-1/2's bucketed gather of the updated
+    shards)."""
     c = _DTYPE_BYTES[params.precision.compute_dtype]
     dp, zero = candidate.dp, candidate.zero_stage
     dense, experts = stage_parameter_split(params.model, candidate.tp, candidate.pp, stage, candidate.ep)
@@ -496,9 +498,10 @@ def stage_phases(
         sizes = [math.prod(row.block_shape(candidate.tp, candidate.ep)) for row in
                  placement_table(params.model, layout).on_stage(stage)]
         gathered = shard_gather_bytes(sizes, dp, bucket_bytes(params))
-    # The update scales a copy of every gradient buffer (`ApplyGradients`); ZeRO-1 then cuts its pieces out of them.
-    scaled = 0 if candidate.offload else accumulated + (4 * shard if dp > 1 and zero == 1 else 0)
-    update = Memory(parameters=masters, gradients=accumulated + scaled, activations=0, communication=gathered,
+    # AdamW scales each gradient buffer in place as it takes it; ZeRO-1 cuts each piece's gradient out of the full
+    # buffer and scales it, and its compiled update holds both, 8P/dp.
+    pieces = 8 * shard if dp > 1 and zero == 1 and not candidate.offload else 0
+    update = Memory(parameters=masters, gradients=accumulated + pieces, activations=0, communication=gathered,
                     phase="update", **state)
     return backward, update
 
