@@ -40,8 +40,8 @@ class AdamW(nn.Cell):
     before its own update, after the previous parameter's update has run, and holds the scaled values afterwards,
     so no scaled copy of the gradients is made (with `grad_slices`, only the slice is scaled, into a new tensor).
     The call returns a Tensor that exists once every update is done, to order what must come after (zeroing the
-    buffers: before the update has read them would lose the gradient). step is the bias-correction count t of this update,
-    1-based like torch's state["step"]: 1 on the first update, so schedule step s (0-based) updates with
+    buffers: before the update has read them would lose the gradient). step is the bias-correction count t of
+    this update, 1-based like torch's state["step"]: 1 on the first update, so schedule step s (0-based) updates with
     t = s + 1 (t = 0 divides by zero). The moments are Parameters named `adam_m.<name>` and
     `adam_v.<name>`, so saving this cell checkpoints them; `state_dict`/`load_state_dict` move them as numpy.
     Calling a graph-mode cell directly (not from inside another cell's construct) with a fresh grads tuple
@@ -79,7 +79,9 @@ class AdamW(nn.Cell):
         """The AdamW an `OptimizerParams` describes (lr and clipping are the caller's, per step)."""
         return cls(parameters, (optimizer.beta1, optimizer.beta2), optimizer.eps, optimizer.weight_decay, names)
 
-    def construct(self, grads: tuple[Tensor, ...], lr: Tensor, step: Tensor, grad_scale: Tensor | None = None) -> Tensor:
+    def construct(
+        self, grads: tuple[Tensor, ...], lr: Tensor, step: Tensor, grad_scale: Tensor | None = None
+    ) -> Tensor:
         t = step.astype(ms.float32)
         beta1_power = ops.pow(self._beta1, t)
         beta2_power = ops.pow(self._beta2, t)

@@ -101,9 +101,9 @@ def moment_names(names: Sequence[str]) -> set[str]:
 
 
 class ExpertParallelOptimizer(nn.Cell):
-    """Two optimizers called as one AdamW, (grads, lr, step[, grad_scale]): `dense` updates the weights at `dense_positions`
-    of the gradient tuple, `experts` those at `expert_positions` (this rank's expert shards, named
-    `expert_names`). `state_dict` and `load_state_dict` speak whole tensors; both are collective over ep."""
+    """Two optimizers called as one AdamW, (grads, lr, step[, grad_scale]): `dense` updates the weights at
+    `dense_positions` of the gradient tuple, `experts` those at `expert_positions` (this rank's expert shards,
+    named `expert_names`). `state_dict` and `load_state_dict` speak whole tensors; both are collective over ep."""
 
     def __init__(self, dense: nn.Cell, experts: nn.Cell, dense_positions: Sequence[int], expert_positions: Sequence[int],
                  expert_names: Sequence[str], ep_group: Group) -> None:

@@ -156,7 +156,8 @@ def shard_fill(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, int, i
 
 
 class ShardedAdamW(nn.Cell):
-    """AdamW over `parameters` with this rank's 1/dp of the moments; called like AdamW: (grads, lr, step).
+    """AdamW over `parameters` with this rank's 1/dp of the moments; called like AdamW:
+    (grads, lr, step[, grad_scale]).
 
     grads are one full gradient per parameter, or with `sharded_gradients` (ZeRO-2) one per piece of this
     rank's shard, in the order of `ShardedAccumulateGradients.buffers`."""
