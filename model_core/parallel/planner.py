@@ -15,7 +15,8 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    ZeRO-3: 4P/dp
     gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward 4P fresh gradients, which the
                    compiled backward holds (ZeRO-2: also every bucket's flat input to its reduce-scatter, 4P more;
-                   ZeRO-3: 4P/dp); in the update a scaled copy of every buffer (ZeRO-1: and its pieces, 4P/dp).
+                   ZeRO-3: 4P/dp). The update scales each gradient in place as AdamW takes it; ZeRO-1 cuts each
+                   piece of its shard out of the buffer and scales it, both held by its compiled update: 8P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and ShardedAdamW's fp32
                    copy of its shard)
     activations    per layer and micro-batch, what the hand-written backwards of model_core.model.fused keep:
@@ -75,12 +76,14 @@ is f k B T H c x 4 (ep - 1)/ep at capacity factor f (dropless: C = B T). `Estima
 sums them over the MoE blocks and a step's micro-batches. ep is added only where the experts do not fit under
 dp alone: it comes after tp and pp in the order below, so the plan prefers ep1, then the smallest ep that fits.
 
-Preference among layouts that fit: no ZeRO beyond stage 1 (ZeRO-2/3 repeat collectives every accumulated
-micro-batch, and ZeRO-3 gathers every weight in each forward and again in each backward; the trainer runs ZeRO-2
-with pp = 1 and ZeRO-3 with tp = pp = 1), then the fewest pipeline stages, then the smallest
-tensor-parallel degree (so data parallel first, then tensor parallel inside a node, then pipeline stages),
-then no recompute; with dp > 1, ZeRO-1 before none (which fits instead only where ZeRO-1's all-gather of the
-updated parameters does not). When nothing fits the plan says so and names the smallest layout.
+Preference among layouts that fit follows how the field fits a model into device memory: data parallel first,
+ZeRO stages 1, 2, 3 to shard what data parallel replicates, then recompute, and only then tensor parallelism inside
+a node, pipeline stages, expert parallelism and, last, offload. So the plan takes the fewest pipeline stages, then
+the smallest tensor-parallel degree, then the smallest ep; within those degrees ZeRO-1 (ZeRO-0 only where ZeRO-1's
+gather of the updated parameters does not fit), ZeRO-2, ZeRO-3, each without recompute before any with it. ZeRO-2
+and 3 repeat collectives every accumulated micro-batch (ZeRO-3 gathers every weight in each forward and backward),
+but that costs less than the activation traffic of tensor parallelism or a pipeline's bubble; the trainer runs
+ZeRO-2 with pp = 1 and ZeRO-3 with tp = pp = 1. When nothing fits the plan says so and names the smallest layout.
 """
 
 from __future__ import annotations
@@ -103,6 +106,7 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RECOMPUTE_MODES = ("none", "all")
+ZERO_ORDER = (1, 0, 2, 3)  # with dp > 1: ZeRO-1 shards the moments for free; 2 and 3 add collectives per micro-batch
 OFFLOAD_GAP = 0.20  # offload is advised only when the layout without it is at most this much over the device
 OFFLOAD_STAGING_BYTES = 3 * 4 * 2**20  # model_core/optim/offload.py: three 4 MiB staging buckets
 # Stated bandwidths the offload traffic is timed at: host <-> device over PCIe 4.0 x16 (~25 GB/s of its 32), and
@@ -184,14 +188,13 @@ class Candidate:
     param_offload: bool = False  # ZeRO-3: the parameter shards off the device too (with `offload`)
 
     def preference(self) -> tuple[int, ...]:
-        """Smaller is preferred: no offload (then optimizer offload alone), then no ZeRO beyond stage 1, then fewer
-        pipeline stages, then less tensor parallelism, then less expert parallelism, then no recompute; with dp > 1,
-        ZeRO-1 before ZeRO-0."""
-        beyond_one = max(self.zero_stage - 1, 0)
-        unsharded_dp = int(self.dp > 1 and self.zero_stage == 0)
+        """Smaller is preferred, in the order the field fits a model: offload last (optimizer offload before
+        parameter offload), then fewer pipeline stages, then less tensor parallelism, then less expert parallelism;
+        within those degrees, data parallel sharded by ZeRO 1 -> 2 -> 3 (ZeRO-0 only after ZeRO-1), and only then
+        recompute."""
         return (
-            int(self.offload) + int(self.param_offload), beyond_one, self.pp, self.tp, self.ep,
-            RECOMPUTE_MODES.index(self.recompute), unsharded_dp,
+            int(self.offload) + int(self.param_offload), self.pp, self.tp, self.ep,
+            RECOMPUTE_MODES.index(self.recompute), ZERO_ORDER.index(self.zero_stage),
         )
 
     def __str__(self) -> str:
@@ -455,7 +458,8 @@ def stage_phases(
     params: PipelineParams, candidate: Candidate, stage: int, kind: DeviceKind, runtime: int
 ) -> tuple[Memory, Memory]:
     """Bytes of one rank of `stage` under `candidate` at its two peaks: the backward (activations, fresh gradients,
-    gradient buckets) and the update (scaled gradients, ZeRO-1/2's bucketed gather of the updated shards)."""
+    gradient buckets) and the update (ZeRO-1's scaled gradient pieces, ZeRO-1/2's bucketed gather of the updated
+    shards)."""
     c = _DTYPE_BYTES[params.precision.compute_dtype]
     dp, zero = candidate.dp, candidate.zero_stage
     dense, experts = stage_parameter_split(params.model, candidate.tp, candidate.pp, stage, candidate.ep)
@@ -494,9 +498,10 @@ def stage_phases(
         sizes = [math.prod(row.block_shape(candidate.tp, candidate.ep)) for row in
                  placement_table(params.model, layout).on_stage(stage)]
         gathered = shard_gather_bytes(sizes, dp, bucket_bytes(params))
-    # The update scales a copy of every gradient buffer (`ApplyGradients`); ZeRO-1 then cuts its pieces out of them.
-    scaled = 0 if candidate.offload else accumulated + (4 * shard if dp > 1 and zero == 1 else 0)
-    update = Memory(parameters=masters, gradients=accumulated + scaled, activations=0, communication=gathered,
+    # AdamW scales each gradient buffer in place as it takes it; ZeRO-1 cuts each piece's gradient out of the full
+    # buffer and scales it, and its compiled update holds both, 8P/dp.
+    pieces = 8 * shard if dp > 1 and zero == 1 and not candidate.offload else 0
+    update = Memory(parameters=masters, gradients=accumulated + pieces, activations=0, communication=gathered,
                     phase="update", **state)
     return backward, update
 
