@@ -1,7 +1,7 @@
 """Context parallelism: the chunking and mask arithmetic in one process; the layout's cp groups; the rules that
-refuse what cannot run; and under msrun, cp2 alone, with dp2, tp2, pp2, ZeRO-3 and LoRA equal to one process in
-loss and gradient norm over 10 steps on packed rows with several documents each (attention and positions reset at
-their boundaries), and a cp2 checkpoint resumed in one process."""
+refuse what cannot run; the planner's cp arithmetic; and under msrun, cp2 alone, with dp2 (and recompute), tp2,
+pp2, ZeRO-3 and LoRA equal to one process in loss and gradient norm over 10 steps on packed rows with document
+resets (attention and positions restart at each document), and a cp2 checkpoint resumed in one process."""
 
 from __future__ import annotations
 
@@ -185,7 +185,8 @@ CP2 = ("parallel.context_parallel=2", "parallel.micro_batches=4")
 JOBS = {
     "cp2": (2, CP2),
     "cp2-lora": (2, (*CP2, *LORA)),
-    "dp2-cp2": (4, ("parallel.data_parallel=2", "parallel.context_parallel=2", "parallel.micro_batches=2")),
+    "dp2-cp2-recompute": (4, ("parallel.data_parallel=2", "parallel.context_parallel=2", "parallel.micro_batches=2",
+                              "recompute.mode=all")),
     "tp2-cp2": (4, ("parallel.tensor_parallel=2", *CP2)),
     "pp2-cp2": (4, ("parallel.pipeline_parallel=2", *CP2)),
     "dp2-cp2-zero3": (4, ("parallel.data_parallel=2", "parallel.context_parallel=2", "parallel.micro_batches=2",

@@ -713,7 +713,7 @@ def format_plan_table(plan: Plan) -> str:
         lines.append(
             f"context parallelism: each rank receives {_gib(chosen.context_bytes_per_step)} GiB per step through the "
             f"key/value gathers of cp{chosen.candidate.cp} (every layer's forward, and its gradients' reduce-scatter "
-            "in the backward); no layout without cp fits"
+            "in the backward); without cp no layout fits, nor comes within the offload rule's reach"
         )
     if plan.offload_note is not None:
         lines.append(plan.offload_note)
