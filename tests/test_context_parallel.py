@@ -5,7 +5,6 @@ resets (attention and positions restart at each document), and a cp2 checkpoint 
 
 from __future__ import annotations
 
-import mindspore as ms
 import numpy as np
 import pytest
 from conftest import FOUR_WORKER_JOBS, TWO_WORKER_JOBS

@@ -68,10 +68,14 @@ def context_shard(batch: Batch, cp: int, index: int) -> Batch:
     if cp == 1:
         return batch
     rows, length = batch.tokens.shape
-    positions = batch.position_ids if batch.position_ids is not None else np.tile(np.arange(length, dtype=np.int32), (rows, 1))
-    segments = batch.segment_ids if batch.segment_ids is not None else np.zeros((rows, length), np.int32)
+    positions, segments = batch.position_ids, batch.segment_ids
+    if positions is None:
+        positions = np.tile(np.arange(length, dtype=np.int32), (rows, 1))
+    if segments is None:
+        segments = np.zeros((rows, length), np.int32)
     mine = sequence_chunks(length, cp, index)
-    return Batch(*(np.ascontiguousarray(part[:, mine]) for part in (batch.tokens, batch.labels, batch.loss_mask, positions, segments)))
+    parts = (batch.tokens, batch.labels, batch.loss_mask, positions, segments)
+    return Batch(*(np.ascontiguousarray(part[:, mine]) for part in parts))
 
 
 class ShuffledBatches:
