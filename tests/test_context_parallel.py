@@ -14,7 +14,7 @@ from test_parallel_msrun import RUN, assert_same_metrics, resume_from_step, trai
 from model_core.data import open_split
 from model_core.model.attention import Attention, CausalMask
 from model_core.model.documents import document_positions
-from model_core.parallel.context import ContextParallelMask, gathered_order, sequence_chunks, visible_keys
+from model_core.parallel.context import ContextParallelMask, gathered_order, sequence_chunks
 from model_core.parallel.layout import Layout
 from model_core.train.checkpoint import Checkpoint
 from model_core.train.loader import Batch, context_shard
@@ -48,22 +48,6 @@ def test_every_rank_holds_two_mirrored_chunks_and_the_same_causal_work(cp):
         sequence_chunks(10, 2, 0)
 
 
-def _full_mask(segments: np.ndarray) -> np.ndarray:
-    seq = segments.shape[1]
-    return np.tril(np.ones((seq, seq), bool))[None] & (segments[:, :, None] == segments[:, None, :])
-
-
-def test_local_queries_against_gathered_keys_see_what_the_whole_sequence_sees():
-    seq, cp = 16, 2
-    segments = np.array([[0] * 3 + [1] * 9 + [2] * 4, [0] * 11 + [1] * 5], np.int32)
-    full = _full_mask(segments)
-    order = gathered_order(seq, cp)
-    for index in range(cp):
-        mine = sequence_chunks(seq, cp, index)
-        got = visible_keys(mine, order, segments[:, mine], segments[:, order])
-        np.testing.assert_array_equal(got, full[:, mine][:, :, order])
-
-
 class _GatheredSegments(nn.Cell):
     """A cp group as one rank sees it, whose all-gather returns the whole row's segment ids in gather order."""
 
@@ -73,6 +57,11 @@ class _GatheredSegments(nn.Cell):
 
     def all_gather(self, x, axis=0):
         return self.gathered
+
+
+def _full_mask(segments: np.ndarray) -> np.ndarray:
+    seq = segments.shape[1]
+    return np.tril(np.ones((seq, seq), bool))[None] & (segments[:, :, None] == segments[:, None, :])
 
 
 def test_cp_attention_of_each_rank_equals_its_rows_of_whole_sequence_attention_with_gqa():
@@ -89,7 +78,8 @@ def test_cp_attention_of_each_rank_equals_its_rows_of_whole_sequence_attention_w
     for index in range(cp):
         mine = sequence_chunks(seq, cp, index)
         mask = ContextParallelMask(seq, _GatheredSegments(cp, index, segments[:, order]))(seq // cp, Tensor(segments[:, mine]))
-        assert mask.shape == (2, 1, seq // cp, seq)
+        full = _full_mask(segments)  # the one-process mask, its rows and columns taken in this rank's order
+        np.testing.assert_array_equal(mask.asnumpy()[:, 0], full[:, mine][:, :, order])
         got = attention(Tensor(q[:, :, mine]), Tensor(k[:, :, order]), Tensor(v[:, :, order]), mask).asnumpy()
         np.testing.assert_allclose(got, whole[:, :, mine], rtol=1e-5, atol=1e-6)
 

@@ -52,14 +52,6 @@ def gathered_order(seq_len: int, cp: int) -> np.ndarray:
     return np.concatenate([sequence_chunks(seq_len, cp, index) for index in range(cp)])
 
 
-def visible_keys(query_tokens: np.ndarray, key_tokens: np.ndarray, query_segments: np.ndarray,
-                 key_segments: np.ndarray) -> np.ndarray:
-    """bool [B, Tq, Tk]: the causal, within-document mask of queries against keys given by token index and segment
-    id ([B, Tq], [B, Tk]); the arithmetic of `ContextParallelMask`, for checking in one process."""
-    causal = key_tokens[None, None, :] <= query_tokens[None, :, None]
-    return causal & (query_segments[:, :, None] == key_segments[:, None, :])
-
-
 class GatherSequence(nn.Cell):
     """All-gather along the sequence axis over the cp group; the backward reduce-scatters the gradient, so each rank
     gets the sum over the group's queries of the gradient of its own block."""
