@@ -5,16 +5,19 @@ resets (attention and positions restart at each document), and a cp2 checkpoint 
 
 from __future__ import annotations
 
+import mindspore as ms
 import numpy as np
 import pytest
-from conftest import FOUR_WORKER_JOBS, TWO_WORKER_JOBS
-from mindspore import Tensor, nn
+from conftest import FOUR_WORKER_JOBS, SMALL_MODEL, TWO_WORKER_JOBS
+from mindspore import Tensor, nn, ops
 from test_parallel_msrun import RUN, assert_same_metrics, resume_from_step, train_job
 
 from model_core.data import open_split
 from model_core.model.attention import Attention, CausalMask
 from model_core.model.documents import document_positions
-from model_core.parallel.context import ContextParallelMask, gathered_order, sequence_chunks
+from model_core.model.llama import Llama
+from model_core.model.weights import load_weights, model_weights
+from model_core.parallel.context import ContextParallelMask, context_parallel, gathered_order, sequence_chunks
 from model_core.parallel.layout import Layout
 from model_core.train.checkpoint import Checkpoint
 from model_core.train.loader import Batch, context_shard
@@ -82,6 +85,84 @@ def test_cp_attention_of_each_rank_equals_its_rows_of_whole_sequence_attention_w
         np.testing.assert_array_equal(mask.asnumpy()[:, 0], full[:, mine][:, :, order])
         got = attention(Tensor(q[:, :, mine]), Tensor(k[:, :, order]), Tensor(v[:, :, order]), mask).asnumpy()
         np.testing.assert_allclose(got, whole[:, :, mine], rtol=1e-5, atol=1e-6)
+
+
+class _StackedGroup(nn.Cell):
+    """Every cp rank's shard of a batch of `rows` rows stacked along the batch axis of one process: all-gather joins
+    the stacked blocks along `axis` and gives each its copy, reduce-scatter sums them and hands each its block."""
+
+    def __init__(self, cp: int, rows: int) -> None:
+        super().__init__()
+        self.size, self.index, self.rows = cp, 0, rows
+
+    def all_gather(self, x, axis=0):
+        return ops.cat([ops.cat(ops.split(x, self.rows, 0), axis)] * self.size, 0)
+
+    def reduce_scatter(self, x, axis=0):
+        blocks = ops.split(x, self.rows, 0)
+        total = blocks[0]
+        for block in blocks[1:]:
+            total = total + block
+        return ops.cat(ops.split(total, total.shape[axis] // self.size, axis), 0)
+
+
+class _StackedMask(ContextParallelMask):
+    """`ContextParallelMask` of every rank at once, for `_StackedGroup`: each block of rows gets its rank's queries."""
+
+    def __init__(self, seq_len: int, group: _StackedGroup) -> None:
+        super().__init__(seq_len, group)
+        queries = np.stack([sequence_chunks(seq_len, group.size, rank) for rank in range(group.size)])
+        self.query_tokens = Tensor(np.repeat(queries, group.rows, axis=0)[:, :, None])  # [cp x B, T / cp, 1]
+
+    def construct(self, seq, segment_ids):
+        local = segment_ids.astype(ms.float32)
+        everyone = self.group.all_gather(local, 1)
+        causal = self.key_tokens.reshape(1, 1, -1) <= self.query_tokens
+        return ops.logical_and(local.unsqueeze(2) == everyone.unsqueeze(1), causal).unsqueeze(1)
+
+
+@pytest.mark.parametrize("cp, recompute", [(2, True), (4, False)])
+def test_cp_ranks_simulated_in_one_process_give_the_loss_and_gradients_of_the_whole_sequence(cp, recompute):
+    """The model with cp attention swapped in (`context_parallel`), every rank's chunks of packed rows stacked
+    along the batch and exchanged by `_StackedGroup`: the summed loss and every gradient are the one-process ones
+    (the stacked batch sums the ranks' gradients, as the dp x cp sum does)."""
+    params = load_params("tiny", SMALL_MODEL).model
+    whole = Llama(params)
+    rows, seq = 2, params.seq_len
+    tokens = np.random.default_rng(0).integers(0, params.vocab_size, (rows, seq + 1)).astype(np.int32)
+    pairs = [document_positions(starts, seq) for starts in ([0, 5, 20], [0, 13])]
+    positions, segments = np.stack([p for p, _ in pairs]), np.stack([s for _, s in pairs])
+    expected, expected_grads = _loss_and_gradients(whole, tokens[:, :-1], positions, segments, tokens[:, 1:])
+    model = Llama(params)
+    load_weights(model, model_weights(whole))
+    group = _StackedGroup(cp, rows)
+    context_parallel(model, group)
+    model.attention_mask = _StackedMask(seq, group)
+    if recompute:
+        for layer in model.layers:
+            layer.recompute()
+
+    def stacked(array):
+        return np.concatenate([array[:, sequence_chunks(seq, cp, rank)] for rank in range(cp)])
+
+    loss, grads = _loss_and_gradients(model, stacked(tokens[:, :-1]), stacked(positions), stacked(segments),
+                                      stacked(tokens[:, 1:]))
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+    for got, want in zip(grads, expected_grads, strict=True):
+        assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+    without_documents = _loss_and_gradients(whole, tokens[:, :-1], positions, np.zeros_like(segments), tokens[:, 1:])[0]
+    assert abs(without_documents - expected) > 1e-3 * abs(expected)  # the segment ids matter in these rows
+
+
+def _loss_and_gradients(model, tokens, positions, segments, labels):
+    def summed(tokens, positions, segments, labels):
+        logits = model(tokens, positions, segments)
+        return ops.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+
+    loss, grads = ms.value_and_grad(summed, None, model.trainable_params())(
+        *(Tensor(array) for array in (tokens, positions, segments, labels))
+    )
+    return float(loss.asnumpy()), [grad.asnumpy() for grad in grads]
 
 
 def test_context_shard_takes_each_ranks_chunks_with_whole_row_positions_and_segments():
