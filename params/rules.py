@@ -1,10 +1,11 @@
 """The rule book: whether params describe a run that can happen, decided once, before anything runs.
 
-Every rule about what a layout may do lives here: the arithmetic of the degrees (dp x tp x pp against the world,
-tp against heads, key/value heads, FFN width and vocabulary, pp against the layers, micro-batches against the
-stages, ep against dp and the experts) and the feature combinations not built (ZeRO-3 with mixture-of-experts
-blocks, optimizer offload under expert parallelism, parameter offload with pipeline stages or a LoRA fine-tune),
-and what the data sources' weights and epochs may be. A refusal is one line naming both settings and both values.
+Every rule about what a layout may do lives here: the arithmetic of the degrees (dp x cp x tp x pp against the
+world, tp against heads, key/value heads, FFN width and vocabulary, pp against the layers, micro-batches against the
+stages, ep against dp and the experts, 2 x cp against the sequence), the feature combinations not built (ZeRO-3 with
+mixture-of-experts blocks, optimizer offload under expert parallelism, parameter offload with pipeline stages or a
+LoRA fine-tune, context parallelism with mixture-of-experts blocks), and what the data sources' weights and epochs
+may be. A refusal is one line naming both settings and both values.
 
 It lives in params/ and imports no MindSpore, so the CLI judges a run in milliseconds and every layer may ask:
 the schema's validators apply the rules that hold whatever a run does (so a file, a `--set` or a Prefect
@@ -44,7 +45,9 @@ def run_problems(params: PipelineParams, *, world_size: int | None = None, finet
     problems = parallel_problems(parallel) + layout_problems(params.model, parallel)
     if world_size is not None and world_size != parallel.world_size:
         problems.append(
-            f"parallel.data_parallel={parallel.data_parallel} x tensor_parallel={parallel.tensor_parallel} x "
+            f"parallel.data_parallel={parallel.data_parallel} x "
+            + (f"context_parallel={parallel.context_parallel} x " if parallel.context_parallel > 1 else "")
+            + f"tensor_parallel={parallel.tensor_parallel} x "
             f"pipeline_parallel={parallel.pipeline_parallel} = {parallel.world_size} ranks, but the world has {world_size}"
         )
     if finetunes and parallel.param_offload:
@@ -114,7 +117,27 @@ def layout_problems(model: ModelParams, parallel: ParallelParams) -> list[str]:
     problems = [tensor_parallel_problem(parallel.tensor_parallel, model)]
     problems.append(stage_problem(parallel.pipeline_parallel, parallel.pipeline_layers, model.num_layers))
     problems += expert_problems(parallel.expert_parallel, parallel.zero_stage, model)
+    problems += context_parallel_problems(parallel.context_parallel, model)
     return [problem for problem in problems if problem is not None]
+
+
+def context_parallel_problems(cp: int, model: ModelParams) -> list[str]:
+    """Every cp rank holds two equal chunks of every sequence, so 2 x cp must divide it. A mixture-of-experts block's
+    routing statistics and capacity are per sequence, which no rank holds whole: refused rather than trained wrong."""
+    if cp == 1:
+        return []
+    problems = []
+    if model.seq_len % (2 * cp):
+        problems.append(
+            f"model.seq_len={model.seq_len} is not a multiple of 2 x parallel.context_parallel={2 * cp}: every cp rank "
+            "holds two equal chunks of each sequence"
+        )
+    if model.moe_layers:
+        problems.append(
+            f"parallel.context_parallel={cp} with model.moe ({len(model.moe_layers)} MoE blocks): context parallelism "
+            "trains dense models for now"
+        )
+    return problems
 
 
 def tensor_parallel_problem(tp: int, model: ModelParams) -> str | None:

@@ -380,7 +380,7 @@ class ModelParams(StrictModel):
 
 
 class ParallelParams(StrictModel):
-    """How the world of devices is split. dp * tp * pp must equal the number of workers."""
+    """How the world of devices is split. dp * cp * tp * pp must equal the number of workers."""
 
     data_parallel: int = Field(1, ge=1, description="Data-parallel replicas (dp).")
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel ranks per layer (tp), innermost.")
@@ -391,6 +391,14 @@ class ParallelParams(StrictModel):
         description="Expert-parallel ranks (ep), carved out of the dp ranks: each of ep consecutive dp replicas "
         "holds model.moe.num_experts / ep of every MoE block's experts, and tokens travel to their experts' rank "
         "by all-to-all. Must divide data_parallel and model.moe.num_experts; adds no ranks.",
+    )
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        description="Context-parallel ranks (cp): every sequence is cut into 2 x cp equal chunks and each cp rank "
+        "holds two of them (chunk i and chunk 2 x cp - 1 - i, so causal attention costs every rank the same); "
+        "attention gathers every layer's keys and values over the cp ranks. Divides each rank's activations by cp. "
+        "model.seq_len must be a multiple of 2 x cp; adds ranks (world = dp x cp x tp x pp).",
     )
     micro_batches: int = Field(
         1,
@@ -446,7 +454,7 @@ class ParallelParams(StrictModel):
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
+        return self.data_parallel * self.context_parallel * self.tensor_parallel * self.pipeline_parallel
 
     @model_validator(mode="after")
     def _degrees_fit(self) -> ParallelParams:

@@ -36,8 +36,8 @@ def params_with(*overrides: str):
 def test_ranks_put_tensor_parallel_innermost_and_pipeline_outermost():
     layout = Layout(dp=2, tp=2, pp=2)
     assert [tuple(vars(layout.coordinates(r)).values()) for r in range(8)] == [
-        (0, 0, 0), (0, 1, 0), (1, 0, 0), (1, 1, 0), (0, 0, 1), (0, 1, 1), (1, 0, 1), (1, 1, 1),
-    ]
+        (0, 0, 0, 0), (0, 1, 0, 0), (1, 0, 0, 0), (1, 1, 0, 0), (0, 0, 1, 0), (0, 1, 1, 0), (1, 0, 1, 0), (1, 1, 1, 0),
+    ]  # (dp, tp, pp, cp)
     assert all(layout.rank(**vars(layout.coordinates(r))) == r for r in range(8))
     assert layout.all_groups("tp") == [(0, 1), (2, 3), (4, 5), (6, 7)]
     assert layout.all_groups("dp") == [(0, 2), (1, 3), (4, 6), (5, 7)]

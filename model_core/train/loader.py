@@ -17,6 +17,7 @@ import numpy as np
 from model_core.data import PackedRows, SplitRows
 from model_core.data.mixture import Mixture, MixtureSource
 from model_core.model.documents import document_positions
+from model_core.parallel.context import sequence_chunks
 
 Rows = SplitRows | PackedRows  # anything with len() and take(indices) -> PackedRows
 # Names the order function in the saved state: a position saved under another order means other samples.
@@ -53,6 +54,24 @@ def make_batch(rows: PackedRows, pad_id: int, reset_at_documents: bool) -> Batch
     return Batch(
         inputs, labels, loss_mask, np.stack([p for p, _ in pairs]), np.stack([s for _, s in pairs])
     )
+
+
+def context_shard(batch: Batch, cp: int, index: int) -> Batch:
+    """Context-parallel rank `index`'s part of every row of `batch` (`parallel.context.sequence_chunks`: two of
+    2 x cp chunks): its tokens, labels and loss mask, with the positions of the whole row for RoPE and its document
+    segment ids, made when the batch has none (0..T-1, one segment), since the rank's tokens no longer start at 0
+    nor sit next to each other. The whole batch for cp = 1."""
+    if cp == 1:
+        return batch
+    rows, length = batch.tokens.shape
+    positions, segments = batch.position_ids, batch.segment_ids
+    if positions is None:
+        positions = np.tile(np.arange(length, dtype=np.int32), (rows, 1))
+    if segments is None:
+        segments = np.zeros((rows, length), np.int32)
+    mine = sequence_chunks(length, cp, index)
+    parts = (batch.tokens, batch.labels, batch.loss_mask, positions, segments)
+    return Batch(*(np.ascontiguousarray(part[:, mine]) for part in parts))
 
 
 class ShuffledBatches:

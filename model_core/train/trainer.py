@@ -9,8 +9,9 @@ dict) to `on_metrics`.
 A step whose loss or gradient norm is not finite is skipped and counted; `max_consecutive_nonfinite` of
 them in a row stop the run with `NonFiniteError`, leaving the last good checkpoint as it was.
 
-Each data-parallel replica trains on its slice of each global batch; token counts and summed losses are
-summed over dp, so the update is the one a single process makes on the whole global batch. Only rank 0
+Each data-parallel replica trains on its slice of each global batch, and each context-parallel rank of a replica
+on its part of every sequence of that slice; token counts and summed losses are summed over dp x cp, so the update
+is the one a single process makes on the whole global batch. Only rank 0
 reports metrics. Checkpoints are written by the ranks of the first dp replica, one file per tp block of each
 pipeline stage (ZeRO shards gathered whole), and resume under another tp or pp (resharded in memory), dp,
 micro-batch size or global batch: the data position is the number of samples of the mixture consumed.
@@ -40,7 +41,7 @@ from model_core.parallel.pipeline import MicroBatch
 from model_core.train import checkpoint as ckpt
 from model_core.train.callbacks import MetricsCallback
 from model_core.train.flops import flops_per_token, mfu, peak_flops_for_current_device
-from model_core.train.loader import Batch, ShuffledBatches, make_batch, sequential_batches
+from model_core.train.loader import Batch, ShuffledBatches, context_shard, make_batch, sequential_batches
 from model_core.train.precision import LossScale, check_precision
 from model_core.train.reshard import blocks_for, stage_tensors
 from model_core.train.schedule import learning_rate
@@ -119,7 +120,8 @@ class Trainer:
         self.parallel = parallelize(params, self.layout, self.rank, self.initial_weights, lora)
         self.model, self.optimizer = self.parallel.model, self.parallel.optimizer
         self.adaptation = self.parallel.adaptation
-        self.dp_group = self.parallel.dp_group
+        self.dp_group = self.parallel.dp_group  # dp x cp: the ranks that sum token counts and losses
+        self.data_group, self.cp_group = self.parallel.data_group, self.parallel.cp_group
         self.is_reporting = self.rank == 0
         self.writes_checkpoints = self.dp_group.index == 0  # the first dp replica holds every tp block
 
@@ -130,8 +132,8 @@ class Trainer:
                 train.micro_batch_size, params.parallel.micro_batches, train.grad_accum_steps
             ),
             seed=train.seed,
-            rank=self.dp_group.index,
-            world=self.dp_group.size,
+            rank=self.data_group.index,
+            world=self.data_group.size,
             sources=sources,
         )
         self.batch_change: tuple[int, int] | None = None  # (saved, this run's) global batch rows of a resume across them
@@ -317,7 +319,7 @@ class Trainer:
         model, steps = self.params.model, range(0, rows, size)
         if model.moe is None or model.moe.router_jitter == 0:
             return [None for _ in steps]
-        first = self.dp_group.index * rows
+        first = self.data_group.index * rows
         return [
             ms.Tensor(router_noise(
                 model.moe.router_jitter, self.params.train.seed, self.counters.step,
@@ -327,7 +329,8 @@ class Trainer:
         ]
 
     def _batch(self, rows) -> Batch:
-        return make_batch(rows, self.params.tokenizer.pad_id, self.params.train.reset_at_document_boundaries)
+        batch = make_batch(rows, self.params.tokenizer.pad_id, self.params.train.reset_at_document_boundaries)
+        return context_shard(batch, self.cp_group.size, self.cp_group.index)
 
     def _record(self, loss: float, grad_norm: float, tokens_per_second: float) -> dict[str, float]:
         step = self.counters.step
@@ -385,7 +388,9 @@ class Trainer:
         )
         self.model.set_train(False)
         try:
-            total, counted = self._evaluate_in_lockstep(list(batches))
+            total, counted = self._evaluate_in_lockstep(
+                [context_shard(batch, self.cp_group.size, self.cp_group.index) for batch in batches]
+            )
         finally:
             self.model.set_train(True)
         total, counted = sum_over(self.dp_group, [total, counted])
@@ -396,7 +401,7 @@ class Trainer:
         forward gathers weights over dp, under pp it runs on every stage): a replica with no batch left in the
         last round repeats one and counts nothing."""
         total, counted = 0.0, 0
-        size, index = self.dp_group.size, self.dp_group.index
+        size, index = self.data_group.size, self.data_group.index
         for start in range(0, len(batches), size):
             mine = start + index
             summed = self._summed_loss(batches[min(mine, len(batches) - 1)])
