@@ -30,7 +30,7 @@ from model_core.data import open_split, read_manifest
 from model_core.model.moe import router_noise
 from model_core.model.weights import WeightMismatchError
 from model_core.optim.step import scalar
-from model_core.parallel import comm
+from model_core.parallel import comm, heartbeat
 from model_core.parallel.data_parallel import sum_over
 from model_core.parallel.layout import Layout
 from model_core.parallel.parallelize import parallelize
@@ -247,6 +247,7 @@ class Trainer:
 
     def _optimizer_step(self) -> tuple[float, float, int]:
         """k micro-batches, one update (or a skip). Returns (mean loss, gradient norm, tokens processed)."""
+        heartbeat.phase("forward-backward", step=self.counters.step + 1)  # its compiled graph sums the gradients
         rows = self.batches.next_rows()  # this step's global batch, cut into k micro-batches
         size = self.params.train.micro_batch_size
         micro = [self._batch(rows.take(np.arange(i, i + size))) for i in range(0, len(rows), size)]
@@ -260,6 +261,7 @@ class Trainer:
         loss = summed / max(counted, 1)
         if routing is not None:
             self.last_routing = routing_metrics(routing_sums, counted, self.params.model)
+        heartbeat.phase("gradient norm")
         grad_norm = self.parallel.gradient_norm(scalar(1.0 / self.loss_scale.scale))
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         self.loss_scale.update(finite)
@@ -270,6 +272,7 @@ class Trainer:
             coefficient = min(1.0, clip / (grad_norm + 1e-6)) if clip is not None else 1.0
             lr = learning_rate(step - self.schedule_start, self.steps, self.params.optimizer)
             self.last_lr = lr
+            heartbeat.phase("update")
             self.parallel.apply(scalar(lr), scalar(step + 1), scalar(coefficient / self.loss_scale.scale))
             counters.consecutive_nonfinite = 0
             if math.isnan(counters.initial_loss):
@@ -343,6 +346,7 @@ class Trainer:
         the dp replicas take turns over the batches and sum (no replica idles at its next collective while
         another evaluates, which can outlast the backend's collective timeout)."""
         train = self.params.train
+        heartbeat.phase("validation")
         total, counted = 0.0, 0
         batches = sequential_batches(
             self.validation, train.micro_batch_size, train.eval_batches, self.params.tokenizer.pad_id,
