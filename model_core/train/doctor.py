@@ -335,7 +335,7 @@ def _param_causes(run: RunEvidence) -> list[tuple[str, Cause]]:
         seen = f"; the largest gradient norm logged was {peak:.3g}" if peak is not None else ""
         found.append(("clip", Cause(
             "gradient clipping is off, so one bad batch moves the weights as far as its gradient says",
-            f"optimizer.grad_clip=null{seen}", "optimizer.grad_clip=1.0", 1.0 + (peak is not None and peak > 10.0),
+            f"optimizer.grad_clip=null{seen}", "optimizer.grad_clip=1.0", 1.0 + 0.5 * (peak is not None and peak > 10.0),
         )))
     if precision.compute_dtype == "float16":
         found.append(("fp16", _fp16_cause(precision.initial_loss_scale, run.metrics)))
