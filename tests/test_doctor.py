@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+
 import pytest
 from conftest import SMALL_MODEL
 

@@ -99,8 +99,10 @@ def collective(name: str, ranks: tuple[int, ...]) -> Iterator[None]:
         yield
         return
     recorder.update(collective={"name": name, "group": list(ranks), "entered_at": time.time(), "left": False})
-    yield
-    recorder.update(collective={**recorder.state["collective"], "left": True})
+    try:
+        yield
+    finally:
+        recorder.update(collective={**recorder.state["collective"], "left": True})
 
 
 def read_all(directory: str | Path) -> list[dict]:

@@ -141,6 +141,14 @@ class _Watch:
                 continue
         return frozenset(stopped)
 
+    def lost_node(self, scheduler_log: Path) -> bool:
+        """Whether this node's scheduler (node 0 runs it) has given up on a silent node; read once a second."""
+        now = time.monotonic()
+        if now - self.scheduler_checked < 1.0 or not scheduler_log.exists():
+            return False
+        self.scheduler_checked = now
+        return _RANK_LOST.search(scheduler_log.read_text(errors="replace")) is not None
+
 
 def hang_report(beats: list[dict], stopped: frozenset[int] = frozenset()) -> str:
     """Which ranks are silent and what each of the others waits in, one line each, from their heartbeats."""
@@ -155,14 +163,6 @@ def hang_report(beats: list[dict], stopped: frozenset[int] = frozenset()) -> str
         lines.append(f"{state}: {heartbeat.describe(by_rank[rank], now)}")
     lines += [f"waiting: {heartbeat.describe(by_rank[rank], now)}" for rank in waiting]
     return "\n".join(lines)
-
-    def lost_node(self, scheduler_log: Path) -> bool:
-        """Whether this node's scheduler (node 0 runs it) has given up on a silent node; read once a second."""
-        now = time.monotonic()
-        if now - self.scheduler_checked < 1.0 or not scheduler_log.exists():
-            return False
-        self.scheduler_checked = now
-        return _RANK_LOST.search(scheduler_log.read_text(errors="replace")) is not None
 
 
 def launch(

@@ -29,6 +29,7 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
+from itertools import pairwise
 from statistics import median
 
 from model_core.parallel import heartbeat
@@ -69,28 +70,40 @@ RELEVANCE = {
 }
 REPETITION_METRICS = ("repeated_ngram_rate", "near_copy_row_share", "longest_id_run")
 TOKENIZER_METRICS = ("fertility", "rare_token_share", "unknown_rate")
-# Log lines of a distributed job that cannot form or keep its group, and what each says to change.
+# Log lines of a distributed job that cannot form or keep its group: (topic, pattern, what it means, what to change).
 _LAUNCH_FAILURES = (
-    ("hang", re.compile(r"the job hung: .*"), "a rank went silent (the launcher's hang watch)",
-     "read the silent rank's log (logs/worker_<rank>.log) and its host; parallel.hang_step_multiple and "
-     "parallel.hang_min_seconds set how soon a hang is called"),
-    ("hang", re.compile(r"rank \d+ on node \d+.*stopped answering the job's scheduler.*|The node: \d+ is timed out.*"),
-     "a node went silent: its processes died or it lost the network",
-     "check that node's host and network; --node-timeout sets how long the scheduler waits for it"),
-    ("port", re.compile(r".*(?:Connection refused|connect(?:ing)? to (?:the )?scheduler|cluster_time_out|"
-                        r"Failed to connect|Cluster is not ready|timed out waiting for (?:the )?(?:workers|nodes)).*",
-                        re.IGNORECASE),
-     "the nodes could not reach the master address and port",
-     "--master-addr (node 0's address as the other nodes reach it) and --master-port (open between the nodes)"),
-    ("count", re.compile(r".*(?:worker_num|device_num|RANK_SIZE|but the world has \d+|local_worker_num).*"
-                         r"(?:not|mismatch|does not|but).*", re.IGNORECASE),
-     "the process count does not match the devices or the params' layout",
-     "parallel.data_parallel x tensor_parallel x pipeline_parallel must equal the devices the job gets (--nodes x "
-     "devices per node)"),
-    ("rank-env", re.compile(r".*(?:RANK_ID|DEVICE_ID|rank id).*(?:conflict|duplicate|invalid|differ|disagree|mismatch).*",
-                            re.IGNORECASE),
-     "ranks disagree on RANK_ID / DEVICE_ID",
-     "leave RANK_ID, DEVICE_ID and RANK_SIZE unset: msrun gives each rank its own"),
+    (
+        "hang", re.compile(r"the job hung: .*"), "a rank went silent (the launcher's hang watch)",
+        ("read the silent rank's log (logs/worker_<rank>.log) and its host; parallel.hang_step_multiple and "
+         "parallel.hang_min_seconds set how soon a hang is called"),
+    ),
+    (
+        "hang", re.compile(r"rank \d+ on node \d+.*stopped answering the job's scheduler.*|The node: \d+ is timed out.*"),
+        "a node went silent: its processes died or it lost the network",
+        "check that node's host and network; --node-timeout sets how long the scheduler waits for it",
+    ),
+    (
+        "port",
+        re.compile(r".*(?:Connection refused|connect(?:ing)? to (?:the )?scheduler|cluster_time_out|Failed to connect|"
+                   r"Cluster is not ready|timed out waiting for (?:the )?(?:workers|nodes)).*", re.IGNORECASE),
+        "the nodes could not reach the master address and port",
+        "--master-addr (node 0's address as the other nodes reach it) and --master-port (open between the nodes)",
+    ),
+    (
+        "count",
+        re.compile(r".*(?:worker_num|device_num|RANK_SIZE|but the world has \d+|local_worker_num).*"
+                   r"(?:not|mismatch|does not|but).*", re.IGNORECASE),
+        "the process count does not match the devices or the params' layout",
+        ("parallel.data_parallel x tensor_parallel x pipeline_parallel must equal the devices the job gets (--nodes "
+         "x devices per node)"),
+    ),
+    (
+        "rank-env",
+        re.compile(r".*(?:RANK_ID|DEVICE_ID|rank id).*(?:conflict|duplicate|invalid|differ|disagree|mismatch).*",
+                   re.IGNORECASE),
+        "ranks disagree on RANK_ID / DEVICE_ID",
+        "leave RANK_ID, DEVICE_ID and RANK_SIZE unset: msrun gives each rank its own",
+    ),
 )
 
 
@@ -301,7 +314,7 @@ def typical_lr(parameters: float) -> float:
     sizes = PUBLISHED_LR
     if parameters <= sizes[0][0]:
         return sizes[0][1]
-    for (n0, lr0), (n1, lr1) in zip(sizes, sizes[1:]):
+    for (n0, lr0), (n1, lr1) in pairwise(sizes):
         if parameters <= n1:
             t = math.log(parameters / n0) / math.log(n1 / n0)
             return math.exp(math.log(lr0) + t * math.log(lr1 / lr0))
@@ -384,8 +397,8 @@ def _data_causes(health: dict | None) -> list[tuple[str, Cause]]:
         ("repetition", REPETITION_METRICS, "repetition in the data: the model memorises repeated text",
          "deduplicate (data.dedup_exact=true, data.near_dup_threshold, e.g. 0.8) or add varied sources to data.sources"),
         ("tokenizer", TOKENIZER_METRICS, "the tokenizer cuts text into many rare pieces (high fertility)",
-         "a larger vocabulary (model.vocab_size) trained on this text (tokenizer.model_path=null retrains it), "
-         "tokenizer.byte_fallback=true"),
+         ("a larger vocabulary (model.vocab_size) trained on this text (tokenizer.model_path=null retrains it), "
+          "tokenizer.byte_fallback=true")),
     )
     for topic, metrics, words, change in families:
         crossed = [item for item in (_crossed(health, metric) for metric in metrics) if item is not None]
