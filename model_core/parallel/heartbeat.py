@@ -136,7 +136,8 @@ def _inside(beat: dict) -> bool:
 
 
 def describe(beat: dict, now: float) -> str:
-    """'rank 1 at step 5 in forward-backward (for 31 s)[, inside all_reduce over ranks [0, 1] for 30 s]'."""
+    """One rank's heartbeat in words, as of `now`: its step and phase, the collective it is inside (or last left),
+    and how long it has not beaten when that is past the staleness limit."""
     words = f"rank {beat['rank']} at step {beat['step']} in {beat['phase']}"
     if beat.get("phase_since"):
         words += f" (for {now - beat['phase_since']:.0f} s)"
