@@ -14,6 +14,8 @@ from __future__ import annotations
 import json
 import re
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -118,6 +120,18 @@ def diagnose_target(
         evidence.health = _health(dataset) if dataset is not None else evidence.health
         return diagnose(evidence), f"MLflow run {stage_id} at {uri}"
     raise DoctorError(f"{target} is neither a run directory nor an MLflow run id (32 hex digits)")
+
+
+@contextmanager
+def diagnosed_on_failure(
+    params: PipelineParams, run: StageRun, directory: Path | None, dataset_dir: Path | None
+) -> Iterator[None]:
+    """Run a training stage's block; when it raises, `report_failed_stage` before the error goes on."""
+    try:
+        yield
+    except Exception as error:
+        report_failed_stage(params, run, directory, dataset_dir, f"{type(error).__name__}: {error}")
+        raise
 
 
 def report_failed_stage(

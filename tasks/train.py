@@ -2,7 +2,8 @@
 and a loss curve.
 
 The smoke run must show learning (final loss below the initial loss by `smoke.min_loss_drop`, no
-non-finite step) or the flow stops before the expensive pretraining run.
+non-finite step) or the flow stops before the expensive pretraining run. A failed smoke gate or stage is
+diagnosed (`llmflow doctor`) into its MLflow run and the log before its error goes on.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from model_core.train.runs import TrainingRun
 from model_core.train.trainer import Trainer, TrainResult
 from params import PipelineParams, to_yaml
 from tasks.data import DataResult
-from tasks.doctor import report_failed_stage
+from tasks.doctor import diagnosed_on_failure
 from tasks.plots import loss_curve_png
 from tasks.progress import IntervalLog, StageFigures
 from tasks.retry import retry_on_transient_io
@@ -56,23 +57,7 @@ def train_stage(
 ) -> TrainStageResult:
     """Train and record: batched per-step metrics, a line per log interval, a summary, the final checkpoint and a
     loss curve. A run whose final checkpoint is already there is reused: its summary is recorded, nothing is
-    trained. A run that fails is diagnosed (`llmflow doctor`) before its error goes on."""
-    try:
-        return _train_and_record(params, data, run, stage, planned, resume, initial_weights)
-    except Exception as error:
-        report_failed_stage(params, run, planned.directory, data.dataset_dir, f"{type(error).__name__}: {error}")
-        raise
-
-
-def _train_and_record(
-    params: PipelineParams,
-    data: DataResult,
-    run: StageRun,
-    stage: str,
-    planned: TrainingRun,
-    resume: str,
-    initial_weights: Path | None,
-) -> TrainStageResult:
+    trained."""
     started = time.monotonic()
     steps = planned.final_step - _schedule_start(planned)
     run.log_params(
@@ -191,18 +176,17 @@ def smoke_run(params: PipelineParams, data: DataResult, tracking: Tracking) -> T
     """Always from a random initialisation: it checks that this model, data and optimizer can learn."""
     with stage_run(tracking, "smoke") as run:
         planned = runs.smoke_run(params, data.dataset_dir)
-        result = train_stage(params, data, run, "smoke", planned, resume="none")
-        drop = result.initial_loss - result.final_loss
-        passed = result.nonfinite_steps == 0 and math.isfinite(drop) and drop >= params.smoke.min_loss_drop
-        run.set_tags({"llmflow.smoke_passed": str(passed).lower()})
-        if not passed:
-            failure = (
-                f"smoke run failed: loss went from {result.initial_loss:.4f} to {result.final_loss:.4f} "
-                f"(drop {drop:.4f}, smoke.min_loss_drop={params.smoke.min_loss_drop}) with "
-                f"{result.nonfinite_steps} non-finite steps over {result.steps} steps; pretraining not started"
-            )
-            report_failed_stage(params, run, planned.directory, data.dataset_dir, failure)
-            raise SmokeTestFailed(failure)
+        with diagnosed_on_failure(params, run, planned.directory, data.dataset_dir):
+            result = train_stage(params, data, run, "smoke", planned, resume="none")
+            drop = result.initial_loss - result.final_loss
+            passed = result.nonfinite_steps == 0 and math.isfinite(drop) and drop >= params.smoke.min_loss_drop
+            run.set_tags({"llmflow.smoke_passed": str(passed).lower()})
+            if not passed:
+                raise SmokeTestFailed(
+                    f"smoke run failed: loss went from {result.initial_loss:.4f} to {result.final_loss:.4f} "
+                    f"(drop {drop:.4f}, smoke.min_loss_drop={params.smoke.min_loss_drop}) with "
+                    f"{result.nonfinite_steps} non-finite steps over {result.steps} steps; pretraining not started"
+                )
     return result
 
 
@@ -215,4 +199,5 @@ def pretrain(
     continues from this run's newest valid checkpoint (a retry), and a finished run is reused (a rerun)."""
     with stage_run(tracking, "pretrain") as run:
         planned = runs.pretraining_run(params, data.dataset_dir, initial_weights)
-        return train_stage(params, data, run, "pretrain", planned, "auto", initial_weights)
+        with diagnosed_on_failure(params, run, planned.directory, data.dataset_dir):
+            return train_stage(params, data, run, "pretrain", planned, "auto", initial_weights)
