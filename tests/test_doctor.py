@@ -121,6 +121,21 @@ def test_an_oom_log_is_placed_in_its_phase():
     assert "worker_0.log: RuntimeError: Allocate memory failed" in report.causes[0].evidence
 
 
+@pytest.mark.parametrize(("line", "cause", "change"), [
+    ("[ERROR] Failed to connect to the tcp server : 10.0.0.1:8118", "could not reach the master", "--master-port"),
+    ("ValueError: Total worker number is 2, but got exceeded local worker number: 4.", "process count", "--nodes"),
+    ("rank 1 on node 1 (host b, 10.0.0.2) stopped answering the job's scheduler (...)", "a node went silent",
+     "--node-timeout"),
+    ("RuntimeError: RANK_ID 1 conflicts with the rank id another process registered", "RANK_ID / DEVICE_ID",
+     "leave RANK_ID"),
+])
+def test_a_launch_failure_in_the_logs_is_named_as_a_hang(line, cause, change):
+    report = diagnose(RunEvidence(logs={"logs/msrun.log": f"starting\n{line}\n"}))
+    assert report.kind == "hang"
+    assert cause in report.causes[0].name and change in report.causes[0].change
+    assert report.causes[0].evidence == f"logs/msrun.log: {line}"
+
+
 @pytest.fixture(scope="module")
 def short_runs(dataset_dir, tmp_path_factory) -> dict[str, tuple[object, list[dict], str | None]]:
     """Real short runs of the small model: name -> (params, metrics records, the error it ended with)."""

@@ -91,8 +91,8 @@ _LAUNCH_FAILURES = (
     ),
     (
         "count",
-        re.compile(r".*(?:worker_num|device_num|RANK_SIZE|but the world has \d+|local_worker_num).*"
-                   r"(?:not|mismatch|does not|but).*", re.IGNORECASE),
+        re.compile(r".*(?:worker number is \d+, but|exceeded local worker number|but the world has \d+|"
+                   r"(?:device_num|RANK_SIZE|worker_num).*(?:mismatch|does not match|not equal)).*", re.IGNORECASE),
         "the process count does not match the devices or the params' layout",
         ("parallel.data_parallel x tensor_parallel x pipeline_parallel must equal the devices the job gets (--nodes "
          "x devices per node)"),
