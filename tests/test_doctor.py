@@ -64,6 +64,16 @@ def test_repetition_in_the_data_is_named_first_with_its_numbers():
     assert healthy_curve.kind == "none" and healthy_curve.causes[0].name.startswith("repetition")
 
 
+def test_validation_loss_climbing_while_training_loss_falls_is_memorising():
+    metrics = _falling(range(1, 121))
+    for record, validation in zip(metrics[29::30], (5.9, 5.6, 5.8, 6.1)):
+        record["validation_loss"] = validation
+    report = diagnose(RunEvidence(load_params("tiny"), metrics))
+    assert report.kind == "none"
+    assert report.causes[0].name.startswith("the model learns the training rows by heart")
+    assert report.causes[0].evidence.startswith("steps 60-120: validation loss 5.600 -> 6.100 while training loss")
+
+
 def test_a_tokenizer_of_rare_pieces_is_named_first():
     params = load_params("tiny")
     health = _health(fertility=0.81, rare_token_share=0.62)

@@ -18,7 +18,7 @@ Then it ranks the likely causes, each with its evidence (a window of the metrics
 bound it breaks) and the param that changes it. A cause's rank is how strongly its evidence holds (how far past
 its bound) times how often it makes this kind of trouble, as experienced trainers read it: a learning rate far
 above what models of this size train at, or clipping off, for divergence and spikes; an fp16 loss scale that
-overflows for non-finite steps; repeated data, a tokenizer that cuts text into rare pieces, RoPE theta too small
+overflows for non-finite steps; repeated data (or a validation loss that climbs while the training loss falls), a tokenizer that cuts text into rare pieces, RoPE theta too small
 for the sequence, or documents attending across their boundaries, for a loss that will not fall. With kind
 `none` the causes still listed are the params and data that break a bound without having shown in the metrics.
 """
@@ -53,6 +53,8 @@ DIVERGED_SHARE, DIVERGED_NATS = 0.25, 0.5
 SPIKE_SHARE, SPIKE_NATS, SPIKE_WINDOW = 0.1, 0.3, 10
 # A post-warmup loss whose last third is below its first third by less than this share is a plateau.
 PLATEAU_DROP = 0.02
+# Validation loss this far above its best while the training loss falls: the model memorises its training rows.
+MEMORISING_NATS = 0.1
 # Learning rates published for dense decoder models trained from scratch, by non-embedding size (GPT-3, Brown et
 # al. 2020, table 2.1): the doctor calls an lr "far above" when it exceeds LR_FAR_ABOVE times the one for its size.
 PUBLISHED_LR = ((125e6, 6e-4), (350e6, 3e-4), (760e6, 2.5e-4), (1.3e9, 2e-4), (2.7e9, 1.6e-4), (6.7e9, 1.2e-4),
@@ -148,7 +150,7 @@ class RunEvidence:
 def diagnose(run: RunEvidence) -> Report:
     """The kind of trouble the run shows and its likely causes, ranked (see the module docstring)."""
     kind, summary, found = _kind(run)
-    candidates = found + _param_causes(run) + _data_causes(run.health)
+    candidates = found + _param_causes(run) + _data_causes(run.health) + _memorising(run.metrics)
     weights = RELEVANCE.get(kind, {})
     ranked = [
         Cause(cause.name, cause.evidence, cause.change, cause.score * weights.get(topic, 1.0 if topic == kind else 0.0))
@@ -386,6 +388,25 @@ def _fp16_cause(initial_scale: float, metrics: list[dict]) -> Cause:
         "fp16 loss-scale overflow: the scaled gradients pass fp16's largest value (65504) and the step is skipped",
         evidence, "precision.initial_loss_scale=65536 (2^16), or precision.compute_dtype=float32", strength,
     )
+
+
+def _memorising(metrics: list[dict]) -> list[tuple[str, Cause]]:
+    """Validation loss climbing from its best while the training loss keeps falling: the model learns the training
+    rows by heart, as it does when they repeat."""
+    evaluated = [r for r in metrics if math.isfinite(r.get("validation_loss", math.nan)) and "loss" in r]
+    if len(evaluated) < 3:
+        return []
+    best = min(evaluated, key=lambda r: r["validation_loss"])
+    last = evaluated[-1]
+    if last["validation_loss"] - best["validation_loss"] < MEMORISING_NATS or last["loss"] >= best["loss"]:
+        return []
+    return [("repetition", Cause(
+        "the model learns the training rows by heart: validation loss climbs while training loss falls",
+        f"steps {best['step']}-{last['step']}: validation loss {best['validation_loss']:.3f} -> "
+        f"{last['validation_loss']:.3f} while training loss went {best['loss']:.3f} -> {last['loss']:.3f}",
+        "more (or less repeated) data in data.sources, fewer steps (train.steps), or more weight decay "
+        "(optimizer.weight_decay)", 1.0 + (last["validation_loss"] - best["validation_loss"]),
+    ))]
 
 
 def _data_causes(health: dict | None) -> list[tuple[str, Cause]]:
