@@ -216,6 +216,8 @@ def test_silent_ranks_are_those_that_stopped_beating():
     # Read after the job was killed, every beat aged together: the rank outside a collective is the silent one.
     together = [_beat(0, 5, "loss sum", 1000.0, inside="all_reduce"), _beat(1, 5, "forward-backward", 1000.0)]
     assert heartbeat.silent_ranks(together) == ([1], [0])
+    behind = [_beat(0, 5, "loss sum", 1000.0, inside="all_reduce"), _beat(1, 1, "loss sum", 999.0, inside="all_reduce")]
+    assert heartbeat.silent_ranks(behind) == ([1], [0])
     report = hang_report(beats, frozenset({1}))
     assert report.splitlines()[0].startswith("stopped (SIGSTOP or a debugger): rank 1 at step 5 in forward-backward")
     assert "no heartbeat for 30 s" in report.splitlines()[0]
@@ -251,23 +253,29 @@ for step in range(1, 10_000):
     heartbeat.phase("forward-backward", step=step)
     time.sleep(0.2)
     if step == 4 and comm.rank() == 1:
+        time.sleep(0.5)  # its heartbeat thread writes step 4 first
         os.kill(os.getpid(), signal.SIGSTOP)
     heartbeat.phase("loss sum")
     sum_over(group, [1.0])
 """
 
 
-def test_a_rank_stopped_under_msrun_is_named_by_the_launcher_and_the_doctor(tmp_path):
+def test_a_rank_stopped_under_msrun_is_named_by_the_launcher_and_the_doctor(tmp_path, capsys):
+    from flows.cli import main
+
     script = tmp_path / "hang_worker.py"
     script.write_text(HANG_WORKER)
     started = time.monotonic()
     with pytest.raises(LaunchError) as failed:
-        launch([str(script)], 2, tmp_path / "logs", hang_step_multiple=5, hang_min_s=3, node_timeout_s=60, echo=sys.stderr)
+        launch([str(script)], 2, tmp_path / "logs", hang_step_multiple=5, hang_min_s=5, node_timeout_s=60, echo=sys.stderr)
     message = str(failed.value)
     assert message.startswith("the job hung: no rank has started a new step or phase for")
-    assert "stopped (SIGSTOP or a debugger): rank 1 at step 4" in message
+    assert "stopped (SIGSTOP or a debugger): rank 1 at step 4 in forward-backward" in message
     assert "waiting: rank 0 at step 4 in loss sum" in message and "inside all_reduce over ranks [0, 1]" in message
     assert time.monotonic() - started < 90
-    report = diagnose(RunEvidence(heartbeats=heartbeat.read_all(tmp_path / "logs")))
-    assert report.kind == "hang" and report.causes[0].name.startswith("rank 1 went silent")
-
+    capsys.readouterr()
+    assert main(["doctor", str(tmp_path)]) == 0  # after the job: its heartbeats and the launcher's hang-node0.log
+    printed = capsys.readouterr().out
+    assert "trouble: hang or silent node" in printed
+    assert "1. rank 1 went silent while the others waited for it" in printed
+    assert "the job hung: no rank has started a new step or phase" in printed

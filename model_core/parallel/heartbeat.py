@@ -2,7 +2,9 @@
 in a small JSON file the launcher's hang watch and `llmflow doctor` read.
 
 A rank's main thread only changes a few fields in memory (at each phase of a step and around each collective
-called from Python); a daemon thread writes them, with the time, to `<dir>/heartbeat-rank<r>.json` once a second.
+called from Python); a daemon thread writes them, with the time, to `<dir>/heartbeat-rank<r>.json`: as soon as they
+change, but at most every CHANGE_INTERVAL_S, and every INTERVAL_S when they do not (so the file's age says whether
+the rank is alive).
 MindSpore gives up the GIL while a rank waits inside a collective, eager or compiled, so a rank that waits for a
 peer keeps beating while it waits, and its file says what it waits in; a rank that is stopped, hung outside a
 collective or gone stops beating, and its file ages. The directory is the launcher's log directory, passed in
@@ -26,8 +28,10 @@ from model_core.storage import write_file
 
 HEARTBEAT_ENV = "LLMFLOW_HEARTBEAT_DIR"
 INTERVAL_S = 1.0
-# A heartbeat older than this many intervals: the rank has stopped beating (stopped, wedged, or its process gone).
-STALE_INTERVALS = 5
+CHANGE_INTERVAL_S = 0.25
+# A heartbeat older than another rank's by more than this has stopped beating (stopped, wedged, or gone): a live
+# rank writes every INTERVAL_S, and a busy machine can hold its thread back a little.
+STALE_S = 3 * INTERVAL_S
 # Steps whose durations give the median step time a heartbeat carries (the first, which compiles, is left out).
 RECENT_STEPS = 16
 
@@ -43,21 +47,25 @@ class _Recorder:
         self.step_started: float | None = None
         self.durations: list[float] = []
         self.lock = threading.Lock()
+        self.changed = threading.Event()
         threading.Thread(target=self._write_forever, name="heartbeat", daemon=True).start()
 
     def _write_forever(self) -> None:
         while True:
             with self.lock:
                 text = json.dumps({**self.state, "written_at": time.time()})
+                self.changed.clear()
             try:
                 write_file(self.path, text)
             except OSError:
                 pass  # a full or vanished log directory must not stop training; the launcher sees the file age
-            time.sleep(INTERVAL_S)
+            time.sleep(CHANGE_INTERVAL_S)
+            self.changed.wait(INTERVAL_S - CHANGE_INTERVAL_S)
 
     def update(self, **fields) -> None:
         with self.lock:
             self.state.update(fields)
+            self.changed.set()
 
 
 _recorder: _Recorder | None = None
@@ -118,16 +126,20 @@ def read_all(directory: str | Path) -> list[dict]:
 
 def silent_ranks(beats: list[dict], stopped: frozenset[int] = frozenset()) -> tuple[list[int], list[int]]:
     """(silent ranks, waiting ranks). Silent: stopped (`stopped`, from the process table), or no longer beating
-    while another rank still did: its last heartbeat is older than the newest by more than the staleness limit,
-    which holds while the job runs and after it was killed alike. When every rank stopped beating together, the
-    ranks inside a collective are the waiting ones and the rest silent."""
+    while another rank still did: its last heartbeat is older than the newest by more than STALE_S, which holds
+    while the job runs and after it was killed alike. When every rank beat to the end, the ranks outside a
+    collective hold up those inside one; when all are inside one, those at the lowest step hold up the rest."""
     newest = max((beat["written_at"] for beat in beats), default=0.0)
     ranks = [beat["rank"] for beat in beats]
-    silent = {beat["rank"] for beat in beats if newest - beat["written_at"] > STALE_INTERVALS * INTERVAL_S}
+    silent = {beat["rank"] for beat in beats if newest - beat["written_at"] > STALE_S} | set(stopped)
     if not silent:
         inside = {beat["rank"] for beat in beats if _inside(beat)}
-        silent = set(ranks) - inside if inside else set()
-    silent |= set(stopped)
+        if inside and inside != set(ranks):
+            silent = set(ranks) - inside
+        elif inside:
+            lowest = min(beat["step"] for beat in beats)
+            behind = {beat["rank"] for beat in beats if beat["step"] == lowest}
+            silent = behind if behind != set(ranks) else set()
     return sorted(silent), [rank for rank in ranks if rank not in silent]
 
 
@@ -147,6 +159,6 @@ def describe(beat: dict, now: float) -> str:
         words += f", {where} {held['name']} over ranks {held['group']}"
         if not held["left"]:
             words += f" for {now - held['entered_at']:.0f} s"
-    if now - beat["written_at"] > STALE_INTERVALS * INTERVAL_S:
+    if now - beat["written_at"] > STALE_S:
         words += f"; no heartbeat for {now - beat['written_at']:.0f} s"
     return words

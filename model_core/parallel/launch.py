@@ -226,6 +226,8 @@ def launch(
     if nodes > 1:
         _note_this_node(log_dir, node_rank, master_addr)
     _set_aside_earlier_logs(log_dir, range(node_rank * local, (node_rank + 1) * local), node_rank == 0)
+    hang_log = log_dir / f"hang-node{node_rank}.log"
+    hang_log.unlink(missing_ok=True)
     msrun_log = log_dir / ("msrun.log" if nodes == 1 else f"msrun-node{node_rank}.log")
     with msrun_log.open("w") as sink:
         msrun = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -239,6 +241,7 @@ def launch(
     finally:
         _kill_all(msrun, watch)
     if watch.hang is not None:
+        write_file(hang_log, watch.hang + "\n")  # for `llmflow doctor`, which reads the log directory
         raise LaunchError(watch.hang)
     refusal = None if finished and msrun.returncode == 0 else _first_refusal(log_dir)
     if refusal:
