@@ -231,6 +231,7 @@ class Trainer:
             if due and self.counters.consecutive_nonfinite == 0:  # never replace good checkpoints with bad weights
                 saved = self.save()
                 last_checkpoint = saved.path if saved is not None else None
+        heartbeat.phase("end")
         comm.barrier()  # ranks leave together, so a launcher can treat an early exit as a failure
         return TrainResult(
             steps=self.counters.step,
@@ -383,6 +384,7 @@ class Trainer:
     def save(self) -> ckpt.Checkpoint | None:
         """Every rank calls it (gathering ZeRO-sharded moments and the write itself are collective). The first
         dp replica's ranks write their tp blocks; rank 0 commits and returns the checkpoint."""
+        heartbeat.phase("checkpoint")
         moments = self.optimizer.state_dict()
         weights = self.parallel.full_weights()  # collective under ZeRO-3
         at = self.layout.coordinates(self.rank)
