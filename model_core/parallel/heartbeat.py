@@ -46,6 +46,7 @@ class _Recorder:
         self.state = {"rank": rank, "pid": os.getpid(), "step": 0, "phase": "starting", "collective": None}
         self.step_started: float | None = None
         self.durations: list[float] = []
+        self.timed_first = False  # whether this process's first step (which compiles) has ended
         self.lock = threading.Lock()
         self.changed = threading.Event()
         threading.Thread(target=self._write_forever, name="heartbeat", daemon=True).start()
@@ -91,9 +92,10 @@ def phase(name: str, step: int | None = None) -> None:
     fields: dict = {"phase": name, "phase_since": time.time()}
     if step is not None and step != recorder.state["step"]:
         now = time.monotonic()
-        if recorder.step_started is not None:
+        if recorder.step_started is not None and recorder.timed_first:
             recorder.durations = (recorder.durations + [now - recorder.step_started])[-RECENT_STEPS:]
             fields["step_seconds"] = sorted(recorder.durations)[len(recorder.durations) // 2]
+        recorder.timed_first = recorder.step_started is not None
         recorder.step_started = now
         fields["step"] = step
     recorder.update(**fields)
