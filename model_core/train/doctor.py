@@ -186,12 +186,14 @@ def _kind(run: RunEvidence) -> tuple[str, str, list[tuple[str, Cause]]]:
     plateau = _plateau(judged, warmup, run.failure)
     if plateau:
         return "plateau", plateau, []
+    if run.failure:
+        return "none", f"the run failed with an error its metrics and logs do not explain: {run.failure[:300]}", []
     if not records:
         return "none", "no metrics records to judge (pass the run's metrics JSONL)", []
     first, last = records[0], records[-1]
     return "none", (
-        f"loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}), falling after "
-        f"warmup (step {warmup}); no non-finite step, spike or climb"
+        f"loss {first['loss']:.3f} (step {first['step']}) -> {last['loss']:.3f} (step {last['step']}); after warmup "
+        f"(step {warmup}) no non-finite step, spike, climb or plateau"
     ), []
 
 
