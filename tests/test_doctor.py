@@ -6,6 +6,8 @@ named, with what the others wait in."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
 import sys
 import time
 
@@ -223,6 +225,27 @@ def test_silent_ranks_are_those_that_stopped_beating():
     assert "no heartbeat for 30 s" in report.splitlines()[0]
     assert report.splitlines()[1].startswith("waiting: rank 0 at step 5 in forward-backward")
     assert "inside all_reduce over ranks [0, 1] for 20 s" in report
+
+
+def test_a_rank_writes_its_heartbeat_when_it_changes_and_times_steps_after_the_first(tmp_path):
+    """In a process the launcher started (its env), the heartbeat follows the phases within a fraction of a second
+    and carries the median duration of the steps after the first (which compiles)."""
+    code = (
+        "import time, json\n"
+        "from model_core.parallel import heartbeat\n"
+        "for step, pause in ((1, 0.6), (2, 0.1), (3, 0.1), (4, 0.1)):\n"
+        "    heartbeat.phase('forward-backward', step=step)\n"
+        "    time.sleep(pause)\n"
+        "with heartbeat.collective('all_reduce', (0, 1)):\n"
+        "    time.sleep(0.6)\n"
+        "    print(open(heartbeat.file_of(%r, 1)).read())\n" % str(tmp_path)
+    )
+    env = {**os.environ, "LLMFLOW_HEARTBEAT_DIR": str(tmp_path), "RANK_ID": "1", "MS_ROLE": "MS_WORKER"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
+    beat = json.loads(done.stdout)
+    assert (beat["rank"], beat["step"], beat["phase"]) == (1, 4, "forward-backward")
+    assert beat["collective"]["name"] == "all_reduce" and not beat["collective"]["left"]
+    assert 0.1 <= beat["step_seconds"] < 0.5  # steps 2 and 3, not the first
 
 
 def test_the_watch_calls_a_hang_after_the_multiple_of_the_step_time(tmp_path, monkeypatch):
