@@ -238,7 +238,7 @@ def test_a_rank_writes_its_heartbeat_when_it_changes_and_times_steps_after_the_f
         "    time.sleep(pause)\n"
         "with heartbeat.collective('all_reduce', (0, 1)):\n"
         "    time.sleep(0.6)\n"
-        "    print(open(heartbeat.file_of(%r, 1)).read())\n" % str(tmp_path)
+        f"    print(open(heartbeat.file_of({str(tmp_path)!r}, 1)).read())\n"
     )
     env = {**os.environ, "LLMFLOW_HEARTBEAT_DIR": str(tmp_path), "RANK_ID": "1", "MS_ROLE": "MS_WORKER"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60, check=True)
