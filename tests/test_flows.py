@@ -104,7 +104,8 @@ def test_smoke_failure_stops_before_pretraining_and_is_diagnosed(corpus_jsonl, t
     capsys.readouterr()
     assert main(["doctor", parent.info.run_id, "--tracking-uri", mlflow_uri]) == 0
     printed = capsys.readouterr().out
-    assert f"MLflow run {smoke.info.run_id}" in printed and "the smoke gate failed: smoke run failed" in printed
+    assert f"MLflow run {smoke.info.run_id}" in printed
+    assert "the smoke gate failed: SmokeTestFailed: smoke run failed: loss went from" in printed
 
 
 def test_same_params_reuse_the_dataset(corpus_jsonl, tmp_path, mlflow_uri):
