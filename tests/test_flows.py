@@ -89,7 +89,8 @@ def test_pretrain_flow_records_parent_and_stage_runs(corpus_jsonl, tmp_path, mlf
 def test_smoke_failure_stops_before_pretraining_and_is_diagnosed(corpus_jsonl, tmp_path, mlflow_uri, capsys):
     overrides = small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "flow-smoke-fails")
     params = load_params("tiny", [*overrides, "smoke.steps=5", "smoke.min_loss_drop=50"])
-    with prefect_run_logs() as logged, pytest.raises(ValueError, match="smoke run failed: loss went from .* smoke.min_loss_drop=50.0"):
+    failed = "smoke run failed: loss went from .* smoke.min_loss_drop=50.0"
+    with prefect_run_logs() as logged, pytest.raises(ValueError, match=failed):
         pretrain_flow(params)
     client = MlflowClient(mlflow_uri)
     (parent,), children = _runs(client, "flow-smoke-fails")
