@@ -42,6 +42,7 @@ def test_pretraining_key_ignores_later_stages_cadence_and_layout():
         assert key(change) != key(), change
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
 def test_a_rerun_is_a_no_op_and_a_lora_change_reuses_pretraining(corpus_jsonl, tmp_path, mlflow_uri):
     from flows.pretrain import pretrain_flow

@@ -134,6 +134,8 @@ def prepare_dataset(
         shards = plan_shards(inputs, data.shard_bytes, contents)
         manifest = build.run(shards)
         manifest.update(key=key, params=params, params_hash=_hash(params), input_fingerprint=input_fingerprint)
+        # The files it was made from and their content, for lineage (identity.py): the fingerprint alone names none.
+        manifest["inputs"] = [{"path": str(item.path), "sha256": contents[item.path]} for item in inputs]
         write_manifest(build_dir, manifest)
         (build_dir / REPORT_NAME).write_text(json.dumps(build.report(workers), indent=2) + "\n")
         commit_directory(build_dir, final_dir, replace=True)  # a damaged copy under the name is replaced
