@@ -283,6 +283,7 @@ for step in range(1, 10_000):
 """
 
 
+@pytest.mark.slow  # one 2-rank msrun launch
 def test_a_rank_stopped_under_msrun_is_named_by_the_launcher_and_the_doctor(tmp_path, capsys):
     from flows.cli import main
 
