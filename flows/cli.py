@@ -20,6 +20,7 @@ from flows.commands import (
     ckpt,
     compare,
     convert,
+    doctor,
     evaluate,
     finetune,
     lora,
@@ -35,7 +36,9 @@ from model_core.parallel.launch import LaunchError, note_rank_failure
 from params import ParamsError
 
 # In the order `llmflow --help` lists them; each module holds its command's arguments beside its handler.
-COMMANDS = (run, prep, train, finetune, evaluate, lora, compare, sweep, plan, ckpt, params_show, convert, tokenizer)
+COMMANDS = (
+    run, prep, train, finetune, evaluate, lora, compare, doctor, sweep, plan, ckpt, params_show, convert, tokenizer
+)
 
 
 def _quiet_prefect_defaults() -> None:

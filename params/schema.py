@@ -451,6 +451,18 @@ class ParallelParams(StrictModel):
         "shards' bytes (4 per parameter / dp) out of memory for reading them twice a micro-batch, though peak RSS "
         "on the reference model fell by a third of them at best; see README 'Offload'.",
     )
+    hang_step_multiple: float = Field(
+        10.0,
+        ge=2.0,
+        description="Under msrun: stop a job in which no rank has started a new step or phase for this many times "
+        "the median step time, naming the silent ranks and what the others wait in (README 'Troubleshooting').",
+    )
+    hang_min_seconds: float = Field(
+        180.0,
+        gt=0.0,
+        description="The hang watch never stops a job sooner than this after the last progress: above the longest "
+        "validation or checkpoint write of the run (the first step, which compiles, is never judged).",
+    )
 
     @property
     def world_size(self) -> int:

@@ -2,7 +2,8 @@
 and a loss curve.
 
 The smoke run must show learning (final loss below the initial loss by `smoke.min_loss_drop`, no
-non-finite step) or the flow stops before the expensive pretraining run.
+non-finite step) or the flow stops before the expensive pretraining run. A failed smoke gate or stage is
+diagnosed (`llmflow doctor`) into its MLflow run and the log before its error goes on.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from model_core.train.runs import TrainingRun
 from model_core.train.trainer import Trainer, TrainResult
 from params import PipelineParams, to_yaml
 from tasks.data import DataResult
+from tasks.doctor import diagnosed_on_failure
 from tasks.plots import loss_curve_png
 from tasks.progress import IntervalLog, StageFigures
 from tasks.retry import retry_on_transient_io
@@ -174,16 +176,18 @@ def result_of_checkpoint(found: Checkpoint, history: list[dict[str, float]]) -> 
 def smoke_run(params: PipelineParams, data: DataResult, tracking: Tracking) -> TrainStageResult:
     """Always from a random initialisation: it checks that this model, data and optimizer can learn."""
     with stage_run(tracking, "smoke") as run:
-        result = train_stage(params, data, run, "smoke", runs.smoke_run(params, data.dataset_dir), resume="none")
-        drop = result.initial_loss - result.final_loss
-        passed = result.nonfinite_steps == 0 and math.isfinite(drop) and drop >= params.smoke.min_loss_drop
-        run.set_tags({"llmflow.smoke_passed": str(passed).lower()})
-        if not passed:
-            raise SmokeTestFailed(
-                f"smoke run failed: loss went from {result.initial_loss:.4f} to {result.final_loss:.4f} "
-                f"(drop {drop:.4f}, smoke.min_loss_drop={params.smoke.min_loss_drop}) with "
-                f"{result.nonfinite_steps} non-finite steps over {result.steps} steps; pretraining not started"
-            )
+        planned = runs.smoke_run(params, data.dataset_dir)
+        with diagnosed_on_failure(params, run, planned.directory, data.dataset_dir):
+            result = train_stage(params, data, run, "smoke", planned, resume="none")
+            drop = result.initial_loss - result.final_loss
+            passed = result.nonfinite_steps == 0 and math.isfinite(drop) and drop >= params.smoke.min_loss_drop
+            run.set_tags({"llmflow.smoke_passed": str(passed).lower()})
+            if not passed:
+                raise SmokeTestFailed(
+                    f"smoke run failed: loss went from {result.initial_loss:.4f} to {result.final_loss:.4f} "
+                    f"(drop {drop:.4f}, smoke.min_loss_drop={params.smoke.min_loss_drop}) with "
+                    f"{result.nonfinite_steps} non-finite steps over {result.steps} steps; pretraining not started"
+                )
     return result
 
 
@@ -196,4 +200,5 @@ def pretrain(
     continues from this run's newest valid checkpoint (a retry), and a finished run is reused (a rerun)."""
     with stage_run(tracking, "pretrain") as run:
         planned = runs.pretraining_run(params, data.dataset_dir, initial_weights)
-        return train_stage(params, data, run, "pretrain", planned, "auto", initial_weights)
+        with diagnosed_on_failure(params, run, planned.directory, data.dataset_dir):
+            return train_stage(params, data, run, "pretrain", planned, "auto", initial_weights)

@@ -7,7 +7,7 @@ import json
 import pytest
 from mlflow.tracking import MlflowClient
 
-from conftest import small_pipeline_overrides
+from conftest import prefect_run_logs, small_pipeline_overrides
 from flows.cli import main
 from flows.data_prep import data_prep_flow
 from flows.pretrain import pretrain_flow
@@ -110,15 +110,27 @@ def _datasets(run) -> set[tuple[str, str, str]]:
             for item in run.inputs.dataset_inputs}
 
 
-def test_smoke_failure_stops_before_pretraining(corpus_jsonl, tmp_path, mlflow_uri):
+def test_smoke_failure_stops_before_pretraining_and_is_diagnosed(corpus_jsonl, tmp_path, mlflow_uri, capsys):
     overrides = small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "flow-smoke-fails")
     params = load_params("tiny", [*overrides, "smoke.steps=5", "smoke.min_loss_drop=50"])
-    with pytest.raises(ValueError, match="smoke run failed: loss went from .* smoke.min_loss_drop=50.0"):
+    failed = "smoke run failed: loss went from .* smoke.min_loss_drop=50.0"
+    with prefect_run_logs() as logged, pytest.raises(ValueError, match=failed):
         pretrain_flow(params)
-    (parent,), children = _runs(MlflowClient(mlflow_uri), "flow-smoke-fails")
+    client = MlflowClient(mlflow_uri)
+    (parent,), children = _runs(client, "flow-smoke-fails")
     assert [run.data.tags["llmflow.stage"] for run in children] == ["data_prep", "smoke"]
     assert parent.info.status == "FAILED" and children[1].info.status == "FAILED"
-    assert children[1].data.tags["llmflow.smoke_passed"] == "false"
+    smoke = children[1]
+    assert smoke.data.tags["llmflow.smoke_passed"] == "false"
+    # The doctor's report: in the Prefect log, on the stage run, and from `llmflow doctor` on the pipeline run.
+    assert any(message.startswith("llmflow doctor:\ntrouble: plateau") for message in logged)
+    assert smoke.data.tags["llmflow.doctor.kind"] == "plateau"
+    assert {"doctor.md", "doctor.json"} <= {artifact.path for artifact in client.list_artifacts(smoke.info.run_id)}
+    capsys.readouterr()
+    assert main(["doctor", parent.info.run_id, "--tracking-uri", mlflow_uri]) == 0
+    printed = capsys.readouterr().out
+    assert f"MLflow run {smoke.info.run_id}" in printed
+    assert "the smoke gate failed: SmokeTestFailed: smoke run failed: loss went from" in printed
 
 
 def test_same_params_reuse_the_dataset(corpus_jsonl, tmp_path, mlflow_uri):

@@ -29,6 +29,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
+from model_core.parallel import heartbeat
 from model_core.parallel.launch import COLLECTIVE_TIMEOUT_ENV
 
 # Which collectives each backend offers natively on a group other than the world group. On CPU (MCCL)
@@ -270,4 +271,6 @@ def launched_by_msrun() -> bool:
 def barrier() -> None:
     """Wait for every rank (a one-element all-reduce over the world)."""
     if world_size() > 1:
-        group(tuple(range(world_size()))).all_reduce(Tensor(np.zeros(1, np.float32))).asnumpy()
+        ranks = tuple(range(world_size()))
+        with heartbeat.collective("barrier", ranks):
+            group(ranks).all_reduce(Tensor(np.zeros(1, np.float32))).asnumpy()

@@ -26,6 +26,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import ParameterTuple, Tensor, nn, ops
 
+from model_core.parallel import heartbeat
 from model_core.parallel.comm import Group
 
 DEFAULT_BUCKET_BYTES = 32 * 2**20
@@ -127,5 +128,6 @@ def sum_over(group: Group, values: Sequence[float]) -> list[float]:
     exact = np.asarray(values, dtype=np.float64)
     high = exact.astype(np.float32)
     low = (exact - high).astype(np.float32)
-    total = group.all_reduce(Tensor(np.stack([high, low]))).asnumpy().astype(np.float64)
+    with heartbeat.collective("all_reduce", group.ranks):
+        total = group.all_reduce(Tensor(np.stack([high, low]))).asnumpy().astype(np.float64)
     return [float(v) for v in total[0] + total[1]]

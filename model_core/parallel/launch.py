@@ -25,6 +25,13 @@ A rank that refuses to go on (an error meant for the user: a checkpoint that doe
 and the scheduler may then report it lost before msrun reports its exit code. So each rank leaves its one-line
 reason in `log_dir/rank-<r>.error` (`note_rank_failure`), and a failed job is reported by the earliest of those
 when there is one: `rank 1: <its reason>`, the last line the user reads.
+
+A job can also hang with every process alive: a rank stopped or wedged outside a collective, ranks that disagree
+on which collective comes next. Each rank records a heartbeat (`model_core.parallel.heartbeat`: its step, its
+phase, the collective it is in); when no rank has started a new step or phase for `hang_step_multiple` times the
+median step time (never sooner than `hang_min_s`; the first step, which compiles, is never judged), the job is
+stopped with the silent ranks named and what each of the others waits in, instead of waiting out the collective
+timeout with nothing to show. A lost node is reported with the same heartbeats.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from typing import TextIO
 
 import psutil
 
+from model_core.parallel import heartbeat
 from model_core.parallel.layout import Layout, ParallelConfigError
 from model_core.storage import write_file
 from params.schema import PipelineParams
@@ -75,7 +83,8 @@ def launch_training(params: PipelineParams, cli_args: Sequence[str], log_dir: st
     collective_timeout_s."""
     world_size = params.parallel.world_size
     Layout.from_params(params, world_size)
-    launch(["-m", "flows.cli", "train", *cli_args], world_size, log_dir, **cluster)
+    hang = {"hang_step_multiple": params.parallel.hang_step_multiple, "hang_min_s": params.parallel.hang_min_seconds}
+    launch(["-m", "flows.cli", "train", *cli_args], world_size, log_dir, **hang, **cluster)
 
 
 @dataclass
@@ -91,6 +100,46 @@ class _Watch:
     processes: dict[int, _Process] = field(default_factory=dict)
     first_exit: float | None = None
     scheduler_checked: float = 0.0
+    beats_checked: float = 0.0
+    progress: tuple = ()  # every rank's (step, phase) at the last change
+    progressed: float = field(default_factory=time.monotonic)
+    hang: str | None = None  # why the job was found hung
+
+    def hung(self, log_dir: Path, step_multiple: float, min_s: float) -> bool:
+        """Whether no rank has started a new step or phase for `step_multiple` median step times (at least `min_s`);
+        read once a second. Sets `hang` to the report."""
+        now = time.monotonic()
+        if now - self.beats_checked < 1.0:
+            return False
+        self.beats_checked = now
+        beats = heartbeat.read_all(log_dir)
+        progress = tuple((beat["rank"], beat["step"], beat["phase"]) for beat in beats)
+        if progress != self.progress:
+            self.progress, self.progressed = progress, now
+            return False
+        step_seconds = max((beat.get("step_seconds") or 0.0 for beat in beats), default=0.0)
+        if not step_seconds:
+            return False  # no step after the first has started: compiling, loading, or not beating at all
+        limit = max(step_multiple * step_seconds, min_s)
+        if now - self.progressed < limit:
+            return False
+        self.hang = (
+            f"the job hung: no rank has started a new step or phase for {now - self.progressed:.0f} s "
+            f"({step_multiple:g} x the median step time {step_seconds:.2f} s, at least {min_s:g} s: "
+            f"parallel.hang_step_multiple, parallel.hang_min_seconds)\n{hang_report(beats, self.stopped_ranks())}"
+        )
+        return True
+
+    def stopped_ranks(self) -> frozenset[int]:
+        """Ranks whose process is stopped (SIGSTOP, a debugger) by the process table."""
+        stopped = set()
+        for pid, process in self.processes.items():
+            try:
+                if process.role.startswith("rank ") and psutil.Process(pid).status() == psutil.STATUS_STOPPED:
+                    stopped.add(int(process.role.removeprefix("rank ")))
+            except psutil.NoSuchProcess:
+                continue
+        return frozenset(stopped)
 
     def lost_node(self, scheduler_log: Path) -> bool:
         """Whether this node's scheduler (node 0 runs it) has given up on a silent node; read once a second."""
@@ -99,6 +148,21 @@ class _Watch:
             return False
         self.scheduler_checked = now
         return _RANK_LOST.search(scheduler_log.read_text(errors="replace")) is not None
+
+
+def hang_report(beats: list[dict], stopped: frozenset[int] = frozenset()) -> str:
+    """Which ranks are silent and what each of the others waits in, one line each, from their heartbeats."""
+    if not beats:
+        return "no rank left a heartbeat (none reached its first step)"
+    silent, waiting = heartbeat.silent_ranks(beats, stopped)
+    now = max(beat["written_at"] for beat in beats)
+    by_rank = {beat["rank"]: beat for beat in beats}
+    lines = []
+    for rank in silent:
+        state = "stopped (SIGSTOP or a debugger)" if rank in stopped else "silent"
+        lines.append(f"{state}: {heartbeat.describe(by_rank[rank], now)}")
+    lines += [f"waiting: {heartbeat.describe(by_rank[rank], now)}" for rank in waiting]
+    return "\n".join(lines)
 
 
 def launch(
@@ -111,6 +175,8 @@ def launch(
     master_addr: str = "127.0.0.1",
     master_port: int | None = None,
     grace_s: float = 15.0,
+    hang_step_multiple: float | None = None,
+    hang_min_s: float = 180.0,
     cluster_timeout_s: int = 120,
     node_timeout_s: int = 15,
     collective_timeout_s: int = COLLECTIVE_TIMEOUT_S,
@@ -126,7 +192,8 @@ def launch(
     job (MindSpore's MS_NODE_TIMEOUT, used as given when set); MindSpore's default of 30 s, plus the stop
     that follows, is more than the half minute within which a lost host should fail the job.
     `collective_timeout_s`: how long a rank waits in a CPU collective for a late peer (see the module docstring;
-    LLMFLOW_COLLECTIVE_TIMEOUT, when set, wins)."""
+    LLMFLOW_COLLECTIVE_TIMEOUT, when set, wins). `hang_step_multiple`, `hang_min_s`: when the job counts as hung
+    (the module docstring; None: no hang watch)."""
     if world_size < 1 or nodes < 1 or world_size % nodes:
         raise ParallelConfigError(f"world size {world_size} does not split evenly over {nodes} nodes")
     if not 0 <= node_rank < nodes:
@@ -155,9 +222,12 @@ def launch(
     env.setdefault("MS_NODE_TIMEOUT", str(node_timeout_s))
     env.setdefault(COLLECTIVE_TIMEOUT_ENV, str(collective_timeout_s))
     env[RANK_ERRORS_ENV] = str(log_dir.resolve())
+    env[heartbeat.HEARTBEAT_ENV] = str(log_dir.resolve())
     if nodes > 1:
         _note_this_node(log_dir, node_rank, master_addr)
     _set_aside_earlier_logs(log_dir, range(node_rank * local, (node_rank + 1) * local), node_rank == 0)
+    hang_log = log_dir / f"hang-node{node_rank}.log"
+    hang_log.unlink(missing_ok=True)
     msrun_log = log_dir / ("msrun.log" if nodes == 1 else f"msrun-node{node_rank}.log")
     with msrun_log.open("w") as sink:
         msrun = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -166,9 +236,13 @@ def launch(
         streamed = log_dir / f"worker_{node_rank * local}.log"
         # Only node 0 runs the scheduler; on a shared log directory another node would read its earlier log.
         scheduler_log = log_dir / "scheduler.log" if node_rank == 0 else None
-        finished = _supervise(msrun, watch, streamed, scheduler_log, grace_s, echo or sys.stdout, quiet)
+        hang = (hang_step_multiple, hang_min_s) if hang_step_multiple is not None else None
+        finished = _supervise(msrun, watch, streamed, scheduler_log, grace_s, echo or sys.stdout, quiet, hang)
     finally:
         _kill_all(msrun, watch)
+    if watch.hang is not None:
+        write_file(hang_log, watch.hang + "\n")  # for `llmflow doctor`, which reads the log directory
+        raise LaunchError(watch.hang)
     refusal = None if finished and msrun.returncode == 0 else _first_refusal(log_dir)
     if refusal:
         raise LaunchError(refusal)
@@ -183,10 +257,11 @@ def launch(
 
 def _supervise(
     msrun: subprocess.Popen, watch: _Watch, streamed: Path, scheduler_log: Path | None, grace_s: float,
-    echo: TextIO, quiet: bool,
+    echo: TextIO, quiet: bool, hang: tuple[float, float] | None = None,
 ) -> bool:
-    """Stream the log and track processes until msrun exits (True), the grace after a first exit runs out, or
-    this node's scheduler (`scheduler_log`, node 0's) gives up on a silent node."""
+    """Stream the log and track processes until msrun exits (True), the grace after a first exit runs out,
+    this node's scheduler (`scheduler_log`, node 0's) gives up on a silent node, or the ranks' heartbeats say the
+    job hangs (`hang`: the step multiple and the least wait, `_Watch.hung`)."""
     offset = 0
     while True:
         done = msrun.poll() is not None
@@ -198,6 +273,8 @@ def _supervise(
             return False
         if scheduler_log is not None and watch.lost_node(scheduler_log):
             return False  # the job cannot go on without that node's ranks: no grace to wait out
+        if hang is not None and watch.hung(streamed.parent, *hang):
+            return False
         time.sleep(0.2)
 
 
@@ -247,7 +324,7 @@ def _failed_process(
         return (
             f"rank {rank} on node {node}{_where(msrun_log.parent, node)} stopped answering the job's scheduler "
             f"(that node's processes died or it lost the network), so this node's ranks were stopped; the "
-            f"scheduler's log: {scheduler_log}"
+            f"scheduler's log: {scheduler_log}{_heartbeats(msrun_log.parent, watch)}"
         )
     found = _WORKER_FAILED.search(msrun_log.read_text(errors="replace"))
     if found and int(found[1]) in watch.processes:
@@ -262,6 +339,12 @@ def _failed_process(
     if exited:
         return _describe(min(exited, key=lambda p: p.exited_at), "exited first")
     return f"msrun failed before any rank started; the end of {msrun_log}:\n{log_tail(msrun_log)}"
+
+
+def _heartbeats(log_dir: Path, watch: _Watch) -> str:
+    """The ranks' last heartbeats, as `hang_report` says them, when they left any."""
+    beats = heartbeat.read_all(log_dir)
+    return f"\nthe ranks' last heartbeats:\n{hang_report(beats, watch.stopped_ranks())}" if beats else ""
 
 
 def note_rank_failure(reason: str) -> None:
@@ -286,9 +369,10 @@ def _set_aside_earlier_logs(log_dir: Path, ranks: range, scheduler: bool) -> Non
     """Rename the logs an earlier job in this directory (a resumed run's first attempt) left, to
     `<name>.previous.log`: msrun rewrites them in place, so streaming from the start of a stale log would
     skip the new one's first lines, and a stale scheduler log would blame a node for a failure it did not
-    cause this time. An earlier job's rank-<r>.error notes are deleted: their reasons are not this job's."""
+    cause this time. An earlier job's rank-<r>.error notes and heartbeats are deleted: they are not this job's."""
     for rank in ranks:
         (log_dir / f"rank-{rank}.error").unlink(missing_ok=True)
+        heartbeat.file_of(log_dir, rank).unlink(missing_ok=True)
     names = [f"worker_{rank}.log" for rank in ranks] + (["scheduler.log"] if scheduler else [])
     for name in names:
         log = log_dir / name

@@ -33,7 +33,7 @@ from model_core.data.mixture import MixtureSource, mixture_sources
 from model_core.model.moe import router_noise
 from model_core.model.weights import WeightMismatchError
 from model_core.optim.step import scalar
-from model_core.parallel import comm
+from model_core.parallel import comm, heartbeat
 from model_core.parallel.data_parallel import sum_over
 from model_core.parallel.layout import Layout
 from model_core.parallel.parallelize import parallelize
@@ -251,6 +251,7 @@ class Trainer:
             if due and self.counters.consecutive_nonfinite == 0:  # never replace good checkpoints with bad weights
                 saved = self.save()
                 last_checkpoint = saved.path if saved is not None else None
+        heartbeat.phase("end")
         comm.barrier()  # ranks leave together, so a launcher can treat an early exit as a failure
         return TrainResult(
             steps=self.counters.step,
@@ -267,6 +268,7 @@ class Trainer:
 
     def _optimizer_step(self) -> tuple[float, float, int]:
         """k micro-batches, one update (or a skip). Returns (mean loss, gradient norm, tokens processed)."""
+        heartbeat.phase("forward-backward", step=self.counters.step + 1)  # its compiled graph sums the gradients
         rows = self.batches.next_rows()  # this step's global batch, cut into k micro-batches
         size = self.params.train.micro_batch_size
         micro = [self._batch(rows.take(np.arange(i, i + size))) for i in range(0, len(rows), size)]
@@ -280,6 +282,7 @@ class Trainer:
         loss = summed / max(counted, 1)
         if routing is not None:
             self.last_routing = routing_metrics(routing_sums, counted, self.params.model)
+        heartbeat.phase("gradient norm")
         grad_norm = self.parallel.gradient_norm(scalar(1.0 / self.loss_scale.scale))
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         self.loss_scale.update(finite)
@@ -290,6 +293,7 @@ class Trainer:
             coefficient = min(1.0, clip / (grad_norm + 1e-6)) if clip is not None else 1.0
             lr = learning_rate(step - self.schedule_start, self.steps, self.params.optimizer)
             self.last_lr = lr
+            heartbeat.phase("update")
             self.parallel.apply(scalar(lr), scalar(step + 1), scalar(coefficient / self.loss_scale.scale))
             counters.consecutive_nonfinite = 0
             if math.isnan(counters.initial_loss):
@@ -381,6 +385,7 @@ class Trainer:
         the dp replicas take turns over the batches and sum (no replica idles at its next collective while
         another evaluates, which can outlast the backend's collective timeout)."""
         train = self.params.train
+        heartbeat.phase("validation")
         total, counted = 0.0, 0
         batches = sequential_batches(
             self.validation, train.micro_batch_size, train.eval_batches, self.params.tokenizer.pad_id,
@@ -419,6 +424,7 @@ class Trainer:
     def save(self) -> ckpt.Checkpoint | None:
         """Every rank calls it (gathering ZeRO-sharded moments and the write itself are collective). The first
         dp replica's ranks write their tp blocks; rank 0 commits and returns the checkpoint."""
+        heartbeat.phase("checkpoint")
         moments = self.optimizer.state_dict()
         weights = self.parallel.full_weights()  # collective under ZeRO-3
         at = self.layout.coordinates(self.rank)
