@@ -368,6 +368,14 @@ class ParallelParams(StrictModel):
         ">= pipeline_parallel. With pp=1 they act as extra gradient accumulation.",
     )
     pipeline_schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="Pipeline schedule.")
+    sequence_parallel: bool = Field(
+        False,
+        description="Megatron's sequence parallelism, with tensor_parallel > 1: between the tp regions the residual "
+        "stream, the norms and their activations hold 1/tp of the sequence on each tp rank, so those activations "
+        "take 1/tp of the memory. tp's all-reduces become reduce-scatter / all-gather pairs of the same volume (on "
+        "the CPU backend each of the pair is an all-reduce fallback: twice tp's traffic); results equal tp without it. Needs "
+        "tp to divide model.seq_len; does nothing at tensor_parallel=1 (a warning); dense models only.",
+    )
     overlap_gradient_reduction: bool = Field(
         True,
         description="Sum the last micro-batch's gradients over dp (and tp, expert-dp where the layout sums them) "

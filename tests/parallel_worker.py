@@ -123,6 +123,48 @@ def check_all_to_all() -> dict[str, bool]:
     return results
 
 
+class _SequenceWeightedSum(nn.Cell):
+    """sum(enter(x) * weight) for a sequence-parallel operator `enter`: its gradient in x is the conjugate collective
+    of the weights."""
+
+    def __init__(self, enter: nn.Cell, weight: np.ndarray) -> None:
+        super().__init__()
+        self.enter = enter
+        self.weight = Tensor(weight)
+
+    def construct(self, x):
+        return (self.enter(x) * self.weight).sum()
+
+
+def check_sequence_collectives() -> dict[str, bool]:
+    """The all-gather and reduce-scatter along the sequence (axis 1 of [B, T, H]), native and fallback, and the
+    gradients of sequence parallelism's two operators through them, PyNative and jit, against numpy."""
+    from model_core.parallel.tensor import GatherFromSequenceParallel, ReduceScatterToSequenceParallel
+
+    rank, size = comm.rank(), comm.world_size()
+    slices = [np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4) * (rank_ + 1) - rank_ for rank_ in range(size)]
+    wholes = [np.arange(2 * 3 * size * 4, dtype=np.float32).reshape(2, 3 * size, 4) + 10 * rank_ for rank_ in range(size)]
+    expected = {
+        "gather_sequence": (np.concatenate(slices, axis=1), np.split(sum(wholes), size, axis=1)[rank]),
+        "scatter_sequence": (np.split(sum(wholes), size, axis=1)[rank], np.concatenate(slices, axis=1)),
+    }
+    results = {}
+    for native in (True, False):
+        group = comm.Group(tuple(range(size)), rank, use_native=native)
+        got = {"gather_sequence": group.all_gather_sequence(Tensor(slices[rank])),
+               "scatter_sequence": group.reduce_scatter_sequence(Tensor(wholes[rank]))}
+        losses = {"gather_sequence": (_SequenceWeightedSum(GatherFromSequenceParallel(group), wholes[rank]), slices[rank]),
+                  "scatter_sequence": (_SequenceWeightedSum(ReduceScatterToSequenceParallel(group), slices[rank]),
+                                       wholes[rank])}
+        for name, (value, gradient) in expected.items():
+            results[f"{name}/pynative/native={native}"] = bool(np.array_equal(got[name].asnumpy(), value))
+            loss, x = losses[name]
+            for mode, (_, grad) in (("pynative", ms.value_and_grad(loss, grad_position=0)(Tensor(x))),
+                                    ("jit", _ValueAndGradInJit(loss)(Tensor(x)))):
+                results[f"{name}_grad/{mode}/native={native}"] = bool(np.array_equal(grad.asnumpy(), gradient))
+    return results
+
+
 def late(seconds: float) -> list[float]:
     """Rank 1 reaches an all-reduce `seconds` after rank 0 (as a rank still compiling its first step would);
     the sum each rank got."""
@@ -136,10 +178,11 @@ def late(seconds: float) -> list[float]:
 
 
 def collectives(out_dir: Path, late_seconds: str) -> None:
-    """check_comm's, check_all_to_all's and late's findings from one job: starting a job costs more than
-    all three checks."""
+    """check_comm's (with check_sequence_collectives'), check_all_to_all's and late's findings from one job: starting
+    a job costs more than all the checks."""
     comm.init()
-    found = {"comm": check_comm(), "all_to_all": check_all_to_all(), "late": late(float(late_seconds))}
+    found = {"comm": {**check_comm(), **check_sequence_collectives()}, "all_to_all": check_all_to_all(),
+             "late": late(float(late_seconds))}
     (out_dir / f"rank{comm.rank()}.json").write_text(json.dumps(found))
 
 

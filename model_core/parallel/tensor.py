@@ -11,6 +11,17 @@ The vocabulary is split too: each rank embeds the ids of its vocab block (zeros 
 all-reduce) and computes logits for its block only; `VocabParallelCrossEntropy` takes the loss from the local
 logit blocks with all-reduces of per-token scalars, so full logits are never gathered.
 
+Sequence parallelism (Megatron's, `parallel.sequence_parallel`) splits what lies between the tp regions too: the
+residual stream, the norms and their activations hold T / tp of the sequence on each rank of the group, so those
+activations shrink by tp. The conjugate pair becomes
+  `GatherFromSequenceParallel`        all-gather along the sequence forward, reduce-scatter of the gradient;
+  `ReduceScatterToSequenceParallel`   reduce-scatter along the sequence forward, all-gather of the gradient;
+which move the same bytes as the all-reduces they replace (an all-reduce is a reduce-scatter and an all-gather).
+The embedding's output is reduce-scattered, the final norm runs on the slice and the head gathers the whole
+sequence before its vocab block. A replicated norm weight then sees only its rank's slice, so its gradient is a
+share summed over tp (`Placement.tp_partial`). Attention runs on the gathered sequence, so RoPE positions and the
+causal and document masks are the whole sequence's, as without it; results equal tp's up to summation order.
+
 Every Cell here takes its `comm.Group`; a group of one rank makes each of them the single-device layer.
 
 `tensor_parallel(model, layout, rank, params)` applies the plan (`placement.TENSOR_PARALLEL_PLAN`) to a built
@@ -19,7 +30,7 @@ single-device Llama from outside, by swapping cells; the weights themselves are 
   q/k/v, gate/up          column-parallel: plain `Linear`s holding a block of output rows, and the attention
                           cell computes heads / tp query and kv_heads / tp key/value heads;
   o_proj, down_proj       row-parallel (`RowParallelLinear`): a block of input columns, outputs summed;
-  the two block norms     replicated; their output enters the tp region (`ThenCopyToTensorParallel`);
+  the two block norms     replicated; their output enters the tp region (`ThenEnterTensorParallel`);
   embed_tokens, lm_head   vocab-parallel: a block of vocab rows (a tied head uses the embedding's block);
   the final norm's output enters the tp region in the head (`VocabParallelHead`).
 Parameter paths do not move (`layers.0.mlp.down_proj.weight`), so checkpoints keep their names. The model
@@ -41,7 +52,7 @@ from model_core.optim.step import routed_objective
 from model_core.parallel import comm
 from model_core.parallel.comm import Group
 from model_core.parallel.layout import Layout
-from params.rules import check_tensor_parallel
+from params.rules import check_sequence_parallel, check_tensor_parallel
 from params.schema import ModelParams
 
 
@@ -73,30 +84,71 @@ class ReduceFromTensorParallel(nn.Cell):
         return (dout,)
 
 
-class ThenCopyToTensorParallel(nn.Cell):
-    """`inner(x, weight)` (a norm function) followed by `CopyToTensorParallel`: swapped in for the function
-    inside a replicated norm whose output feeds column-parallel layers, so the norm's parameter path and its
-    replicated weight stay as they were, and its gradient (from the summed input gradient) is equal on
-    every tp rank."""
+class GatherFromSequenceParallel(nn.Cell):
+    """Sequence parallelism's f: each rank's slice [B, T / tp, ...] joined into the whole sequence [B, T, ...]; the
+    gradient, a partial sum over the tp region's blocks, is reduce-scattered back to the slices."""
 
-    def __init__(self, inner: nn.Cell, group: Group) -> None:
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.group = group
+
+    def construct(self, x):
+        return self.group.all_gather_sequence(x)
+
+    def bprop(self, x, out, dout):
+        return (self.group.reduce_scatter_sequence(dout),)
+
+
+class ReduceScatterToSequenceParallel(nn.Cell):
+    """Sequence parallelism's g: partial results [B, T, ...] summed over the group, each rank keeping its slice of
+    the sequence; the gradient of the slices is all-gathered into the whole sequence's."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.group = group
+
+    def construct(self, x):
+        return self.group.reduce_scatter_sequence(x)
+
+    def bprop(self, x, out, dout):
+        return (self.group.all_gather_sequence(dout),)
+
+
+def entering(group: Group, sequence_parallel: bool) -> nn.Cell:
+    """The operator by which replicated activations (or, under sequence parallelism, sequence slices) enter a tp region."""
+    return GatherFromSequenceParallel(group) if sequence_parallel else CopyToTensorParallel(group)
+
+
+def leaving(group: Group, sequence_parallel: bool) -> nn.Cell:
+    """The operator that sums a tp region's partial results (into sequence slices under sequence parallelism)."""
+    return ReduceScatterToSequenceParallel(group) if sequence_parallel else ReduceFromTensorParallel(group)
+
+
+class ThenEnterTensorParallel(nn.Cell):
+    """`inner(x, weight)` (a norm function) followed by `enter` (`entering`): swapped in for the function inside a
+    replicated norm whose output feeds column-parallel layers, so the norm's parameter path and its replicated weight
+    stay as they were. Its gradient (from the summed input gradient) is equal on every tp rank, or under sequence
+    parallelism the rank's share from its slice."""
+
+    def __init__(self, inner: nn.Cell, enter: nn.Cell) -> None:
         super().__init__()
         self.inner = inner
-        self.copy = CopyToTensorParallel(group)
+        self.enter = enter
 
     def construct(self, x, weight):
-        return self.copy(self.inner(x, weight))
+        return self.enter(self.inner(x, weight))
 
 
 class RowParallelLinear(nn.Cell):
     """y = sum over the group of x_r W_r^T: `weight` is this rank's [out, in / tp] block of columns, x its
-    matching block of input features (the output of column-parallel layers)."""
+    matching block of input features (the output of column-parallel layers). Under sequence parallelism y is
+    this rank's slice of the sequence of that sum."""
 
-    def __init__(self, weight: Parameter, group: Group) -> None:
+    def __init__(self, weight: Parameter, group: Group, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.weight = weight
         self.linear = LinearFunction()
-        self.reduce = ReduceFromTensorParallel(group)
+        self.reduce = leaving(group, sequence_parallel)
 
     def construct(self, x):
         return self.reduce(self.linear(x, self.weight.astype(x.dtype)))
@@ -113,16 +165,17 @@ class RowLookup(nn.Cell):
 class VocabParallelEmbedding(nn.Cell):
     """Token id -> embedding row, `weight` holding rows [start, start + block) of the vocabulary.
 
-    Ids outside the block look up row 0 and are zeroed; the all-reduce adds the one rank that holds each id.
-    The gradient reaches only the rows of ids inside the block, which is this rank's part of the full one."""
+    Ids outside the block look up row 0 and are zeroed; the all-reduce (under sequence parallelism the
+    reduce-scatter into this rank's slice) adds the one rank that holds each id. The gradient reaches only the rows
+    of ids inside the block, which is this rank's part of the full one."""
 
-    def __init__(self, weight: Parameter, start: int, block: int, group: Group) -> None:
+    def __init__(self, weight: Parameter, start: int, block: int, group: Group, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.weight = weight
         self.start = start
         self.block = block
         self.lookup = RowLookup()
-        self.reduce = ReduceFromTensorParallel(group)
+        self.reduce = leaving(group, sequence_parallel)
 
     def construct(self, tokens):
         local = tokens - self.start
@@ -133,16 +186,17 @@ class VocabParallelEmbedding(nn.Cell):
 
 
 class VocabParallelHead(nn.Cell):
-    """Logits of this rank's vocab block: the replicated final hidden state enters the tp region (its
-    gradient, a partial sum over the block's logits, is summed over the group), then x W_block^T."""
+    """Logits of this rank's vocab block: the replicated final hidden state (under sequence parallelism the
+    gathered slices) enters the tp region (its gradient, a partial sum over the block's logits, is summed over
+    the group), then x W_block^T."""
 
-    def __init__(self, group: Group) -> None:
+    def __init__(self, group: Group, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.copy = CopyToTensorParallel(group)
+        self.enter = entering(group, sequence_parallel)
         self.linear = LinearFunction()
 
     def construct(self, x, weight):
-        return self.linear(self.copy(x), weight)
+        return self.linear(self.enter(x), weight)
 
 
 class VocabParallelCrossEntropy(nn.Cell):
@@ -197,26 +251,34 @@ class TensorParallelism:
     vocab_start: int
 
 
-def tensor_parallel(model: Llama, layout: Layout, rank: int, params: ModelParams) -> TensorParallelism:
-    """Swap `model`'s cells (in place, weights left as they are) for rank `rank`'s tensor-parallel ones."""
+def tensor_parallel(
+    model: Llama, layout: Layout, rank: int, params: ModelParams, sequence_parallel: bool = False
+) -> TensorParallelism:
+    """Swap `model`'s cells (in place, weights left as they are) for rank `rank`'s tensor-parallel ones; with
+    `sequence_parallel` the activations between the tp regions hold this rank's slice of the sequence."""
     check_tensor_parallel(layout.tp, params)
+    if sequence_parallel:
+        check_sequence_parallel(layout.tp, params)
     group = comm.group(layout.tp_group(rank))
     size, index = group.size, group.index
     for layer in model.layers.cells():  # all layers, or a pipeline stage's
         attention, mlp = layer.self_attn, layer.mlp
-        attention.o_proj = RowParallelLinear(attention.o_proj.weight, group)
+        attention.o_proj = RowParallelLinear(attention.o_proj.weight, group, sequence_parallel)
         attention.num_heads //= size
         attention.num_kv_heads //= size
-        layer.input_layernorm.rms_norm = ThenCopyToTensorParallel(layer.input_layernorm.rms_norm, group)
+        norm = layer.input_layernorm
+        norm.rms_norm = ThenEnterTensorParallel(norm.rms_norm, entering(group, sequence_parallel))
         if layer.is_moe:  # every tp rank runs the whole MoE block on the same input: its gradient is whole already
             continue
-        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight, group)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight, group, sequence_parallel)
         norm = layer.post_attention_layernorm
-        norm.rms_norm = ThenCopyToTensorParallel(norm.rms_norm, group)
+        norm.rms_norm = ThenEnterTensorParallel(norm.rms_norm, entering(group, sequence_parallel))
     block = params.vocab_size // size
     if hasattr(model, "embed_tokens"):
-        model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, index * block, block, group)
-    model.head = VocabParallelHead(group)
+        model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, index * block, block, group, sequence_parallel)
+    model.head = VocabParallelHead(group, sequence_parallel)
+    if sequence_parallel:  # a later pipeline stage receives slices, and builds RoPE and masks for the whole sequence
+        model.sequence_shards = size
     if model.vocab_mask is not None:
         model.vocab_mask = model.vocab_mask[index * block : (index + 1) * block]
     return TensorParallelism(group, index * block)
