@@ -124,40 +124,47 @@ def check_all_to_all() -> dict[str, bool]:
 
 
 class _SequenceWeightedSum(nn.Cell):
-    """sum(enter(x) * weight) for a sequence-parallel operator `enter`: its gradient in x is the conjugate collective
-    of the weights."""
+    """sum(operator(x, *weights) * mask): its gradient in x is the operator's backward of the mask."""
 
-    def __init__(self, enter: nn.Cell, weight: np.ndarray) -> None:
+    def __init__(self, operator: nn.Cell, mask: np.ndarray, *weights: np.ndarray) -> None:
         super().__init__()
-        self.enter = enter
-        self.weight = Tensor(weight)
+        self.operator = operator
+        self.mask = Tensor(mask)
+        self.weights = tuple(Tensor(w) for w in weights)
 
     def construct(self, x):
-        return (self.enter(x) * self.weight).sum()
+        return (self.operator(x, *self.weights) * self.mask).sum()
 
 
 def check_sequence_collectives() -> dict[str, bool]:
-    """The all-gather and reduce-scatter along the sequence (axis 1 of [B, T, H]), native and fallback, and the
-    gradients of sequence parallelism's two operators through them, PyNative and jit, against numpy."""
-    from model_core.parallel.tensor import GatherFromSequenceParallel, ReduceScatterToSequenceParallel
+    """The all-gather and reduce-scatter along the sequence (axis 1 of [B, T, H]), native and fallback, and the input
+    gradients of sequence parallelism's two operators (a projection of the gathered sequence, and the reduce-scatter),
+    PyNative and jit, against numpy. Small integers, so every sum is exact in any order."""
+    from model_core.parallel.tensor import ReduceScatterToSequenceParallel, SequenceGatheredLinear
 
     rank, size = comm.rank(), comm.world_size()
-    slices = [np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4) * (rank_ + 1) - rank_ for rank_ in range(size)]
-    wholes = [np.arange(2 * 3 * size * 4, dtype=np.float32).reshape(2, 3 * size, 4) + 10 * rank_ for rank_ in range(size)]
+    slices = [(np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4) % 5) * (r + 1) - r for r in range(size)]
+    wholes = [np.arange(2 * 3 * size * 4, dtype=np.float32).reshape(2, 3 * size, 4) % 7 + 10 * r for r in range(size)]
+    weight = np.arange(5 * 4, dtype=np.float32).reshape(5, 4) % 3 - 1  # [out, in]
+    masks = [np.arange(2 * 3 * size * 5, dtype=np.float32).reshape(2, 3 * size, 5) % 4 - r for r in range(size)]
+    whole_input = np.concatenate(slices, axis=1)
     expected = {
-        "gather_sequence": (np.concatenate(slices, axis=1), np.split(sum(wholes), size, axis=1)[rank]),
-        "scatter_sequence": (np.split(sum(wholes), size, axis=1)[rank], np.concatenate(slices, axis=1)),
+        "gather_sequence": (whole_input, None),
+        "scatter_sequence": (np.split(sum(wholes), size, axis=1)[rank], whole_input),
+        "gathered_linear": (whole_input @ weight.T, np.split(sum(masks) @ weight, size, axis=1)[rank]),
     }
     results = {}
     for native in (True, False):
         group = comm.Group(tuple(range(size)), rank, use_native=native)
         got = {"gather_sequence": group.all_gather_sequence(Tensor(slices[rank])),
-               "scatter_sequence": group.reduce_scatter_sequence(Tensor(wholes[rank]))}
-        losses = {"gather_sequence": (_SequenceWeightedSum(GatherFromSequenceParallel(group), wholes[rank]), slices[rank]),
-                  "scatter_sequence": (_SequenceWeightedSum(ReduceScatterToSequenceParallel(group), slices[rank]),
-                                       wholes[rank])}
+               "scatter_sequence": group.reduce_scatter_sequence(Tensor(wholes[rank])),
+               "gathered_linear": SequenceGatheredLinear(group)(Tensor(slices[rank]), Tensor(weight))}
+        losses = {"scatter_sequence": (_SequenceWeightedSum(ReduceScatterToSequenceParallel(group), slices[rank]), wholes[rank]),
+                  "gathered_linear": (_SequenceWeightedSum(SequenceGatheredLinear(group), masks[rank], weight), slices[rank])}
         for name, (value, gradient) in expected.items():
             results[f"{name}/pynative/native={native}"] = bool(np.array_equal(got[name].asnumpy(), value))
+            if gradient is None:
+                continue
             loss, x = losses[name]
             for mode, (_, grad) in (("pynative", ms.value_and_grad(loss, grad_position=0)(Tensor(x))),
                                     ("jit", _ValueAndGradInJit(loss)(Tensor(x)))):

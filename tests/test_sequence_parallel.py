@@ -10,13 +10,13 @@ import warnings
 import mindspore as ms
 import numpy as np
 import pytest
-from conftest import FOUR_WORKER_JOBS, TWO_WORKER_JOBS
+from conftest import TWO_WORKER_JOBS
 
 from model_core.parallel import comm
 from model_core.parallel.layout import Layout
 from model_core.parallel.placement import placement_table
 from params import ParamsError, load_params
-from params.rules import LayoutWarning, check_run, run_problems
+from params.rules import LayoutWarning, check_run
 
 SP = ("parallel.tensor_parallel=2", "parallel.sequence_parallel=true", "parallel.micro_batches=4")
 DOCUMENTS = "train.reset_at_document_boundaries=true"  # packed rows of several documents, attention reset at each
@@ -53,10 +53,8 @@ def test_a_sequence_tp_does_not_divide_is_refused_with_both_numbers():
 
 
 def test_sequence_parallelism_with_experts_is_refused():
-    params = load_params("tiny", ["model.moe.num_experts=4", "parallel.tensor_parallel=2"])
-    sp = params.model_copy(update={"parallel": params.parallel.model_copy(update={"sequence_parallel": True})})
-    assert run_problems(params) == []
-    assert "parallel.sequence_parallel=true with model.moe (4 MoE blocks)" in run_problems(sp)[0]
+    with pytest.raises(ParamsError, match=r"parallel.sequence_parallel=true with model.moe \(4 MoE blocks\)"):
+        load_params("tiny", ["model.moe.num_experts=4", *SP])
 
 
 def test_sequence_parallelism_without_tensor_parallelism_runs_with_a_warning():
@@ -103,3 +101,38 @@ def test_tp2_with_sequence_parallelism_trains_as_one_process_on_rows_of_several_
     _, ranks = two_worker_jobs["tp2-sp-documents"]
     for rank in ranks:
         assert_same_metrics(rank["history"], documents_single_process)
+
+
+@pytest.mark.slow
+@pytest.mark.extended  # four workers each; tp2 with sequence parallelism runs by default
+@pytest.mark.parametrize("layout", [
+    pytest.param(("parallel.pipeline_parallel=2",), id="tp2-pp2"),
+    pytest.param(("parallel.data_parallel=2", "parallel.zero_stage=3", "parallel.micro_batches=2"), id="dp2-tp2-zero3"),
+])
+def test_sequence_parallelism_composes_with_pipeline_stages_and_zero3(layout, dataset_dir, documents_single_process, tmp_path):
+    """A later stage receives its slice of the sequence and builds RoPE and masks for the whole; ZeRO-3 gathers
+    each weight inside the projections that gather the sequence."""
+    from test_parallel_msrun import assert_same_metrics, train_job
+
+    ranks = train_job(tmp_path, dataset_dir, *SP, DOCUMENTS, *layout, workers=4)
+    for rank in ranks:
+        assert_same_metrics(rank["history"], documents_single_process)
+
+
+def test_the_planner_counts_the_residual_streams_slices_and_the_gathered_slice():
+    """Per layer, the norms' fp32 inputs and the projections' normed inputs (2 BTH (4 + c)) drop to 1/tp; the last
+    stage's head inputs too; tp's communication buffers gain one slice."""
+    from model_core.parallel.planner import CPU, Candidate, activation_bytes, backward_communication_bytes
+
+    overrides = ["model.seq_len=512", "train.micro_batch_size=2", "parallel.tensor_parallel=2"]
+    plain, split = load_params("tiny", overrides), load_params("tiny", [*overrides, "parallel.sequence_parallel=true"])
+    candidate = Candidate(1, 2, 1, 0, "none")
+    tokens, hidden, layers = 2 * 512, plain.model.hidden_size, plain.model.num_layers
+    between = tokens * hidden * (4 + 4)  # fp32 compute: a norm's input and its projections' input, per norm
+    saved = (layers * 2 * between + between) // 2  # two norms a layer, the final norm and the head; half kept
+    difference = activation_bytes(plain, candidate, 0, CPU) - activation_bytes(split, candidate, 0, CPU)
+    assert difference == pytest.approx(CPU.activation_factor * saved, abs=1)  # each side rounded down once
+    added = backward_communication_bytes(split, candidate, 0) - backward_communication_bytes(plain, candidate, 0)
+    assert added == tokens * hidden * 4 // 2
+    one = Candidate(2, 1, 1, 0, "none")  # tp1: nothing to split
+    assert activation_bytes(plain, one, 0, CPU) == activation_bytes(split, one, 0, CPU)

@@ -13,14 +13,18 @@ logit blocks with all-reduces of per-token scalars, so full logits are never gat
 
 Sequence parallelism (Megatron's, `parallel.sequence_parallel`) splits what lies between the tp regions too: the
 residual stream, the norms and their activations hold T / tp of the sequence on each rank of the group, so those
-activations shrink by tp. The conjugate pair becomes
-  `GatherFromSequenceParallel`        all-gather along the sequence forward, reduce-scatter of the gradient;
+activations shrink by tp. The all-reduces become
+  `SequenceGatheredLinear`            a column-parallel projection of the whole sequence from this rank's slice:
+                                      all-gather along the sequence forward, reduce-scatter of the input gradient;
   `ReduceScatterToSequenceParallel`   reduce-scatter along the sequence forward, all-gather of the gradient;
 which move the same bytes as the all-reduces they replace (an all-reduce is a reduce-scatter and an all-gather).
-The embedding's output is reduce-scattered, the final norm runs on the slice and the head gathers the whole
-sequence before its vocab block. A replicated norm weight then sees only its rank's slice, so its gradient is a
-share summed over tp (`Placement.tp_partial`). Attention runs on the gathered sequence, so RoPE positions and the
-causal and document masks are the whole sequence's, as without it; results equal tp's up to summation order.
+A projection keeps only the slice for its backward and gathers it again there (Megatron's choice: the whole
+sequence's input of q/k/v, gate/up and the head would otherwise be kept whole, as without sequence parallelism);
+as each projection gathers its own input, q, k and v gather the same slice three times, gate and up twice. The
+embedding's output is reduce-scattered and the final norm runs on the slice. A replicated norm weight then sees only
+its rank's slice, so its gradient is a share summed over tp (`Placement.tp_partial`). Attention runs on the gathered
+sequence, so RoPE positions and the causal and document masks are the whole sequence's, as without it; results
+equal tp's up to summation order.
 
 Every Cell here takes its `comm.Group`; a group of one rank makes each of them the single-device layer.
 
@@ -30,7 +34,7 @@ single-device Llama from outside, by swapping cells; the weights themselves are 
   q/k/v, gate/up          column-parallel: plain `Linear`s holding a block of output rows, and the attention
                           cell computes heads / tp query and kv_heads / tp key/value heads;
   o_proj, down_proj       row-parallel (`RowParallelLinear`): a block of input columns, outputs summed;
-  the two block norms     replicated; their output enters the tp region (`ThenEnterTensorParallel`);
+  the two block norms     replicated; their output enters the tp region (`ThenCopyToTensorParallel`);
   embed_tokens, lm_head   vocab-parallel: a block of vocab rows (a tied head uses the embedding's block);
   the final norm's output enters the tp region in the head (`VocabParallelHead`).
 Parameter paths do not move (`layers.0.mlp.down_proj.weight`), so checkpoints keep their names. The model
@@ -84,19 +88,30 @@ class ReduceFromTensorParallel(nn.Cell):
         return (dout,)
 
 
-class GatherFromSequenceParallel(nn.Cell):
-    """Sequence parallelism's f: each rank's slice [B, T / tp, ...] joined into the whole sequence [B, T, ...]; the
-    gradient, a partial sum over the tp region's blocks, is reduce-scattered back to the slices."""
+_matmul_tn = ops.MatMul(transpose_a=True)  # a^T @ b
+
+
+class SequenceGatheredLinear(nn.Cell):
+    """`LinearFunction` of the whole sequence from this rank's slice: y = gather(x) W^T for x [B, T / tp, in], W a
+    column-parallel block [out / tp, in]. The backward gathers x again rather than keeping the whole input, and
+    reduce-scatters the input gradient (a partial sum over the tp blocks) back to the slices."""
 
     def __init__(self, group: Group) -> None:
         super().__init__()
         self.group = group
+        self.linear = LinearFunction()
 
-    def construct(self, x):
-        return self.group.all_gather_sequence(x)
+    def construct(self, x, weight):
+        return self.linear(self.group.all_gather_sequence(x), weight)
 
-    def bprop(self, x, out, dout):
-        return (self.group.reduce_scatter_sequence(dout),)
+    def bprop(self, x, weight, out, dout):
+        # depend() on dout: a gather identical to the forward's would be merged with it, keeping the whole input.
+        whole = self.group.all_gather_sequence(ops.depend(x, dout))
+        out_features, in_features = weight.shape
+        dout_2d = dout.reshape(-1, out_features)
+        dwhole = ops.matmul(dout_2d, weight).reshape(whole.shape)
+        dweight = _matmul_tn(dout_2d, whole.reshape(-1, in_features))
+        return self.group.reduce_scatter_sequence(dwhole), dweight
 
 
 class ReduceScatterToSequenceParallel(nn.Cell):
@@ -114,29 +129,24 @@ class ReduceScatterToSequenceParallel(nn.Cell):
         return (self.group.all_gather_sequence(dout),)
 
 
-def entering(group: Group, sequence_parallel: bool) -> nn.Cell:
-    """The operator by which replicated activations (or, under sequence parallelism, sequence slices) enter a tp region."""
-    return GatherFromSequenceParallel(group) if sequence_parallel else CopyToTensorParallel(group)
-
-
 def leaving(group: Group, sequence_parallel: bool) -> nn.Cell:
     """The operator that sums a tp region's partial results (into sequence slices under sequence parallelism)."""
     return ReduceScatterToSequenceParallel(group) if sequence_parallel else ReduceFromTensorParallel(group)
 
 
-class ThenEnterTensorParallel(nn.Cell):
-    """`inner(x, weight)` (a norm function) followed by `enter` (`entering`): swapped in for the function inside a
-    replicated norm whose output feeds column-parallel layers, so the norm's parameter path and its replicated weight
-    stay as they were. Its gradient (from the summed input gradient) is equal on every tp rank, or under sequence
-    parallelism the rank's share from its slice."""
+class ThenCopyToTensorParallel(nn.Cell):
+    """`inner(x, weight)` (a norm function) followed by `CopyToTensorParallel`: swapped in for the function
+    inside a replicated norm whose output feeds column-parallel layers, so the norm's parameter path and its
+    replicated weight stay as they were, and its gradient (from the summed input gradient) is equal on
+    every tp rank."""
 
-    def __init__(self, inner: nn.Cell, enter: nn.Cell) -> None:
+    def __init__(self, inner: nn.Cell, group: Group) -> None:
         super().__init__()
         self.inner = inner
-        self.enter = enter
+        self.copy = CopyToTensorParallel(group)
 
     def construct(self, x, weight):
-        return self.enter(self.inner(x, weight))
+        return self.copy(self.inner(x, weight))
 
 
 class RowParallelLinear(nn.Cell):
@@ -186,17 +196,17 @@ class VocabParallelEmbedding(nn.Cell):
 
 
 class VocabParallelHead(nn.Cell):
-    """Logits of this rank's vocab block: the replicated final hidden state (under sequence parallelism the
-    gathered slices) enters the tp region (its gradient, a partial sum over the block's logits, is summed over
-    the group), then x W_block^T."""
+    """Logits of this rank's vocab block: the replicated final hidden state enters the tp region (its gradient, a
+    partial sum over the block's logits, is summed over the group), then x W_block^T. Under sequence parallelism
+    the slices are gathered into the whole sequence instead (`SequenceGatheredLinear`)."""
 
     def __init__(self, group: Group, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.enter = entering(group, sequence_parallel)
-        self.linear = LinearFunction()
+        self.copy = nn.Identity() if sequence_parallel else CopyToTensorParallel(group)
+        self.linear = SequenceGatheredLinear(group) if sequence_parallel else LinearFunction()
 
     def construct(self, x, weight):
-        return self.linear(self.enter(x), weight)
+        return self.linear(self.copy(x), weight)
 
 
 class VocabParallelCrossEntropy(nn.Cell):
@@ -266,13 +276,11 @@ def tensor_parallel(
         attention.o_proj = RowParallelLinear(attention.o_proj.weight, group, sequence_parallel)
         attention.num_heads //= size
         attention.num_kv_heads //= size
-        norm = layer.input_layernorm
-        norm.rms_norm = ThenEnterTensorParallel(norm.rms_norm, entering(group, sequence_parallel))
+        enter_attention(layer, group, sequence_parallel)
         if layer.is_moe:  # every tp rank runs the whole MoE block on the same input: its gradient is whole already
             continue
         mlp.down_proj = RowParallelLinear(mlp.down_proj.weight, group, sequence_parallel)
-        norm = layer.post_attention_layernorm
-        norm.rms_norm = ThenEnterTensorParallel(norm.rms_norm, entering(group, sequence_parallel))
+        enter_mlp(layer, group, sequence_parallel)
     block = params.vocab_size // size
     if hasattr(model, "embed_tokens"):
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, index * block, block, group, sequence_parallel)
@@ -282,6 +290,25 @@ def tensor_parallel(
     if model.vocab_mask is not None:
         model.vocab_mask = model.vocab_mask[index * block : (index + 1) * block]
     return TensorParallelism(group, index * block)
+
+
+def enter_attention(layer: nn.Cell, group: Group, sequence_parallel: bool) -> None:
+    """The input norm's output enters the tp region: copied, or under sequence parallelism gathered by each of q/k/v."""
+    if sequence_parallel:
+        for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            projection.linear = SequenceGatheredLinear(group)
+    else:
+        layer.input_layernorm.rms_norm = ThenCopyToTensorParallel(layer.input_layernorm.rms_norm, group)
+
+
+def enter_mlp(layer: nn.Cell, group: Group, sequence_parallel: bool) -> None:
+    """The post-attention norm's output enters the tp region: copied, or under sequence parallelism gathered by gate
+    and up."""
+    if sequence_parallel:
+        for projection in (layer.mlp.gate_proj, layer.mlp.up_proj):
+            projection.linear = SequenceGatheredLinear(group)
+    else:
+        layer.post_attention_layernorm.rms_norm = ThenCopyToTensorParallel(layer.post_attention_layernorm.rms_norm, group)
 
 
 class VocabParallelTokenLoss(nn.Cell):
@@ -330,7 +357,12 @@ class RowParallelLoraLinear(LoraLinear):
 def tensor_parallel_adapter(base: nn.Cell, rank: int, alpha: float, dropout: float) -> LoraLinear:
     """The LoRA wrapper of a projection after tensor parallelism: a column-parallel one is a plain `Linear` holding
     its block of rows (A whole, B cut like W; A's gradient is a share, `Placement.tp_partial`), a row-parallel one
-    a `RowParallelLinear`."""
+    a `RowParallelLinear`. Under sequence parallelism a column-parallel projection's input is its rank's slice of the
+    sequence: W and A each gather it (`SequenceGatheredLinear`); B reads A's output, already whole."""
     if isinstance(base, RowParallelLinear):
         return RowParallelLoraLinear(base, rank, alpha, dropout)
-    return LoraLinear(base, rank, alpha, dropout)
+    adapter = LoraLinear(base, rank, alpha, dropout)
+    if isinstance(base.linear, SequenceGatheredLinear):
+        adapter.linear = SequenceGatheredLinear(base.linear.group)
+        adapter.linear_a = SequenceGatheredLinear(base.linear.group)
+    return adapter

@@ -47,7 +47,7 @@ from model_core.optim.adamw import AdamW, applies_weight_decay
 from model_core.parallel.comm import Group
 from model_core.parallel.tensor import (
     RowParallelLinear,
-    ThenEnterTensorParallel,
+    ThenCopyToTensorParallel,
     VocabParallelEmbedding,
     VocabParallelHead,
 )
@@ -220,7 +220,7 @@ def shard_parameters(model: Llama, group: Group) -> ShardedParameters:
         elif isinstance(cell, RMSNorm):
             cell.weight = own_shard(path, cell)
             function = cell.rms_norm
-            if isinstance(function, ThenEnterTensorParallel):  # the gather goes inside, the tp entry after it
+            if isinstance(function, ThenCopyToTensorParallel):  # the gather goes inside, the tp copy after it
                 function.inner = WithGatheredWeight(function.inner, shapes[path], group, path)
             else:
                 cell.rms_norm = WithGatheredWeight(function, shapes[path], group, path)
@@ -236,7 +236,7 @@ def shard_parameters(model: Llama, group: Group) -> ShardedParameters:
             raise TypeError(f"ZeRO-3 shards an Embedding or VocabParallelEmbedding, not {type(embedding).__name__}")
     if _holds(model, "norm"):  # the stage with the head
         head = "embed_tokens.weight" if model.tie_embeddings else "lm_head.weight"
-        if isinstance(model.head, VocabParallelHead):  # the tp entry of its input stays outside the gather
+        if isinstance(model.head, VocabParallelHead):  # the tp copy of its input stays outside the gather
             model.head.linear = WithGatheredWeight(model.head.linear, shapes[head], group, head)
         else:
             model.head = WithGatheredWeight(model.head, shapes[head], group, head)
