@@ -1,0 +1,1 @@
+"""One module per `llmflow` command: its arguments (`register`) beside its handler (`run`)."""
