@@ -13,14 +13,14 @@ logit blocks with all-reduces of per-token scalars, so full logits are never gat
 
 Sequence parallelism (Megatron's, `parallel.sequence_parallel`) splits what lies between the tp regions too: the
 residual stream, the norms and their activations hold T / tp of the sequence on each rank of the group, so those
-activations shrink by tp. The all-reduces become
+activations shrink by tp. The all-reduces become all-gathers and reduce-scatters along the sequence:
   `SequenceGatheredLinear`            a column-parallel projection of the whole sequence from this rank's slice:
                                       all-gather along the sequence forward, reduce-scatter of the input gradient;
-  `ReduceScatterToSequenceParallel`   reduce-scatter along the sequence forward, all-gather of the gradient;
-which move the same bytes as the all-reduces they replace (an all-reduce is a reduce-scatter and an all-gather).
+  `ReduceScatterToSequenceParallel`   reduce-scatter along the sequence forward, all-gather of the gradient.
 A projection keeps only the slice for its backward and gathers it again there (Megatron's choice: the whole
-sequence's input of q/k/v, gate/up and the head would otherwise be kept whole, as without sequence parallelism);
-as each projection gathers its own input, q, k and v gather the same slice three times, gate and up twice. The
+sequence's input of q/k/v, gate/up and the head would otherwise be kept whole, as without sequence parallelism).
+Each projection gathers its own input, so q, k and v gather the same slice three times and gate and up twice:
+more traffic than tp's all-reduces (README, "Scaling out"), traded for activation memory. The
 embedding's output is reduce-scattered and the final norm runs on the slice. A replicated norm weight then sees only
 its rank's slice, so its gradient is a share summed over tp (`Placement.tp_partial`). Attention runs on the gathered
 sequence, so RoPE positions and the causal and document masks are the whole sequence's, as without it; results
