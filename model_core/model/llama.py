@@ -138,12 +138,13 @@ class SelfAttention(nn.Cell):
         self.attention = Attention(head_dim, fused_attention_available())
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
-        batch, seq, _ = x.shape
-        q = self.heads_first(self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim))  # [B, H, T, D]
-        k = self.heads_first(self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim))  # [B, Hkv, T, D]
-        v = self.heads_first(self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim))
+        # T is the projections' sequence, which a layout may make longer than x's (sequence parallelism gathers it).
+        batch = x.shape[0]
+        q = self.heads_first(self.q_proj(x).reshape(batch, -1, self.num_heads, self.head_dim))  # [B, H, T, D]
+        k = self.heads_first(self.k_proj(x).reshape(batch, -1, self.num_kv_heads, self.head_dim))  # [B, Hkv, T, D]
+        v = self.heads_first(self.v_proj(x).reshape(batch, -1, self.num_kv_heads, self.head_dim))
         out = self.attention(self.rotary(q, cos, sin), self.rotary(k, cos, sin), v, mask)
-        return self.o_proj(self.heads_last(out).reshape(batch, seq, self.num_heads * self.head_dim))
+        return self.o_proj(self.heads_last(out).reshape(batch, -1, self.num_heads * self.head_dim))
 
     def construct_cached(self, x, rotations, visible, cache, rows):
         """Attention of n new tokens over the KV cache, after writing their keys and values into it.
