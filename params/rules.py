@@ -2,10 +2,11 @@
 
 Every rule about what a layout may do lives here: the arithmetic of the degrees (dp x cp x tp x pp against the
 world, tp against heads, key/value heads, FFN width and vocabulary, pp against the layers, micro-batches against the
-stages, ep against dp and the experts, 2 x cp against the sequence), the feature combinations not built (ZeRO-3 with
-mixture-of-experts blocks, optimizer offload under expert parallelism, parameter offload with pipeline stages or a
-LoRA fine-tune, context parallelism with mixture-of-experts blocks), and what the data sources' weights and epochs
-may be. A refusal is one line naming both settings and both values.
+stages, ep against dp and the experts, 2 x cp against the sequence, sequence-parallel tp against the sequence), the
+feature combinations not built (ZeRO-3, context or sequence parallelism with mixture-of-experts blocks, sequence
+parallelism with context parallelism, optimizer offload under expert parallelism, parameter offload with pipeline
+stages or a LoRA fine-tune), and what the data sources' weights and epochs may be. A refusal is one line naming
+both settings and both values.
 
 It lives in params/ and imports no MindSpore, so the CLI judges a run in milliseconds and every layer may ask:
 the schema's validators apply the rules that hold whatever a run does (so a file, a `--set` or a Prefect
@@ -16,6 +17,7 @@ model_core's `Layout` and `parallelize` call the same functions on the ranks for
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -31,12 +33,33 @@ class ParallelConfigError(ValueError):
 
 
 def check_run(params: PipelineParams, *, world_size: int | None = None, finetunes: bool = False) -> None:
-    """Refuse params that describe no run that can happen, naming the first problem. `world_size`: the ranks the
-    run gets, when the caller knows (a launched rank); `finetunes`: whether the run trains LoRA adapters (the
-    pipeline with lora.enabled, `llmflow finetune`)."""
+    """Refuse params that describe no run that can happen, naming the first problem, and warn (once per process and
+    message) of settings that have no effect under the layout. `world_size`: the ranks the run gets, when the caller
+    knows (a launched rank); `finetunes`: whether the run trains LoRA adapters (the pipeline with lora.enabled,
+    `llmflow finetune`)."""
     problems = run_problems(params, world_size=world_size, finetunes=finetunes)
     if problems:
         raise ParallelConfigError(problems[0])
+    for warning in run_warnings(params):
+        warnings.warn(warning, LayoutWarning, stacklevel=2)
+
+
+class LayoutWarning(UserWarning):
+    """A setting the layout leaves without effect; the run goes ahead."""
+
+
+def run_warnings(params: PipelineParams) -> list[str]:
+    """Settings that do nothing under this layout. Sequence parallelism splits the sequence over the tp group, so
+    with tensor_parallel=1 there is nothing to split. It is a warning, not a refusal: one params file runs under
+    several layouts (`llmflow plan --try`, layout trials, a resume resharded to another tp), and a long-context preset
+    should keep sequence_parallel on wherever tp > 1 without being refused at tp=1."""
+    parallel = params.parallel
+    if parallel.sequence_parallel and parallel.tensor_parallel == 1:
+        return [
+            "parallel.sequence_parallel=true with parallel.tensor_parallel=1: there is no tp group to split the "
+            "sequence over, so it changes nothing"
+        ]
+    return []
 
 
 def run_problems(params: PipelineParams, *, world_size: int | None = None, finetunes: bool = False) -> list[str]:
@@ -118,6 +141,8 @@ def layout_problems(model: ModelParams, parallel: ParallelParams) -> list[str]:
     problems.append(stage_problem(parallel.pipeline_parallel, parallel.pipeline_layers, model.num_layers))
     problems += expert_problems(parallel.expert_parallel, parallel.zero_stage, model)
     problems += context_parallel_problems(parallel.context_parallel, model)
+    if parallel.sequence_parallel:
+        problems += sequence_parallel_problems(parallel.tensor_parallel, model, parallel.context_parallel)
     return [problem for problem in problems if problem is not None]
 
 
@@ -138,6 +163,38 @@ def context_parallel_problems(cp: int, model: ModelParams) -> list[str]:
             "trains dense models for now"
         )
     return problems
+
+
+def sequence_parallel_problems(tp: int, model: ModelParams, cp: int = 1) -> list[str]:
+    """Sequence parallelism gives each tp rank an equal slice of every sequence. Mixture-of-experts blocks are not
+    built for it yet: their routing (capacity, balancing loss) is over the whole micro-batch's tokens, so routing
+    each rank's slice would train another model than tp alone does."""
+    if tp == 1:
+        return []
+    problems = []
+    if cp > 1:  # not built: the slices of a cp rank's two chunks, and their RoPE positions, are untested
+        problems.append(
+            f"parallel.sequence_parallel=true with parallel.context_parallel={cp}: sequence parallelism runs "
+            "without context parallelism for now; set parallel.sequence_parallel=false"
+        )
+    if model.seq_len % tp:
+        problems.append(
+            f"parallel.sequence_parallel=true: parallel.tensor_parallel={tp} does not divide model.seq_len="
+            f"{model.seq_len} into equal slices of the sequence"
+        )
+    if model.moe_layers:
+        problems.append(
+            f"parallel.sequence_parallel=true with model.moe ({len(model.moe_layers)} MoE blocks): sequence "
+            "parallelism runs dense models for now; set parallel.sequence_parallel=false"
+        )
+    return problems
+
+
+def check_sequence_parallel(tp: int, model: ModelParams) -> None:
+    """`sequence_parallel_problems` as an error, for a layout chosen outside params."""
+    problems = sequence_parallel_problems(tp, model)
+    if problems:
+        raise ParallelConfigError(problems[0])
 
 
 def tensor_parallel_problem(tp: int, model: ModelParams) -> str | None:

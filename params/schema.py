@@ -407,6 +407,15 @@ class ParallelParams(StrictModel):
         ">= pipeline_parallel. With pp=1 they act as extra gradient accumulation.",
     )
     pipeline_schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="Pipeline schedule.")
+    sequence_parallel: bool = Field(
+        False,
+        description="Megatron's sequence parallelism, with tensor_parallel > 1: between the tp regions the residual "
+        "stream, the norms and the projections' kept inputs hold 1/tp of the sequence on each tp rank, so those "
+        "activations take 1/tp of the memory. tp's all-reduces become all-gathers and reduce-scatters along the "
+        "sequence, each projection gathering its own input (forward and again in the backward): about 2.4x tp's "
+        "bytes (README 'Scaling out'). Results equal tp without it. Needs tp to divide model.seq_len; "
+        "does nothing at tensor_parallel=1 (a warning); dense models only.",
+    )
     overlap_gradient_reduction: bool = Field(
         True,
         description="Sum the last micro-batch's gradients over dp (and tp, expert-dp where the layout sums them) "

@@ -123,6 +123,55 @@ def check_all_to_all() -> dict[str, bool]:
     return results
 
 
+class _SequenceWeightedSum(nn.Cell):
+    """sum(operator(x, *weights) * mask): its gradient in x is the operator's backward of the mask."""
+
+    def __init__(self, operator: nn.Cell, mask: np.ndarray, *weights: np.ndarray) -> None:
+        super().__init__()
+        self.operator = operator
+        self.mask = Tensor(mask)
+        self.weights = tuple(Tensor(w) for w in weights)
+
+    def construct(self, x):
+        return (self.operator(x, *self.weights) * self.mask).sum()
+
+
+def check_sequence_collectives() -> dict[str, bool]:
+    """The all-gather and reduce-scatter along the sequence (axis 1 of [B, T, H]), native and fallback, and the input
+    gradients of sequence parallelism's two operators (a projection of the gathered sequence, and the reduce-scatter),
+    PyNative and jit, against numpy. Small integers, so every sum is exact in any order."""
+    from model_core.parallel.tensor import ReduceScatterToSequenceParallel, SequenceGatheredLinear
+
+    rank, size = comm.rank(), comm.world_size()
+    slices = [(np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4) % 5) * (r + 1) - r for r in range(size)]
+    wholes = [np.arange(2 * 3 * size * 4, dtype=np.float32).reshape(2, 3 * size, 4) % 7 + 10 * r for r in range(size)]
+    weight = np.arange(5 * 4, dtype=np.float32).reshape(5, 4) % 3 - 1  # [out, in]
+    masks = [np.arange(2 * 3 * size * 5, dtype=np.float32).reshape(2, 3 * size, 5) % 4 - r for r in range(size)]
+    whole_input = np.concatenate(slices, axis=1)
+    expected = {
+        "gather_sequence": (whole_input, None),
+        "scatter_sequence": (np.split(sum(wholes), size, axis=1)[rank], whole_input),
+        "gathered_linear": (whole_input @ weight.T, np.split(sum(masks) @ weight, size, axis=1)[rank]),
+    }
+    results = {}
+    for native in (True, False):
+        group = comm.Group(tuple(range(size)), rank, use_native=native)
+        got = {"gather_sequence": group.all_gather_sequence(Tensor(slices[rank])),
+               "scatter_sequence": group.reduce_scatter_sequence(Tensor(wholes[rank])),
+               "gathered_linear": SequenceGatheredLinear(group)(Tensor(slices[rank]), Tensor(weight))}
+        losses = {"scatter_sequence": (_SequenceWeightedSum(ReduceScatterToSequenceParallel(group), slices[rank]), wholes[rank]),
+                  "gathered_linear": (_SequenceWeightedSum(SequenceGatheredLinear(group), masks[rank], weight), slices[rank])}
+        for name, (value, gradient) in expected.items():
+            results[f"{name}/pynative/native={native}"] = bool(np.array_equal(got[name].asnumpy(), value))
+            if gradient is None:
+                continue
+            loss, x = losses[name]
+            for mode, (_, grad) in (("pynative", ms.value_and_grad(loss, grad_position=0)(Tensor(x))),
+                                    ("jit", _ValueAndGradInJit(loss)(Tensor(x)))):
+                results[f"{name}_grad/{mode}/native={native}"] = bool(np.array_equal(grad.asnumpy(), gradient))
+    return results
+
+
 def late(seconds: float) -> list[float]:
     """Rank 1 reaches an all-reduce `seconds` after rank 0 (as a rank still compiling its first step would);
     the sum each rank got."""
@@ -136,10 +185,11 @@ def late(seconds: float) -> list[float]:
 
 
 def collectives(out_dir: Path, late_seconds: str) -> None:
-    """check_comm's, check_all_to_all's and late's findings from one job: starting a job costs more than
-    all three checks."""
+    """check_comm's (with check_sequence_collectives'), check_all_to_all's and late's findings from one job: starting
+    a job costs more than all the checks."""
     comm.init()
-    found = {"comm": check_comm(), "all_to_all": check_all_to_all(), "late": late(float(late_seconds))}
+    found = {"comm": {**check_comm(), **check_sequence_collectives()}, "all_to_all": check_all_to_all(),
+             "late": late(float(late_seconds))}
     (out_dir / f"rank{comm.rank()}.json").write_text(json.dumps(found))
 
 

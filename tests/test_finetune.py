@@ -131,6 +131,7 @@ LORA_LAYOUTS = {
     "tp2": (2, "parallel.tensor_parallel=2", "train.grad_accum_steps=2"),
     "pp2": (2, "parallel.pipeline_parallel=2", "parallel.micro_batches=2"),
     "dp2-tp2-zero2": (4, "parallel.data_parallel=2", "parallel.tensor_parallel=2", "parallel.zero_stage=2"),
+    "tp2-sp": (2, "parallel.tensor_parallel=2", "parallel.sequence_parallel=true", "train.grad_accum_steps=2"),
 }
 
 
@@ -154,7 +155,7 @@ def lora_one_process(pretrained, tmp_path_factory):
 
 
 # dp2 ZeRO-1 runs by default; the other layouts' LoRA paths share its code and run with -m extended.
-EXTENDED_LORA_LAYOUTS = {"tp2", "dp2-zero3", "pp2", "dp2-tp2-zero2"}
+EXTENDED_LORA_LAYOUTS = {"tp2", "dp2-zero3", "pp2", "dp2-tp2-zero2", "tp2-sp"}
 
 
 @pytest.mark.slow

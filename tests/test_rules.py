@@ -45,6 +45,9 @@ LAYOUTS = [
                  "parallel.optimizer_offload=true with parallel.expert_parallel=2", id="ep-optimizer-offload"),
     pytest.param([*PARAM_OFFLOAD, "parallel.pipeline_parallel=2", "parallel.micro_batches=2"],
                  "parallel.param_offload=true with parallel.pipeline_parallel=2", id="param-offload-pp"),
+    pytest.param(["parallel.tensor_parallel=2", "parallel.sequence_parallel=true", "model.seq_len=129"],
+                 "parallel.sequence_parallel=true: parallel.tensor_parallel=2 does not divide model.seq_len=129",
+                 id="sp-seq-len"),
 ]
 # Refused only where the run fine-tunes.
 FINE_TUNE = [*PARAM_OFFLOAD, "lora.enabled=true"]

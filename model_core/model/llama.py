@@ -139,12 +139,13 @@ class SelfAttention(nn.Cell):
         self.attention = Attention(head_dim, fused_attention_available())
 
     def construct(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
-        batch, seq, _ = x.shape
-        q = self.heads_first(self.q_proj(x).reshape(batch, seq, self.num_heads, self.head_dim))  # [B, H, T, D]
-        k = self.heads_first(self.k_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim))  # [B, Hkv, T, D]
-        v = self.heads_first(self.v_proj(x).reshape(batch, seq, self.num_kv_heads, self.head_dim))
+        # T is the projections' sequence, which a layout may make longer than x's (sequence parallelism gathers it).
+        batch = x.shape[0]
+        q = self.heads_first(self.q_proj(x).reshape(batch, -1, self.num_heads, self.head_dim))  # [B, H, T, D]
+        k = self.heads_first(self.k_proj(x).reshape(batch, -1, self.num_kv_heads, self.head_dim))  # [B, Hkv, T, D]
+        v = self.heads_first(self.v_proj(x).reshape(batch, -1, self.num_kv_heads, self.head_dim))
         out = self.attention(self.rotary(q, cos, sin), self.rotary(k, cos, sin), v, mask)
-        return self.o_proj(self.heads_last(out).reshape(batch, seq, self.num_heads * self.head_dim))
+        return self.o_proj(self.heads_last(out).reshape(batch, -1, self.num_heads * self.head_dim))
 
     def construct_cached(self, x, rotations, visible, cache, rows):
         """Attention of n new tokens over the KV cache, after writing their keys and values into it.
@@ -276,6 +277,9 @@ class Llama(nn.Cell):
         # A pipeline stage is this model with the ends it does not hold removed (`parallel.pipeline`): it then
         # takes the previous stage's hidden states instead of tokens, or returns its own instead of logits.
         self.takes_tokens, self.returns_logits = True, True
+        # Under sequence parallelism (`parallel.tensor`) the hidden states a later stage receives are one of this many
+        # slices of the sequence, while RoPE and the masks are the whole sequence's.
+        self.sequence_shards = 1
         self.rope_cos, self.rope_sin = rope_tables(params.head_dim, params.seq_len, params.rope_theta)
         self.attention_mask = CausalMask(params.seq_len)
         self.rotation_basis = rotation_basis(params.head_dim)  # decoding's RoPE, see `rotation_matrices`
@@ -318,7 +322,7 @@ class Llama(nn.Cell):
     def _inputs(self, tokens: Tensor, position_ids: Tensor | None, segment_ids: Tensor | None):
         """The first block's input [B, T, hidden] (embedded tokens, or a previous stage's hidden states), RoPE's
         cos and sin and the attention mask."""
-        seq = tokens.shape[1]
+        seq = tokens.shape[1] if self.takes_tokens else tokens.shape[1] * self.sequence_shards
         cos, sin = self._rotary_angles(seq, position_ids)
         mask = self.attention_mask(seq, segment_ids)
         x = self.embed_tokens(tokens).astype(self.compute_dtype) if self.takes_tokens else tokens

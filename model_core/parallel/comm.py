@@ -165,6 +165,23 @@ class Group(nn.Cell):
             return self._scatter(stacked)
         return own_block(self._sum(x), self.index, self.size, axis)
 
+    def all_gather_sequence(self, x: Tensor) -> Tensor:
+        """Every member's x [B, T_r, ...] concatenated along axis 1 (the sequence) in group order: [B, size * T_r, ...].
+        Natively: the axis-0 all-gather, its member blocks then laid side by side by slicing (no transpose)."""
+        if self.size == 1:
+            return x
+        if self.native_all_gather:
+            return blocks_along_sequence(self._gather(x), self.size)
+        return self._sum(sequence_gather_contribution(x, self.index, self.size))
+
+    def reduce_scatter_sequence(self, x: Tensor) -> Tensor:
+        """Block `index` (of `size` equal blocks along axis 1, the sequence) of the group's sum of x [B, T, ...]."""
+        if self.size == 1:
+            return x
+        if self.native_reduce_scatter:
+            return self._scatter(sequence_blocks_stacked(x, self.size))
+        return own_sequence_block(self._sum(x), self.index, self.size)
+
     def all_to_all(self, x: Tensor) -> Tensor:
         """Block `index` of every member's x (`size` equal blocks along axis 0), concatenated in group order:
         member j's block i reaches member i as block j. No gradient of its own: see `AllToAll`."""
@@ -255,6 +272,37 @@ def own_block(x: Tensor, index: int, size: int, axis: int = 0) -> Tensor:
     """Block `index` of `size` equal blocks of x along `axis`."""
     rows = x.shape[axis] // size
     return ops.split(x, rows, axis)[index] if axis else x[index * rows : (index + 1) * rows]
+
+
+def sequence_gather_contribution(x: Tensor, index: int, size: int) -> Tensor:
+    """[B, size * T_r, ...]: zeros, except sequence block `index`, which is x [B, T_r, ...]."""
+    batch, rows, rest = x.shape[0], x.shape[1], tuple(x.shape[2:])
+    before, after = index * rows, (size - 1 - index) * rows
+    parts = []
+    if before:
+        parts.append(ops.zeros((batch, before) + rest, x.dtype))
+    parts.append(x)
+    if after:
+        parts.append(ops.zeros((batch, after) + rest, x.dtype))
+    return ops.cat(parts, 1) if len(parts) > 1 else x
+
+
+def own_sequence_block(x: Tensor, index: int, size: int) -> Tensor:
+    """Block `index` of `size` equal blocks of x along axis 1."""
+    rows = x.shape[1] // size
+    return x[:, index * rows : (index + 1) * rows]
+
+
+def sequence_blocks_stacked(x: Tensor, size: int) -> Tensor:
+    """x [B, T, ...] as its `size` sequence blocks stacked along axis 0, [size * B, T / size, ...]: what an axis-0
+    reduce-scatter takes to scatter along the sequence."""
+    return ops.cat([own_sequence_block(x, index, size) for index in range(size)], 0)
+
+
+def blocks_along_sequence(stacked: Tensor, size: int) -> Tensor:
+    """The inverse of `sequence_blocks_stacked`: [size * B, T_r, ...] -> [B, size * T_r, ...]."""
+    batch = stacked.shape[0] // size
+    return ops.cat([stacked[index * batch : (index + 1) * batch] for index in range(size)], 1)
 
 
 def broadcast_contribution(x: Tensor, is_root: Tensor) -> Tensor:

@@ -5,9 +5,10 @@ order (torchtitan's: describe the whole model, cut it, then make only what is ke
   1. describe    the single-device `Llama` built inside `deferred_weights()`: cells with placeholder weights,
                  each then told the shape this rank holds of it (its tp block, from the table);
   2. stage       under pipeline parallelism only this rank's stage is kept (`pipeline.prune_to_stage`);
-  3. tensor      under tensor parallelism cells are swapped from outside (`tensor_parallel`), under expert
-                 parallelism every MoE block's experts (`expert.expert_parallel`), and under context parallelism
-                 the attention cells and mask (`context.context_parallel`);
+  3. tensor      under tensor parallelism cells are swapped from outside (`tensor_parallel`, with sequence
+                 parallelism where the table says), under expert parallelism every MoE block's experts
+                 (`expert.expert_parallel`), and under context parallelism the attention cells and mask
+                 (`context.context_parallel`);
   4. adapters    LoRA wraps the targeted projections, its A and B placeholders too, the rest frozen;
   5. ZeRO-3      every weight's cells swapped for ones that gather it from a flat shard over dp;
   6. weights     every placeholder becomes what this rank holds of the weight, as the table places it: its
@@ -105,7 +106,7 @@ def build_shard(
     at = layout.coordinates(rank)
     if layout.pp > 1:
         prune_to_stage(model, layout.stage_sizes(params.num_layers), at.pp, params.tie_embeddings)
-    parallelism = tensor_parallel(model, layout, rank, params) if layout.tp > 1 else None
+    parallelism = tensor_parallel(model, layout, rank, params, table.sequence_parallel) if layout.tp > 1 else None
     if layout.ep > 1:
         expert_parallel(model, comm.group(layout.ep_group(rank)))
     if cp_group is not None:
@@ -214,7 +215,8 @@ def parallelize(
     check_run(params, finetunes=lora is not None)  # for callers that skip the CLI
     zero_stage = params.parallel.zero_stage if dp_group.size > 1 else 0
     table = placement_table(
-        params.model, layout, zero_stage, lora, params.parallel.optimizer_offload, params.parallel.param_offload
+        params.model, layout, zero_stage, lora, params.parallel.optimizer_offload, params.parallel.param_offload,
+        params.parallel.sequence_parallel,
     )
     shard = build_shard(
         params.model, table, rank, params.train.seed, params.precision.compute_dtype, initial_weights, dp_group, cp_group

@@ -618,7 +618,9 @@ class PipelineStage:
             grads[message.micro_batch] = value
 
     def _activation_shape(self, batch: MicroBatch) -> tuple[int, ...]:
-        return (*batch.tokens.shape, self.hidden_size)
+        """[B, T, hidden], or under sequence parallelism this rank's slice of the sequence."""
+        rows, seq = batch.tokens.shape
+        return (rows, seq // self.model.sequence_shards, self.hidden_size)
 
     def _share_over_stages(self, values: list[float]) -> tuple[float, list[tuple[float, float]]]:
         """(the loss summed over stages, every stage's (compute, wall) seconds) from this stage's values."""

@@ -17,7 +17,8 @@ A whole LoRA matrix next to a split one is used by this rank's block alone, so i
 a share of the whole one (`tp_partial`), summed over tp once per step; the forward needs no extra
 communication. With LoRA only the adapters are trainable: the rest has no gradients and no moments.
   vocab    the token embedding and the untied head: a block of vocabulary rows.
-Norm weights are replicated. A mixture-of-experts block's stacked expert weights [E, ...] are not split by tp
+Norm weights are replicated; under sequence parallelism (`sequence_parallel`) a norm runs on the rank's slice of the
+sequence, so its weight's gradient is a share too (`tp_partial`). A mixture-of-experts block's stacked expert weights [E, ...] are not split by tp
 (tp splits attention and dense feed-forwards; every tp rank runs the same expert work on the same tokens): under
 expert parallelism (`expert`) rank ep_index of an ep group holds block ep_index of their E experts, and their
 ZeRO shards span the expert-data-parallel group (dp / ep ranks) instead of dp. Pipeline stage s holds its run
@@ -109,6 +110,7 @@ class PlacementTable:
     lora: LoraParams | None = None
     optimizer_offload: bool = False  # every trainable row's moments in the offload file, not in memory
     param_offload: bool = False  # ZeRO-3: every row's parameter shard in the parameter offload file, not in memory
+    sequence_parallel: bool = False  # tp > 1: between the tp regions a rank holds its slice of the sequence
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_by_name", {row.name: row for row in self.rows})
@@ -152,10 +154,11 @@ class PlacementTable:
 
 def placement_table(
     model: ModelParams, layout: Layout, zero_stage: int = 0, lora: LoraParams | None = None,
-    optimizer_offload: bool = False, param_offload: bool = False,
+    optimizer_offload: bool = False, param_offload: bool = False, sequence_parallel: bool = False,
 ) -> PlacementTable:
     """The table of a model with these params under `layout`; `lora` adds its adapters when enabled;
-    `optimizer_offload` puts the moments in the offload file, `param_offload` (ZeRO-3) the parameter shards."""
+    `optimizer_offload` puts the moments in the offload file, `param_offload` (ZeRO-3) the parameter shards;
+    `sequence_parallel` makes the norms' gradients shares over tp."""
     sizes = layout.stage_sizes(model.num_layers)
     last = len(sizes) - 1
     zero = zero_stage > 0 and layout.dp > 1
@@ -186,15 +189,18 @@ def placement_table(
     for stage, count in enumerate(sizes):
         for index in range(start, start + count):
             experts = _expert_shapes(model) if index in moe_layers else None
-            rows += _layer_rows(row, f"layers.{index}", stage, hidden, projection_shapes, adapted, lora, experts)
+            rows += _layer_rows(row, f"layers.{index}", stage, hidden, projection_shapes, adapted, lora, experts,
+                                sequence_parallel)
         start += count
-    rows.append(row("norm.weight", (hidden,), None, (last,)))
+    rows.append(row("norm.weight", (hidden,), None, (last,), partial=sequence_parallel))
     if not model.tie_embeddings:
         rows.append(row("lm_head.weight", (model.vocab_size, hidden), 0, (last,)))
     zero_stage = zero_stage if layout.dp > 1 else 0
     if param_offload and zero_stage != 3:
         raise ValueError(f"param_offload places ZeRO-3 shards in a file; zero_stage={zero_stage}, dp={layout.dp}")
-    return PlacementTable(layout, zero_stage, tuple(rows), lora, optimizer_offload, param_offload)
+    return PlacementTable(
+        layout, zero_stage, tuple(rows), lora, optimizer_offload, param_offload, sequence_parallel and layout.tp > 1
+    )
 
 
 def _expert_shapes(model: ModelParams) -> dict[str, tuple[int, ...]]:
@@ -219,7 +225,8 @@ def _expert_shapes(model: ModelParams) -> dict[str, tuple[int, ...]]:
 
 
 def _layer_rows(
-    row, prefix: str, stage: int, hidden: int, shapes: dict, adapted: set[str], lora, experts: dict | None = None
+    row, prefix: str, stage: int, hidden: int, shapes: dict, adapted: set[str], lora, experts: dict | None = None,
+    sequence_parallel: bool = False,
 ) -> list[Placement]:
     """The rows of one transformer block, in the model's order (`BLOCK_PARAMETERS`; an MoE block's `experts`
     in place of its dense feed-forward)."""
@@ -227,8 +234,8 @@ def _layer_rows(
     for path in BLOCK_PARAMETERS:
         if experts is not None and path in DENSE_FFN:
             continue
-        if path not in TENSOR_PARALLEL_PLAN:  # a norm
-            rows.append(row(f"{prefix}.{path}.weight", (hidden,), None, (stage,)))
+        if path not in TENSOR_PARALLEL_PLAN:  # a norm: on a slice of the sequence under sequence parallelism
+            rows.append(row(f"{prefix}.{path}.weight", (hidden,), None, (stage,), partial=sequence_parallel))
             continue
         weight_axis, a_axis, b_axis = _AXES[TENSOR_PARALLEL_PLAN[path]]
         out_features, in_features = shapes[path]

@@ -22,13 +22,16 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
     activations    per layer and micro-batch, what the hand-written backwards of model_core.model.fused keep:
                    2 BTH fp32 (RMSNorm inputs) + 2 BTH c (the normed inputs of q/k/v and of gate/up)
                    + (4 BTH + 3 BTF) c / tp (q, k, v at all heads, the o_proj input; gate, up, the down input);
+                   with sequence parallelism (tp > 1) the first two terms / tp (slices of the sequence);
                    with recompute=all, BTH c per layer (its input) + one layer's full set. With pp > 1 a
                    stage keeps only its input for each micro-batch in flight (BTH c; token ids on the first
                    stage) and recomputes its forward in the backward, so it holds one micro-batch's set on top;
                    in flight: pp - stage under 1F1B, micro_batches under GPipe.
-                   The last stage adds the head's inputs, BTH (4 + c), and `logits_buffers` fp32 [B, T, V/tp].
+                   The last stage adds the head's inputs, BTH (4 + c) (sequence parallelism: / tp),
+                   and `logits_buffers` fp32 [B, T, V/tp].
     communication  dp > 1: two gradient buckets (the flat input and the summed output); ZeRO-3: two layers'
-                   gathered parameters; tp > 1: two BTH c activations (sent and received); pp > 1: a tick's
+                   gathered parameters; tp > 1: two BTH c activations (sent and received; sequence parallelism
+                   adds the BTH c / tp slice); pp > 1: a tick's
                    exchange, two fp32 BTH messages three times over (host buffer, its tensor, the sum);
                    ZeRO-1/2 in the update: one all-gathered bucket (parallel.gradient_bucket_mb) and the segments
                    gathered so far of the weights still incomplete, at most the largest weight meeting each shard
@@ -439,7 +442,7 @@ def layer_activation_bytes(params: PipelineParams, tp: int, cp: int = 1) -> int:
     model, c = params.model, _DTYPE_BYTES[params.precision.compute_dtype]
     tokens = params.train.micro_batch_size * model.seq_len // cp
     hidden, ffn = model.hidden_size, model.ffn_hidden_size
-    replicated = 2 * tokens * hidden * 4 + 2 * tokens * hidden * c
+    replicated = 2 * tokens * hidden * 4 + 2 * tokens * hidden * c - sequence_parallel_saving(params, tp)
     split = (4 * tokens * hidden + 3 * tokens * ffn) * c // tp + gathered_kv_bytes(params, tp, cp) * (cp - 1) // cp
     if not model.moe_layers:
         return replicated + split
@@ -485,6 +488,33 @@ def context_bytes_per_step(params: PipelineParams, candidate: Candidate, stage: 
     return passes * layers * micro_batches * gathered_kv_bytes(params, candidate.tp, cp) * (cp - 1) // cp
 
 
+# ---- sequence parallelism: what lies between the tp regions (the residual stream, the norms) held as 1/tp slices
+
+
+def sequence_slices(params: PipelineParams, tp: int) -> int:
+    """Into how many slices of the sequence a rank's residual stream is cut: tp under sequence parallelism, else 1."""
+    return tp if params.parallel.sequence_parallel else 1
+
+
+def sequence_parallel_saving(params: PipelineParams, tp: int) -> int:
+    """Bytes of one layer's kept activations that sequence parallelism takes off a rank (module docstring): what
+    lies between the tp regions, the two RMSNorms' fp32 inputs (2 BTH x 4) and the normed inputs of q/k/v and
+    gate/up (2 BTH c, which the projections keep as slices and gather again in the backward), held as 1/tp
+    slices of the sequence."""
+    c = _DTYPE_BYTES[params.precision.compute_dtype]
+    between = 2 * params.train.micro_batch_size * params.model.seq_len * params.model.hidden_size * (4 + c)
+    return between - between // sequence_slices(params, tp)
+
+
+def sequence_parallel_buffer_bytes(params: PipelineParams, tp: int) -> int:
+    """What sequence parallelism adds to tp's communication buffers: the slice sent into an all-gather or kept from
+    a reduce-scatter, BTH c / tp, beside the whole-sequence buffer tp's all-reduce already counts."""
+    if sequence_slices(params, tp) == 1:
+        return 0
+    tokens = params.train.micro_batch_size * params.model.seq_len
+    return tokens * params.model.hidden_size * _DTYPE_BYTES[params.precision.compute_dtype] // tp
+
+
 def activation_bytes(params: PipelineParams, candidate: Candidate, stage: int, kind: DeviceKind) -> int:
     """Bytes the backward of pipeline stage `stage` keeps: its blocks' for one micro-batch (pp = 1: for each
     accumulated one in turn), the inputs of the micro-batches in flight (pp > 1), and on the last stage the
@@ -494,18 +524,20 @@ def activation_bytes(params: PipelineParams, candidate: Candidate, stage: int, k
     tokens = params.train.micro_batch_size * model.seq_len // candidate.cp
     layers = model.num_layers // candidate.pp
     per_layer = layer_activation_bytes(params, candidate.tp, candidate.cp)
+    slices = sequence_slices(params, candidate.tp)  # a layer's input, a stage's messages: slices under sp
     if candidate.recompute == "all" and kind.recompute_saves_memory:
-        per_micro_batch = layers * tokens * model.hidden_size * c + per_layer
+        per_micro_batch = layers * tokens * model.hidden_size * c // slices + per_layer
     else:
         per_micro_batch = layers * per_layer
     blocks = per_micro_batch + context_mask_bytes(params, candidate.cp)
     if candidate.pp > 1:
         in_flight = parallel.micro_batches if parallel.pipeline_schedule == "gpipe" else candidate.pp - stage
-        stored_input = tokens * 4 if stage == 0 else tokens * model.hidden_size * c
+        stored_input = tokens * 4 if stage == 0 else tokens * model.hidden_size * c // slices
         blocks += in_flight * stored_input
     if stage < candidate.pp - 1:
         return int(kind.activation_factor * blocks)
-    head_inputs = tokens * model.hidden_size * (4 + c)  # the final norm's fp32 input and the head's input
+    # The final norm's fp32 input and the head's input (slices of the sequence under sequence parallelism).
+    head_inputs = tokens * model.hidden_size * (4 + c) // slices
     logits = tokens * math.ceil(model.vocab_size / candidate.tp) * 4
     return int(kind.activation_factor * (blocks + head_inputs) + kind.logits_buffers * logits)
 
@@ -594,11 +626,11 @@ def backward_communication_bytes(params: PipelineParams, candidate: Candidate, p
     tokens = params.train.micro_batch_size * model.seq_len // candidate.cp
     total += gathered_kv_bytes(params, candidate.tp, candidate.cp)  # one layer's gather (or scatter) buffer
     if candidate.tp > 1:
-        total += 2 * tokens * model.hidden_size * c
+        total += 2 * tokens * model.hidden_size * c + sequence_parallel_buffer_bytes(params, candidate.tp)
     if candidate.ep > 1:  # the all-to-all's send and receive buffers
         total += 2 * model.moe.num_experts * model.moe.capacity(tokens) * model.hidden_size * c
     if candidate.pp > 1:
-        total += 3 * 2 * tokens * model.hidden_size * 4
+        total += 3 * 2 * tokens * model.hidden_size * 4 // sequence_slices(params, candidate.tp)
     return total
 
 

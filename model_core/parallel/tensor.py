@@ -11,6 +11,21 @@ The vocabulary is split too: each rank embeds the ids of its vocab block (zeros 
 all-reduce) and computes logits for its block only; `VocabParallelCrossEntropy` takes the loss from the local
 logit blocks with all-reduces of per-token scalars, so full logits are never gathered.
 
+Sequence parallelism (Megatron's, `parallel.sequence_parallel`) splits what lies between the tp regions too: the
+residual stream, the norms and their activations hold T / tp of the sequence on each rank of the group, so those
+activations shrink by tp. The all-reduces become all-gathers and reduce-scatters along the sequence:
+  `SequenceGatheredLinear`            a column-parallel projection of the whole sequence from this rank's slice:
+                                      all-gather along the sequence forward, reduce-scatter of the input gradient;
+  `ReduceScatterToSequenceParallel`   reduce-scatter along the sequence forward, all-gather of the gradient.
+A projection keeps only the slice for its backward and gathers it again there (Megatron's choice: the whole
+sequence's input of q/k/v, gate/up and the head would otherwise be kept whole, as without sequence parallelism).
+Each projection gathers its own input, so q, k and v gather the same slice three times and gate and up twice:
+more traffic than tp's all-reduces (README, "Scaling out"), traded for activation memory. The
+embedding's output is reduce-scattered and the final norm runs on the slice. A replicated norm weight then sees only
+its rank's slice, so its gradient is a share summed over tp (`Placement.tp_partial`). Attention runs on the gathered
+sequence, so RoPE positions and the causal and document masks are the whole sequence's, as without it; results
+equal tp's up to summation order.
+
 Every Cell here takes its `comm.Group`; a group of one rank makes each of them the single-device layer.
 
 `tensor_parallel(model, layout, rank, params)` applies the plan (`placement.TENSOR_PARALLEL_PLAN`) to a built
@@ -41,7 +56,7 @@ from model_core.optim.step import routed_objective
 from model_core.parallel import comm
 from model_core.parallel.comm import Group
 from model_core.parallel.layout import Layout
-from params.rules import check_tensor_parallel
+from params.rules import check_sequence_parallel, check_tensor_parallel
 from params.schema import ModelParams
 
 
@@ -73,6 +88,52 @@ class ReduceFromTensorParallel(nn.Cell):
         return (dout,)
 
 
+_matmul_tn = ops.MatMul(transpose_a=True)  # a^T @ b
+
+
+class SequenceGatheredLinear(nn.Cell):
+    """`LinearFunction` of the whole sequence from this rank's slice: y = gather(x) W^T for x [B, T / tp, in], W a
+    column-parallel block [out / tp, in]. The backward gathers x again rather than keeping the whole input, and
+    reduce-scatters the input gradient (a partial sum over the tp blocks) back to the slices."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.group = group
+        self.linear = LinearFunction()
+
+    def construct(self, x, weight):
+        return self.linear(self.group.all_gather_sequence(x), weight)
+
+    def bprop(self, x, weight, out, dout):
+        # depend() on dout: a gather identical to the forward's would be merged with it, keeping the whole input.
+        whole = self.group.all_gather_sequence(ops.depend(x, dout))
+        out_features, in_features = weight.shape
+        dout_2d = dout.reshape(-1, out_features)
+        dwhole = ops.matmul(dout_2d, weight).reshape(whole.shape)
+        dweight = _matmul_tn(dout_2d, whole.reshape(-1, in_features))
+        return self.group.reduce_scatter_sequence(dwhole), dweight
+
+
+class ReduceScatterToSequenceParallel(nn.Cell):
+    """Sequence parallelism's g: partial results [B, T, ...] summed over the group, each rank keeping its slice of
+    the sequence; the gradient of the slices is all-gathered into the whole sequence's."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.group = group
+
+    def construct(self, x):
+        return self.group.reduce_scatter_sequence(x)
+
+    def bprop(self, x, out, dout):
+        return (self.group.all_gather_sequence(dout),)
+
+
+def leaving(group: Group, sequence_parallel: bool) -> nn.Cell:
+    """The operator that sums a tp region's partial results (into sequence slices under sequence parallelism)."""
+    return ReduceScatterToSequenceParallel(group) if sequence_parallel else ReduceFromTensorParallel(group)
+
+
 class ThenCopyToTensorParallel(nn.Cell):
     """`inner(x, weight)` (a norm function) followed by `CopyToTensorParallel`: swapped in for the function
     inside a replicated norm whose output feeds column-parallel layers, so the norm's parameter path and its
@@ -90,13 +151,14 @@ class ThenCopyToTensorParallel(nn.Cell):
 
 class RowParallelLinear(nn.Cell):
     """y = sum over the group of x_r W_r^T: `weight` is this rank's [out, in / tp] block of columns, x its
-    matching block of input features (the output of column-parallel layers)."""
+    matching block of input features (the output of column-parallel layers). Under sequence parallelism y is
+    this rank's slice of the sequence of that sum."""
 
-    def __init__(self, weight: Parameter, group: Group) -> None:
+    def __init__(self, weight: Parameter, group: Group, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.weight = weight
         self.linear = LinearFunction()
-        self.reduce = ReduceFromTensorParallel(group)
+        self.reduce = leaving(group, sequence_parallel)
 
     def construct(self, x):
         return self.reduce(self.linear(x, self.weight.astype(x.dtype)))
@@ -113,16 +175,17 @@ class RowLookup(nn.Cell):
 class VocabParallelEmbedding(nn.Cell):
     """Token id -> embedding row, `weight` holding rows [start, start + block) of the vocabulary.
 
-    Ids outside the block look up row 0 and are zeroed; the all-reduce adds the one rank that holds each id.
-    The gradient reaches only the rows of ids inside the block, which is this rank's part of the full one."""
+    Ids outside the block look up row 0 and are zeroed; the all-reduce (under sequence parallelism the
+    reduce-scatter into this rank's slice) adds the one rank that holds each id. The gradient reaches only the rows
+    of ids inside the block, which is this rank's part of the full one."""
 
-    def __init__(self, weight: Parameter, start: int, block: int, group: Group) -> None:
+    def __init__(self, weight: Parameter, start: int, block: int, group: Group, sequence_parallel: bool = False) -> None:
         super().__init__()
         self.weight = weight
         self.start = start
         self.block = block
         self.lookup = RowLookup()
-        self.reduce = ReduceFromTensorParallel(group)
+        self.reduce = leaving(group, sequence_parallel)
 
     def construct(self, tokens):
         local = tokens - self.start
@@ -133,13 +196,14 @@ class VocabParallelEmbedding(nn.Cell):
 
 
 class VocabParallelHead(nn.Cell):
-    """Logits of this rank's vocab block: the replicated final hidden state enters the tp region (its
-    gradient, a partial sum over the block's logits, is summed over the group), then x W_block^T."""
+    """Logits of this rank's vocab block: the replicated final hidden state enters the tp region (its gradient, a
+    partial sum over the block's logits, is summed over the group), then x W_block^T. Under sequence parallelism
+    the slices are gathered into the whole sequence instead (`SequenceGatheredLinear`)."""
 
-    def __init__(self, group: Group) -> None:
+    def __init__(self, group: Group, sequence_parallel: bool = False) -> None:
         super().__init__()
-        self.copy = CopyToTensorParallel(group)
-        self.linear = LinearFunction()
+        self.copy = nn.Identity() if sequence_parallel else CopyToTensorParallel(group)
+        self.linear = SequenceGatheredLinear(group) if sequence_parallel else LinearFunction()
 
     def construct(self, x, weight):
         return self.linear(self.copy(x), weight)
@@ -197,29 +261,54 @@ class TensorParallelism:
     vocab_start: int
 
 
-def tensor_parallel(model: Llama, layout: Layout, rank: int, params: ModelParams) -> TensorParallelism:
-    """Swap `model`'s cells (in place, weights left as they are) for rank `rank`'s tensor-parallel ones."""
+def tensor_parallel(
+    model: Llama, layout: Layout, rank: int, params: ModelParams, sequence_parallel: bool = False
+) -> TensorParallelism:
+    """Swap `model`'s cells (in place, weights left as they are) for rank `rank`'s tensor-parallel ones; with
+    `sequence_parallel` the activations between the tp regions hold this rank's slice of the sequence."""
     check_tensor_parallel(layout.tp, params)
+    if sequence_parallel:
+        check_sequence_parallel(layout.tp, params)
     group = comm.group(layout.tp_group(rank))
     size, index = group.size, group.index
     for layer in model.layers.cells():  # all layers, or a pipeline stage's
         attention, mlp = layer.self_attn, layer.mlp
-        attention.o_proj = RowParallelLinear(attention.o_proj.weight, group)
+        attention.o_proj = RowParallelLinear(attention.o_proj.weight, group, sequence_parallel)
         attention.num_heads //= size
         attention.num_kv_heads //= size
-        layer.input_layernorm.rms_norm = ThenCopyToTensorParallel(layer.input_layernorm.rms_norm, group)
+        enter_attention(layer, group, sequence_parallel)
         if layer.is_moe:  # every tp rank runs the whole MoE block on the same input: its gradient is whole already
             continue
-        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight, group)
-        norm = layer.post_attention_layernorm
-        norm.rms_norm = ThenCopyToTensorParallel(norm.rms_norm, group)
+        mlp.down_proj = RowParallelLinear(mlp.down_proj.weight, group, sequence_parallel)
+        enter_mlp(layer, group, sequence_parallel)
     block = params.vocab_size // size
     if hasattr(model, "embed_tokens"):
-        model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, index * block, block, group)
-    model.head = VocabParallelHead(group)
+        model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, index * block, block, group, sequence_parallel)
+    model.head = VocabParallelHead(group, sequence_parallel)
+    if sequence_parallel:  # a later pipeline stage receives slices, and builds RoPE and masks for the whole sequence
+        model.sequence_shards = size
     if model.vocab_mask is not None:
         model.vocab_mask = model.vocab_mask[index * block : (index + 1) * block]
     return TensorParallelism(group, index * block)
+
+
+def enter_attention(layer: nn.Cell, group: Group, sequence_parallel: bool) -> None:
+    """The input norm's output enters the tp region: copied, or under sequence parallelism gathered by each of q/k/v."""
+    if sequence_parallel:
+        for projection in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+            projection.linear = SequenceGatheredLinear(group)
+    else:
+        layer.input_layernorm.rms_norm = ThenCopyToTensorParallel(layer.input_layernorm.rms_norm, group)
+
+
+def enter_mlp(layer: nn.Cell, group: Group, sequence_parallel: bool) -> None:
+    """The post-attention norm's output enters the tp region: copied, or under sequence parallelism gathered by gate
+    and up."""
+    if sequence_parallel:
+        for projection in (layer.mlp.gate_proj, layer.mlp.up_proj):
+            projection.linear = SequenceGatheredLinear(group)
+    else:
+        layer.post_attention_layernorm.rms_norm = ThenCopyToTensorParallel(layer.post_attention_layernorm.rms_norm, group)
 
 
 class VocabParallelTokenLoss(nn.Cell):
@@ -268,7 +357,12 @@ class RowParallelLoraLinear(LoraLinear):
 def tensor_parallel_adapter(base: nn.Cell, rank: int, alpha: float, dropout: float) -> LoraLinear:
     """The LoRA wrapper of a projection after tensor parallelism: a column-parallel one is a plain `Linear` holding
     its block of rows (A whole, B cut like W; A's gradient is a share, `Placement.tp_partial`), a row-parallel one
-    a `RowParallelLinear`."""
+    a `RowParallelLinear`. Under sequence parallelism a column-parallel projection's input is its rank's slice of the
+    sequence: W and A each gather it (`SequenceGatheredLinear`); B reads A's output, already whole."""
     if isinstance(base, RowParallelLinear):
         return RowParallelLoraLinear(base, rank, alpha, dropout)
-    return LoraLinear(base, rank, alpha, dropout)
+    adapter = LoraLinear(base, rank, alpha, dropout)
+    if isinstance(base.linear, SequenceGatheredLinear):
+        adapter.linear = SequenceGatheredLinear(base.linear.group)
+        adapter.linear_a = SequenceGatheredLinear(base.linear.group)
+    return adapter
