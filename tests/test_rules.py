@@ -48,6 +48,9 @@ LAYOUTS = [
     pytest.param(["parallel.tensor_parallel=2", "parallel.sequence_parallel=true", "model.seq_len=129"],
                  "parallel.sequence_parallel=true: parallel.tensor_parallel=2 does not divide model.seq_len=129",
                  id="sp-seq-len"),
+    pytest.param(["parallel.tensor_parallel=2", "parallel.sequence_parallel=true", "parallel.context_parallel=2",
+                  "parallel.data_parallel=1"],
+                 "parallel.sequence_parallel=true with parallel.context_parallel=2", id="sp-cp"),
 ]
 # Refused only where the run fine-tunes.
 FINE_TUNE = [*PARAM_OFFLOAD, "lora.enabled=true"]
