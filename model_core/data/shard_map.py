@@ -118,6 +118,7 @@ class _Counts:
         self.seen = dict.fromkeys((*FILTER_STEPS, "exact_duplicate"), 0)
         self.dropped = dict.fromkeys((*FILTER_STEPS, "exact_duplicate"), 0)
         self._hashes: set[bytes] = set()
+        self.characters = 0  # of the selected documents
 
     def select(self, texts: list[str]) -> tuple[list[str], np.ndarray]:
         """The texts that pass the length filters and are not repeats of an earlier one in this shard."""
@@ -145,6 +146,7 @@ class _Counts:
             self.dropped["exact_duplicate"] += int((~first).sum())
             kept = [text for text, flag in zip(kept, first.tolist()) if flag]
             hashes = hashes[first]
+        self.characters += sum(map(len, kept))
         return kept, hashes
 
 
@@ -246,6 +248,7 @@ def map_shard(job: ShardJob) -> dict:
         **_report(job.shard, report, counts, shard_size(job.shard)),
         "documents": len(lengths),
         "tokens": int(lengths.sum()),
+        "characters": counts.characters,
         "seconds": round(time.perf_counter() - started, 3),
     }
 
