@@ -7,6 +7,7 @@ non-finite step) or the flow stops before the expensive pretraining run.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
+from model_core.data.health import summary_line
 from model_core.parallel.launch import launch_training
 from model_core.storage import write_file
 from model_core.train import runs
@@ -23,7 +25,7 @@ from model_core.train.checkpoint import Checkpoint, list_checkpoints, verify
 from model_core.train.runs import TrainingRun
 from model_core.train.trainer import Trainer, TrainResult
 from params import PipelineParams, to_yaml
-from tasks.data import DataResult
+from tasks.data import DataResult, health_of
 from tasks.plots import loss_curve_png
 from tasks.progress import IntervalLog, StageFigures
 from tasks.retry import retry_on_transient_io
@@ -171,7 +173,9 @@ def result_of_checkpoint(found: Checkpoint, history: list[dict[str, float]]) -> 
 
 @task(name="smoke-run", cache_policy=NO_CACHE)
 def smoke_run(params: PipelineParams, data: DataResult, tracking: Tracking) -> TrainStageResult:
-    """Always from a random initialisation: it checks that this model, data and optimizer can learn."""
+    """Always from a random initialisation: it checks that this model, data and optimizer can learn. It starts with
+    the data-health line, whose warnings name what most often keeps a run from learning on its data."""
+    print(summary_line(health_of(json.loads(data.manifest_path.read_text()), params)))
     with stage_run(tracking, "smoke") as run:
         result = train_stage(params, data, run, "smoke", runs.smoke_run(params, data.dataset_dir), resume="none")
         drop = result.initial_loss - result.final_loss
