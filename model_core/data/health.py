@@ -26,7 +26,6 @@ manifest with other thresholds.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -105,7 +104,7 @@ def measure_rows(rows: np.ndarray, pad_id: int, vocab_size: int, shingle_tokens:
         longest = max(longest, longest_id_run(part, pad_id))
         keys.append(row_band_keys(part, shingle_tokens))
     counts[pad_id] = 0
-    bands = len(keys[0][0]) if keys and len(keys[0]) else 0
+    bands = PERMUTATIONS // dedup.rows_per_band(PERMUTATIONS, NEAR_COPY_SIMILARITY)
     return {
         "rows": len(rows),
         "ngrams": ngrams,
@@ -273,10 +272,6 @@ def _counts_path(scratch: Path, shard: int) -> Path:
 def _keys_path(scratch: Path, shard: int) -> Path:
     return scratch / f"health-keys-{shard:06d}.npy"
 
-
-def read_health(manifest_path: Path) -> dict | None:
-    """The `health` section of a dataset manifest, None when it has none."""
-    return json.loads(Path(manifest_path).read_text()).get("health")
 
 
 def shard_sources(sources: list[DataSource], shards: list[InputShard]) -> list[str]:

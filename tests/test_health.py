@@ -1,0 +1,142 @@
+"""Data health: each measure on constructed rows, the manifest's `health` section of real preps (a corpus of a few
+lines repeated thousands of times beside real text; a tokenizer of a few hundred pieces on English text), the
+warnings' wording, and thresholds that change the warnings but never the dataset's key."""
+
+import numpy as np
+import pytest
+
+from model_core.data import health, prepare_dataset
+from params.schema import DataHealthParams, DataParams, DataSource, ModelParams, TokenizerParams
+
+LINES = [
+    "The quick brown fox jumps over the lazy dog while the farmer watches from the gate.",
+    "A journey of a thousand miles begins with a single step taken on a quiet morning.",
+    "All that glitters is not gold, and not all those who wander through the hills are lost.",
+    "Early to bed and early to rise makes a man healthy, wealthy and wise, or so they say.",
+    "Where there is a will there is a way, even when the road is long and the night is cold.",
+]
+
+SEQ_LEN = 512  # a row holds the five lines several times over
+
+
+def prepared(tmp_path, sources, vocab_size=512, **data):
+    params = DataParams(sources=sources, output_dir=str(tmp_path / "out"), validation_fraction=0.1, **data)
+    return prepare_dataset(params, TokenizerParams(), ModelParams(vocab_size=vocab_size, seq_len=SEQ_LEN))
+
+
+@pytest.fixture(scope="module")
+def repeated_lines(tmp_path_factory):
+    path = tmp_path_factory.mktemp("repeated") / "repeated.txt"
+    path.write_text("\n".join(LINES * 2000) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory, corpus_jsonl, repeated_lines):
+    """Real docstrings (source0) beside five lines repeated 2,000 times (source1), neither deduplicated."""
+    sources = [
+        DataSource(kind="jsonl", paths=[str(corpus_jsonl)]),
+        DataSource(kind="text", paths=[str(repeated_lines)], text_unit="line"),
+    ]
+    return prepared(tmp_path_factory.mktemp("mixed"), sources, dedup_exact=False, near_dup_threshold=None)
+
+
+def test_repeated_ngrams_count_the_repeats_inside_each_row_only():
+    periodic = np.tile(np.arange(5), 20)[None, :]  # 100 ids, period 5: every 4-gram after the first five repeats
+    distinct = np.arange(100)[None, :]
+    assert health.repeated_ngrams(periodic, 4) == (97, 92)
+    assert health.repeated_ngrams(distinct, 4) == (97, 0)
+    assert health.repeated_ngrams(np.concatenate([distinct, distinct]), 4) == (194, 0)  # equal rows: no repeat within
+
+
+def test_the_longest_run_stays_inside_a_row_and_skips_padding():
+    rows = np.array([[5, 7, 7, 7], [7, 7, 3, 3], [9, 3, 3, 3]])
+    assert health.longest_id_run(rows, pad_id=3) == 3  # the 7s of row 0 (the next row's 7s are a run of their own)
+    assert health.longest_id_run(np.array([[3, 3, 3, 3, 4]]), pad_id=3) == 1
+
+
+def test_near_copies_count_rows_that_repeat_an_earlier_row_across_shards(tmp_path):
+    rng = np.random.default_rng(0)
+    rows = rng.integers(4, 500, size=(40, 64))
+    copied = rows.copy()
+    copied[:10, :3] = 1  # ten near copies (3 of 64 ids changed) of rows 0-9
+    shards = [rows[:25], np.concatenate([rows[25:], copied[:10]])]
+    files = []
+    for index, shard in enumerate(shards):
+        files.append(tmp_path / f"keys-{index}.npy")
+        np.save(files[-1], health.row_band_keys(shard, 5))
+    assert health.near_copies(files, tmp_path) == [0, 10]
+    unrelated = tmp_path / "unrelated.npy"
+    np.save(unrelated, health.row_band_keys(rng.integers(4, 500, size=(40, 64)), 5))
+    assert health.near_copies([files[0], unrelated], tmp_path) == [0, 0]
+
+
+def test_the_merge_holds_a_partition_of_the_keys_at_a_time(tmp_path, monkeypatch):
+    rows = np.random.default_rng(1).integers(4, 500, size=(30, 64))
+    path = tmp_path / "keys.npy"
+    np.save(path, health.row_band_keys(np.concatenate([rows, rows[:7]]), 5))
+    monkeypatch.setattr(health, "PARTITION_BYTES", 256)  # dozens of partitions: the same rows found
+    assert health.near_copies([path], tmp_path) == [7]
+
+
+def test_a_measure_above_its_threshold_is_one_line_with_the_number_the_threshold_and_the_source():
+    measures = dict.fromkeys(health.METRICS, 0.0) | {"longest_id_run": 0}
+    section = {
+        "dataset": measures | {"fertility": 0.9},
+        "sources": {"source0": measures, "source1": measures | {"fertility": 1.5}},
+    }
+    judged = health.judge(section, DataHealthParams(max_fertility=0.5))
+    assert judged["thresholds"]["fertility"] == 0.5
+    assert judged["warnings"] == [
+        "data health: the dataset has fertility=0.9, above data.health.max_fertility=0.5 (0.9 tokens per character: "
+        "the tokenizer cuts this text into small pieces (a vocabulary too small, or trained on other text))",
+        "data health: source 'source1' has fertility=1.5, above data.health.max_fertility=0.5 (1.5 tokens per "
+        "character: the tokenizer cuts this text into small pieces (a vocabulary too small, or trained on other text))",
+    ]
+    single = {"dataset": section["sources"]["source1"], "sources": {"source0": section["sources"]["source1"]}}
+    assert len(health.judge(single, DataHealthParams())["warnings"]) == 1  # one source: not again for the dataset
+
+
+def test_repetition_is_measured_per_source_and_warned_with_its_source(mixed):
+    section = mixed.manifest["health"]
+    assert set(section) == {"dataset", "sources", "thresholds", "warnings"}
+    assert set(section["sources"]) == {"source0", "source1"}
+    for measures in (section["dataset"], *section["sources"].values()):
+        assert tuple(measures) == health.METRICS
+    real, repeated = section["sources"]["source0"], section["sources"]["source1"]
+    print(section)
+    assert repeated["repeated_ngram_rate"] > 0.7 and repeated["near_copy_row_share"] > 0.9
+    assert real["repeated_ngram_rate"] < 0.2 and real["near_copy_row_share"] < 0.05
+    warned = [line for line in section["warnings"] if "source1" in line]
+    assert any("repeated_ngram_rate=" in line and "max_repeated_ngram_rate=0.5" in line for line in warned)
+    assert any("near_copy_row_share=" in line for line in warned)
+    assert not [line for line in section["warnings"] if "source0" in line]
+
+
+def test_thresholds_change_the_warnings_but_not_the_dataset(tmp_path_factory, mixed, corpus_jsonl, repeated_lines):
+    sources = [
+        DataSource(kind="jsonl", paths=[str(corpus_jsonl)]),
+        DataSource(kind="text", paths=[str(repeated_lines)], text_unit="line"),
+    ]
+    lenient = DataHealthParams(max_repeated_ngram_rate=1.0, max_near_copy_row_share=1.0)
+    params = DataParams(
+        sources=sources, output_dir=str(mixed.output_dir.parent), validation_fraction=0.1, dedup_exact=False,
+        near_dup_threshold=None, health=lenient,
+    )
+    again = prepare_dataset(params, TokenizerParams(), ModelParams(vocab_size=512, seq_len=SEQ_LEN))
+    assert again.reused and again.output_dir == mixed.output_dir
+    assert health.judge(again.manifest["health"], lenient)["warnings"] == []
+
+
+def test_a_tokenizer_of_a_few_hundred_pieces_on_english_text_is_warned_about(tmp_path, corpus_jsonl):
+    small = prepared(tmp_path, [DataSource(kind="jsonl", paths=[str(corpus_jsonl)])], vocab_size=320)
+    section = small.manifest["health"]
+    assert section["dataset"]["fertility"] > 0.5
+    assert [line for line in section["warnings"] if "fertility=" in line and "source 'source0'" in line]
+
+
+def test_the_summary_line_gives_the_measures_and_the_warnings(mixed):
+    line = health.summary_line(mixed.manifest["health"])
+    assert line.startswith("data health: fertility ")
+    assert "warning(s)" in line and "source1" in line
+    assert "not measured" in health.summary_line(None)
