@@ -57,28 +57,31 @@ def test_the_longest_run_stays_inside_a_row_and_skips_padding():
     assert health.longest_id_run(np.array([[3, 3, 3, 3, 4]]), pad_id=3) == 1
 
 
-def test_near_copies_count_rows_that_repeat_an_earlier_row_across_shards(tmp_path):
+def save_rows(directory, name, rows, positions):
+    """A shard's band keys and positions, as `measure_shard` saves them."""
+    np.save(directory / f"{name}-keys.npy", health.row_band_keys(rows, 5))
+    np.save(directory / f"{name}-positions.npy", np.asarray(positions, dtype=np.int64))
+    return directory / f"{name}-keys.npy", directory / f"{name}-positions.npy"
+
+
+def test_near_copies_count_rows_that_repeat_a_row_earlier_in_the_split_across_shards(tmp_path):
     rng = np.random.default_rng(0)
     rows = rng.integers(4, 500, size=(40, 64))
-    copied = rows.copy()
-    copied[:10, :3] = 1  # ten near copies (3 of 64 ids changed) of rows 0-9
-    shards = [rows[:25], np.concatenate([rows[25:], copied[:10]])]
-    files = []
-    for index, shard in enumerate(shards):
-        files.append(tmp_path / f"keys-{index}.npy")
-        np.save(files[-1], health.row_band_keys(shard, 5))
-    assert health.near_copies(files, tmp_path) == [0, 10]
-    unrelated = tmp_path / "unrelated.npy"
-    np.save(unrelated, health.row_band_keys(rng.integers(4, 500, size=(40, 64)), 5))
-    assert health.near_copies([files[0], unrelated], tmp_path) == [0, 0]
+    copied = rows[:10].copy()
+    copied[:, :3] = 1  # ten near copies (3 of 64 ids changed) of rows 0-9
+    # Shard 0 holds rows 0-24 at positions 10-34; shard 1 holds rows 25-39 at 35-49 and the copies at 0-9, first.
+    first = save_rows(tmp_path, "first", rows[:25], range(10, 35))
+    second = save_rows(tmp_path, "second", np.concatenate([rows[25:], copied]), [*range(35, 50), *range(10)])
+    assert health.near_copies([first[0], second[0]], [first[1], second[1]], tmp_path) == [10, 0]
+    unrelated = save_rows(tmp_path, "unrelated", rng.integers(4, 500, size=(40, 64)), [*range(10), *range(35, 65)])
+    assert health.near_copies([first[0], unrelated[0]], [first[1], unrelated[1]], tmp_path) == [0, 0]
 
 
 def test_the_merge_holds_a_partition_of_the_keys_at_a_time(tmp_path, monkeypatch):
     rows = np.random.default_rng(1).integers(4, 500, size=(30, 64))
-    path = tmp_path / "keys.npy"
-    np.save(path, health.row_band_keys(np.concatenate([rows, rows[:7]]), 5))
+    keys, positions = save_rows(tmp_path, "shard", np.concatenate([rows, rows[:7]]), range(37))
     monkeypatch.setattr(health, "PARTITION_BYTES", 256)  # dozens of partitions: the same rows found
-    assert health.near_copies([path], tmp_path) == [7]
+    assert health.near_copies([keys], [positions], tmp_path) == [7]
 
 
 def test_a_measure_above_its_threshold_is_one_line_with_the_number_the_threshold_and_the_source():

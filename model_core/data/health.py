@@ -11,8 +11,8 @@ The measures, all but fertility over the training split's packed rows (padding l
 - `unknown_rate`: share of tokens that are the unknown piece or SentencePiece byte-fallback pieces (<0x..>).
 - `repeated_ngram_rate`: share of a row's NGRAM-grams of ids that already occurred earlier in the same row.
 - `longest_id_run`: the longest run of one id inside a row.
-- `near_copy_row_share`: share of rows that share a MinHash LSH band with an earlier row (shards in corpus order,
-  rows in their order within a shard): the signature and banding of dedup.py over data.shingle_words-token
+- `near_copy_row_share`: share of rows that share a MinHash LSH band with an earlier row of the shuffled split
+  (the order training reads them in, which no cut into shards changes): the signature and banding of dedup.py over data.shingle_words-token
   shingles, bands chosen to catch a pair at Jaccard similarity NEAR_COPY_SIMILARITY 99 times in 100. Candidates
   are not verified against the whole signature, so a pair of rows half alike counts about one time in three.
 
@@ -81,10 +81,11 @@ def measure_shards(job: HealthJob) -> list[dict]:
 
 def measure_shard(job: HealthJob, shard: int) -> dict:
     """The shard's sums and maxima; its id counts and band keys go to files (`_counts_path`, `_keys_path`)."""
-    rows = row_shuffle.packed_rows(job.scratch, job.packing, shard)
+    positions, rows = row_shuffle.packed_rows(job.scratch, job.packing, shard)
     measured = measure_rows(rows, job.packing.pad_id, job.packing.vocab_size, job.shingle_tokens)
     np.save(_counts_path(job.scratch, shard), measured.pop("counts"))
     np.save(_keys_path(job.scratch, shard), measured.pop("band_keys"))
+    np.save(_positions_path(job.scratch, shard), positions)
     return measured
 
 
@@ -150,31 +151,32 @@ def row_band_keys(rows: np.ndarray, shingle_tokens: int) -> np.ndarray:
     return global_dedup._tagged_band_keys(signatures, NEAR_COPY_SIMILARITY)
 
 
-def near_copies(key_files: list[Path], scratch: Path) -> list[int]:
-    """Per shard, how many of its rows share a band key with an earlier row, the rows numbered shard after shard.
-    Keys are read in partitions of the key space of at most PARTITION_BYTES; a row found in several partitions
-    is marked once, in a memory-mapped byte per row."""
+def near_copies(key_files: list[Path], position_files: list[Path], scratch: Path) -> list[int]:
+    """Per shard, how many of its rows share a band key with a row before them in the shuffled split (rows are
+    numbered by their position there, which no cut of the corpus into shards changes). Keys are read in
+    partitions of the key space of at most PARTITION_BYTES; a row found in several partitions is marked once, in
+    a memory-mapped byte per row."""
     shapes = [np.load(path, mmap_mode="r").shape for path in key_files]
-    first_rows = np.concatenate([[0], np.cumsum([shape[0] for shape in shapes])]).astype(np.int64)
-    if first_rows[-1] == 0:
+    rows = sum(shape[0] for shape in shapes)
+    if rows == 0:
         return [0] * len(key_files)
     entries = sum(math.prod(shape) for shape in shapes)
     partitions = max(1, math.ceil(entries * global_dedup.NEAR_ENTRY_BYTES / PARTITION_BYTES))
-    marked = np.lib.format.open_memmap(scratch / "near-copy-rows.npy", mode="w+", dtype=bool, shape=(int(first_rows[-1]),))
+    marked = np.lib.format.open_memmap(scratch / "near-copy-rows.npy", mode="w+", dtype=bool, shape=(rows,))
     for partition in range(partitions):
         keys, numbers = [], []
-        for shard, path in enumerate(key_files):
-            band_keys = np.load(path, mmap_mode="r")
-            mine = np.asarray(band_keys) % np.uint64(partitions) == np.uint64(partition)
+        for keys_path, positions_path in zip(key_files, position_files):
+            band_keys = np.load(keys_path)
+            mine = band_keys % np.uint64(partitions) == np.uint64(partition)
             keys.append(band_keys[mine])
-            numbers.append(np.nonzero(mine)[0] + first_rows[shard])
+            numbers.append(np.broadcast_to(np.load(positions_path)[:, None], band_keys.shape)[mine])
         key, number = np.concatenate(keys), np.concatenate(numbers)
         order = np.lexsort((number, key))
         key, number = key[order], number[order]
         repeat = np.zeros(len(key), dtype=bool)
         repeat[1:] = key[1:] == key[:-1]
         marked[number[repeat]] = True
-    counts = [int(marked[first_rows[s] : first_rows[s + 1]].sum()) for s in range(len(key_files))]
+    counts = [int(marked[np.load(path)].sum()) for path in position_files]
     del marked
     return counts
 
@@ -197,7 +199,8 @@ def summarize(
 ) -> dict:
     """The manifest's `health` section from the shards' measures (`measure_shard`, in corpus order), each
     shard's source, the map steps' results (tokens and characters) and the tokenizer's unknown ids."""
-    near = near_copies([_keys_path(scratch, shard) for shard in range(len(shard_results))], scratch)
+    shards = range(len(shard_results))
+    near = near_copies([_keys_path(scratch, s) for s in shards], [_positions_path(scratch, s) for s in shards], scratch)
     totals: dict[str, dict] = {}
     for shard, (measured, source, mapped) in enumerate(zip(shard_results, shard_sources, map_results)):
         total = totals.setdefault(source, {"counts": 0, "near_copies": 0, "longest_id_run": 0, "characters": 0, "tokens": 0})
@@ -271,6 +274,10 @@ def _counts_path(scratch: Path, shard: int) -> Path:
 
 def _keys_path(scratch: Path, shard: int) -> Path:
     return scratch / f"health-keys-{shard:06d}.npy"
+
+
+def _positions_path(scratch: Path, shard: int) -> Path:
+    return scratch / f"health-positions-{shard:06d}.npy"
 
 
 
