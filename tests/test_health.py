@@ -144,3 +144,13 @@ def test_the_summary_line_gives_the_measures_and_the_warnings(mixed):
     assert line.startswith("data health: fertility ")
     assert "warning(s)" in line and "source1" in line
     assert "not measured" in health.summary_line(None)
+
+
+def test_the_section_is_the_same_however_the_corpus_is_cut_into_shards(tmp_path, mixed, corpus_jsonl, repeated_lines):
+    sources = [
+        DataSource(kind="jsonl", paths=[str(corpus_jsonl)]),
+        DataSource(kind="text", paths=[str(repeated_lines)], text_unit="line"),
+    ]
+    cut = prepared(tmp_path, sources, VOCAB, dedup_exact=False, near_dup_threshold=None, shard_bytes=1 << 14)
+    assert cut.report["reuse"]["input_shards"] > 4
+    assert cut.manifest["health"] == mixed.manifest["health"]
