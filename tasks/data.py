@@ -75,7 +75,7 @@ def prepare_and_record(params: PipelineParams, tracking: Tracking) -> DataResult
         metrics["seconds"] = time.perf_counter() - started
         run.log_metrics(metrics)
         run.set_tags({"llmflow.dataset_dir": str(result.output_dir)})
-        _record_health(run, health_of(result.manifest, params))
+        record_health(run, health_of(result.manifest, params))
         record_reuse(run, "data prep", result.output_dir if result.reused else None)
         _log_artifacts(run, result)
     create_markdown_artifact(
@@ -102,7 +102,7 @@ def health_of(manifest: dict, params: PipelineParams) -> dict | None:
     return {**section, **health.judge(section, params.data.health)} if section else None
 
 
-def _record_health(run: StageRun, section: dict | None) -> None:
+def record_health(run: StageRun, section: dict | None) -> None:
     """The data-health line and warnings in the console and the Prefect log, and on the data prep run: the tag
     `llmflow.data_health_warnings` (their count) and the text artifact data_health.txt (the measures are metrics)."""
     line = health.summary_line(section)

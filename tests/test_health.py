@@ -154,3 +154,22 @@ def test_the_section_is_the_same_however_the_corpus_is_cut_into_shards(tmp_path,
     cut = prepared(tmp_path, sources, VOCAB, dedup_exact=False, near_dup_threshold=None, shard_bytes=1 << 14)
     assert cut.report["reuse"]["input_shards"] > 4
     assert cut.manifest["health"] == mixed.manifest["health"]
+
+
+def test_the_data_prep_stage_records_the_health_line_judged_by_this_runs_thresholds(mixed, mlflow_uri, capsys):
+    from mlflow.tracking import MlflowClient
+
+    from params import load_params
+    from tasks.data import health_of, record_health
+    from tasks.tracking import StageRun
+
+    client = MlflowClient(mlflow_uri)
+    run = client.create_run(client.create_experiment("data-health"))
+    lenient = load_params("tiny", ["data.health.max_fertility=1", "data.health.max_near_copy_row_share=1"])
+    section = health_of(mixed.manifest, lenient)
+    record_health(StageRun(client, run.info.run_id), section)
+    printed = capsys.readouterr().out
+    assert printed.startswith("data health: fertility ") and "near_copy_row_share=" not in printed
+    assert "repeated_ngram_rate=" in printed  # still above the tiny preset's 0.5
+    assert client.get_run(run.info.run_id).data.tags["llmflow.data_health_warnings"] == str(len(section["warnings"]))
+    assert open(client.download_artifacts(run.info.run_id, "data_health.txt")).read() == printed

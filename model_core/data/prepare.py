@@ -408,7 +408,7 @@ class _Build:
             tokenizer_sha256=tokenizer_sha256,
             vocab_size=self.model.vocab_size,
             near=self.data.near_dup_threshold is not None,
-            characters=True,  # a result counts its documents' characters (data health's fertility); older ones did not
+            characters=True,  # a result counts its documents' characters (fertility): one without them is not reused
         )
         # The last shards encode on as many threads as there are workers: a worker still on one of them when
         # the others have none left then takes their cores, where one thread left them idle (on 2 cores and
