@@ -12,12 +12,14 @@ The measures, all but fertility over the training split's packed rows (padding l
 - `repeated_ngram_rate`: share of a row's NGRAM-grams of ids that already occurred earlier in the same row.
 - `longest_id_run`: the longest run of one id inside a row.
 - `near_copy_row_share`: share of rows that share a MinHash LSH band with an earlier row of the shuffled split
-  (the order training reads them in, which no cut into shards changes): the signature and banding of dedup.py over data.shingle_words-token
-  shingles, bands chosen to catch a pair at Jaccard similarity NEAR_COPY_SIMILARITY 99 times in 100. Candidates
-  are not verified against the whole signature, so a pair of rows half alike counts about one time in three.
+  (the order training reads them in, which no cut into shards changes): the signature and banding of dedup.py
+  over data.shingle_words-token shingles, the bands chosen to catch a pair at Jaccard similarity
+  NEAR_COPY_SIMILARITY 99 times in 100. Candidates are not verified against the whole signature, so a pair of
+  rows half alike counts about one time in three.
 
 Every measure is a sum, a maximum or a count merged from per-shard parts, so prep keeps its memory: a job holds
-one input shard's rows a block at a time and writes their id counts (one entry per vocabulary id) and band keys;
+one input shard's rows a block at a time and writes their id counts (one entry per vocabulary id), band keys and
+positions;
 the merge sums the counts per source and finds shared band keys in partitions of at most PARTITION_BYTES,
 marking the rows in a memory-mapped byte a row. Nothing here depends on the thresholds, which are params and
 do not enter the dataset's key: `judge` applies them, at build and again whenever a later run reads the
@@ -58,7 +60,7 @@ _WHAT = {
     "rare_token_share": f"of tokens are pieces used fewer than {RARE_MIN_COUNT} times in the dataset, too rare to learn",
     "unknown_rate": "of tokens are the unknown piece or byte-fallback pieces: text the vocabulary does not cover",
     "repeated_ngram_rate": f"of the {NGRAM}-grams in a row repeat earlier in the row: repetitive text",
-    "longest_id_run": "tokens of one id in a row inside a packed row",
+    "longest_id_run": "tokens of one id in a row inside a packed row: a separator line, a blob of whitespace",
     "near_copy_row_share": "of the rows nearly copy an earlier row: repeated content",
 }
 
@@ -80,7 +82,7 @@ def measure_shards(job: HealthJob) -> list[dict]:
 
 
 def measure_shard(job: HealthJob, shard: int) -> dict:
-    """The shard's sums and maxima; its id counts and band keys go to files (`_counts_path`, `_keys_path`)."""
+    """The shard's sums and maxima; its id counts, band keys and row positions go to files (`_counts_path`, ...)."""
     positions, rows = row_shuffle.packed_rows(job.scratch, job.packing, shard)
     measured = measure_rows(rows, job.packing.pad_id, job.packing.vocab_size, job.shingle_tokens)
     np.save(_counts_path(job.scratch, shard), measured.pop("counts"))
