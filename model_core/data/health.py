@@ -4,8 +4,8 @@ thresholds of data.health (a warning per measure above its threshold, never a re
 
 The measures, all but fertility over the training split's packed rows (padding left out):
 
-- `fertility`: tokens per character of the tokenized documents (both splits, before deduplication across
-  shards). High when the tokenizer cuts the text into small pieces.
+- `fertility`: tokens per character of the kept documents (both splits, after deduplication). High when the
+  tokenizer cuts the text into small pieces.
 - `rare_token_share`: share of tokens whose id occurs fewer than RARE_MIN_COUNT times in the dataset's training
   rows: their embeddings see too few examples to learn.
 - `unknown_rate`: share of tokens that are the unknown piece or SentencePiece byte-fallback pieces (<0x..>).
@@ -85,6 +85,10 @@ def measure_shard(job: HealthJob, shard: int) -> dict:
     """The shard's sums and maxima; its id counts, band keys and row positions go to files (`_counts_path`, ...)."""
     positions, rows = row_shuffle.packed_rows(job.scratch, job.packing, shard)
     measured = measure_rows(rows, job.packing.pad_id, job.packing.vocab_size, job.shingle_tokens)
+    plan = global_dedup.Plan.load(job.scratch / "plan.json")
+    kept = np.load(plan.keep_path(job.scratch, shard))  # after deduplication, in both splits
+    measured["tokens"] = int(np.load(plan.directories[shard] / "lengths.npy")[kept].sum(dtype=np.int64))
+    measured["characters"] = int(np.load(plan.directories[shard] / "characters.npy")[kept].sum())
     np.save(_counts_path(job.scratch, shard), measured.pop("counts"))
     np.save(_keys_path(job.scratch, shard), measured.pop("band_keys"))
     np.save(_positions_path(job.scratch, shard), positions)
@@ -194,25 +198,22 @@ def unknown_ids(tokenizer_path: Path) -> np.ndarray:
 def summarize(
     shard_results: list[dict],
     shard_sources: list[str],
-    map_results: list[dict],
     scratch: Path,
     unknown: np.ndarray,
     thresholds: DataHealthParams,
 ) -> dict:
     """The manifest's `health` section from the shards' measures (`measure_shard`, in corpus order), each
-    shard's source, the map steps' results (tokens and characters) and the tokenizer's unknown ids."""
+    shard's source and the tokenizer's unknown ids."""
     shards = range(len(shard_results))
     near = near_copies([_keys_path(scratch, s) for s in shards], [_positions_path(scratch, s) for s in shards], scratch)
     totals: dict[str, dict] = {}
-    for shard, (measured, source, mapped) in enumerate(zip(shard_results, shard_sources, map_results)):
-        total = totals.setdefault(source, {"counts": 0, "near_copies": 0, "longest_id_run": 0, "characters": 0, "tokens": 0})
+    for shard, (measured, source) in enumerate(zip(shard_results, shard_sources)):
+        total = totals.setdefault(source, {"counts": 0, "near_copies": 0, "longest_id_run": 0})
         total["counts"] = total["counts"] + np.load(_counts_path(scratch, shard))
-        for name in ("rows", "ngrams", "repeated_ngrams"):
+        for name in ("rows", "ngrams", "repeated_ngrams", "characters", "tokens"):
             total[name] = total.get(name, 0) + measured[name]
         total["longest_id_run"] = max(total["longest_id_run"], measured["longest_id_run"])
         total["near_copies"] += near[shard]
-        total["characters"] += mapped.get("characters", 0)
-        total["tokens"] += mapped["tokens"]
     whole = {
         "counts": sum(total["counts"] for total in totals.values()),
         "longest_id_run": max(total["longest_id_run"] for total in totals.values()),

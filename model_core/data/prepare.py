@@ -274,7 +274,7 @@ class _Build:
                 f"the {splits['train']['documents']} training documents make {splits['train']['tokens']} tokens, "
                 f"less than one row of model.seq_len + 1 = {self.model.seq_len + 1}"
             )
-        data_health = self._health(shards, results)
+        data_health = self._health(shards)
         return {
             "format_version": FORMAT_VERSION,
             "counts": {**read_counts, "dropped": dropped, "kept_documents": kept},
@@ -408,7 +408,7 @@ class _Build:
             tokenizer_sha256=tokenizer_sha256,
             vocab_size=self.model.vocab_size,
             near=self.data.near_dup_threshold is not None,
-            characters=True,  # a result counts its documents' characters (fertility): one without them is not reused
+            characters=True,  # a result holds its documents' characters (fertility): one without them is not reused
         )
         # The last shards encode on as many threads as there are workers: a worker still on one of them when
         # the others have none left then takes their cores, where one thread left them idle (on 2 cores and
@@ -504,16 +504,17 @@ class _Build:
             for split in row_shuffle.SPLITS
         }
 
-    def _health(self, shards: list[InputShard], results: list[dict]) -> dict:
+    def _health(self, shards: list[InputShard]) -> dict:
         """The manifest's data-health section: the training rows measured a run of input shards per job, then
         merged per source and judged against data.health (health.py)."""
         runs = row_shuffle.job_runs(len(shards), self.workers)
-        jobs = [health.HealthJob(self.scratch, self._packing("train"), *run, self.data.shingle_words) for run in runs]
+        packing = self._packing("train")
+        jobs = [health.HealthJob(self.scratch, packing, *run, self.data.shingle_words) for run in runs]
         measured = [shard for job in self._run_step_of_small_jobs("health", health.measure_shards, jobs) for shard in job]
         started = time.perf_counter()
         unknown = health.unknown_ids(self.build_dir / TOKENIZER_NAME)
         sources = health.shard_sources(self.data.sources, shards)
-        section = health.summarize(measured, sources, results, self.scratch, unknown, self.data.health)
+        section = health.summarize(measured, sources, self.scratch, unknown, self.data.health)
         self.seconds["health"] += time.perf_counter() - started
         return section
 
