@@ -13,6 +13,10 @@ sample of the whole and each smaller corpus is a prefix of the larger ones: toke
 the size. They are written once under --workdir and reused (rebuilt together when one is missing); a
 rebuild after packages were installed or removed gives other corpora, so compare runs on the same ones.
 
+Prep and training read each corpus as a weighted mixture of three sources (SOURCES: its documents dealt
+into three JSONL files in turn, 5/3/2 of every 10, weighted 0.6/0.3/0.1), so a source packs and a training
+batch samples as in a real mixture; the split files are written once beside the corpus.
+
 Measured, each command a subprocess of the checkout this file is in, with the `tiny` preset and default
 data params otherwise (near dedup on), but for input shards of SHARD_BYTES:
 
@@ -96,6 +100,8 @@ RAW_BATCH_CHARS = 32_000_000
 # processes, so the runs differ in the corpus only (at the default 64 MiB, 25 MB would be one shard, mapped
 # inside the driver process). A worker's memory follows the shard size, never the corpus.
 SHARD_BYTES = 8 << 20
+# (name, weight, of every 10 documents of the corpus the ones it gets)
+SOURCES = (("web", 0.6, range(0, 5)), ("code", 0.3, range(5, 8)), ("books", 0.1, range(8, 10)))
 PREPARED = re.compile(r"^(prepared|reused) dataset (.+) \(manifest (.+)\)$", re.MULTILINE)
 
 
@@ -380,8 +386,32 @@ def _documents(path: Path) -> list[str]:
 # ---------------------------------------------------------------------------------- llmflow commands
 
 
+def _source_files(corpus: Corpus) -> list[Path]:
+    """The corpus's documents dealt into one JSONL file per source of SOURCES, streamed, written once (named by
+    the corpus's size in bytes, so a rewritten corpus gets new ones)."""
+    paths = [corpus.path.with_name(f"{corpus.label}-{corpus.bytes}-{name}.jsonl") for name, _, _ in SOURCES]
+    if all(path.is_file() for path in paths):
+        return paths
+    owner = {slot: index for index, (_, _, slots) in enumerate(SOURCES) for slot in slots}
+    partial = [path.with_name(path.name + ".partial") for path in paths]
+    handles = [path.open("wb") for path in partial]
+    try:
+        with corpus.path.open("rb") as lines:
+            for number, line in enumerate(lines):
+                handles[owner[number % 10]].write(line)
+    finally:
+        for handle in handles:
+            handle.close()
+    for path, final in zip(partial, paths):
+        path.rename(final)
+    return paths
+
+
 def _overrides(workdir: Path, corpus: Corpus, output_dir: Path, tokenizer: Path | None) -> list[str]:
-    sources = [{"kind": "jsonl", "paths": [str(corpus.path)]}]
+    sources = [
+        {"kind": "jsonl", "paths": [str(path)], "name": name, "weight": weight}
+        for path, (name, weight, _) in zip(_source_files(corpus), SOURCES)
+    ]
     values = {
         "data.sources": json.dumps(sources),
         "data.output_dir": str(output_dir),

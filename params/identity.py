@@ -12,7 +12,8 @@ stages' results where they were left (`llmflow finetune` after a `lora.steps` ch
 | eval      | eval.*, model.*, train.micro_batch_size and reset_at_document_boundaries (the held-out batches), the checkpoint's and adapters' content, the held-out datasets |
 
 The training inputs are model.*, optimizer.*, precision.*, train.steps, train.seed,
-train.reset_at_document_boundaries and the global batch size (sequences per optimizer step). The parallel
+train.reset_at_document_boundaries, the global batch size (sequences per optimizer step) and the data sources'
+weights and epochs (the mixture; the dataset's key leaves them out). The parallel
 layout is not among them: every layout computes the one-process run (tested layout by layout, up to float
 summation order and LoRA dropout masks, which are drawn per micro-batch), checkpoints are layout-independent
 and resume under another layout, so how the global batch is cut into dp replicas, micro-batches and
@@ -41,7 +42,15 @@ def training_inputs(params: PipelineParams) -> dict[str, Any]:
         "precision": params.precision.model_dump(mode="json"),
         "train": params.train.model_dump(mode="json", include=TRAIN_RESULT_FIELDS),
         "global_batch_size": params.global_batch_size,
+        **_mixture(params),
     }
+
+
+def _mixture(params: PipelineParams) -> dict[str, Any]:
+    """The data sources' weights and epochs where any is set: they decide the samples a run reads, and the
+    dataset's key leaves them out (one prepared dataset serves every mixture of its sources)."""
+    mixture = [source.model_dump(include={"weight", "epochs"}) for source in params.data.sources]
+    return {"data_mixture": mixture} if any(value is not None for entry in mixture for value in entry.values()) else {}
 
 
 def stage_key(stage: str, inputs: dict[str, Any]) -> str:

@@ -1,10 +1,11 @@
 """The rule book: whether params describe a run that can happen, decided once, before anything runs.
 
-Every rule about what a layout may do lives here: the arithmetic of the degrees (dp x tp x pp against the world,
-tp against heads, key/value heads, FFN width and vocabulary, pp against the layers, micro-batches against the
-stages, ep against dp and the experts) and the feature combinations not built (ZeRO-3 with mixture-of-experts
-blocks, optimizer offload under expert parallelism, parameter offload with pipeline stages or a LoRA fine-tune).
-A refusal is one line naming both settings and both values. The same place judges what a run can start with but
+Every rule about what a layout may do lives here: the arithmetic of the degrees (dp x cp x tp x pp against the
+world, tp against heads, key/value heads, FFN width and vocabulary, pp against the layers, micro-batches against the
+stages, ep against dp and the experts, 2 x cp against the sequence), the feature combinations not built (ZeRO-3 with
+mixture-of-experts blocks, optimizer offload under expert parallelism, parameter offload with pipeline stages or a
+LoRA fine-tune, context parallelism with mixture-of-experts blocks), and what the data sources' weights and epochs
+may be. A refusal is one line naming both settings and both values. The same place judges what a run can start with but
 will most likely not learn well with (RoPE theta against the sequence, no gradient clipping, a learning rate far
 above its size's, fp16 without loss scaling): a warning each, one line with the numbers and the reason.
 
@@ -22,7 +23,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the schema's validators call this module: a runtime import would be circular
-    from params.schema import ModelParams, OptimizerParams, ParallelParams, PipelineParams, PrecisionParams
+    from params.schema import (
+        DataSource, ModelParams, OptimizerParams, ParallelParams, PipelineParams, PrecisionParams
+    )
+
+# How far the weights of a mixture whose every source has one may sum from 1 (they are then scaled to 1 exactly).
+WEIGHT_SUM_TOLERANCE = 1e-3
 
 
 class ParallelConfigError(ValueError):
@@ -46,7 +52,9 @@ def run_problems(params: PipelineParams, *, world_size: int | None = None, finet
     problems = parallel_problems(parallel) + layout_problems(params.model, parallel)
     if world_size is not None and world_size != parallel.world_size:
         problems.append(
-            f"parallel.data_parallel={parallel.data_parallel} x tensor_parallel={parallel.tensor_parallel} x "
+            f"parallel.data_parallel={parallel.data_parallel} x "
+            + (f"context_parallel={parallel.context_parallel} x " if parallel.context_parallel > 1 else "")
+            + f"tensor_parallel={parallel.tensor_parallel} x "
             f"pipeline_parallel={parallel.pipeline_parallel} = {parallel.world_size} ranks, but the world has {world_size}"
         )
     if finetunes and parallel.param_offload:
@@ -116,7 +124,27 @@ def layout_problems(model: ModelParams, parallel: ParallelParams) -> list[str]:
     problems = [tensor_parallel_problem(parallel.tensor_parallel, model)]
     problems.append(stage_problem(parallel.pipeline_parallel, parallel.pipeline_layers, model.num_layers))
     problems += expert_problems(parallel.expert_parallel, parallel.zero_stage, model)
+    problems += context_parallel_problems(parallel.context_parallel, model)
     return [problem for problem in problems if problem is not None]
+
+
+def context_parallel_problems(cp: int, model: ModelParams) -> list[str]:
+    """Every cp rank holds two equal chunks of every sequence, so 2 x cp must divide it. A mixture-of-experts block's
+    routing statistics and capacity are per sequence, which no rank holds whole: refused rather than trained wrong."""
+    if cp == 1:
+        return []
+    problems = []
+    if model.seq_len % (2 * cp):
+        problems.append(
+            f"model.seq_len={model.seq_len} is not a multiple of 2 x parallel.context_parallel={2 * cp}: every cp rank "
+            "holds two equal chunks of each sequence"
+        )
+    if model.moe_layers:
+        problems.append(
+            f"parallel.context_parallel={cp} with model.moe ({len(model.moe_layers)} MoE blocks): context parallelism "
+            "trains dense models for now"
+        )
+    return problems
 
 
 def tensor_parallel_problem(tp: int, model: ModelParams) -> str | None:
@@ -171,6 +199,30 @@ def expert_problems(ep: int, zero_stage: int, model: ModelParams) -> list[str]:
         problems.append(
             f"parallel.zero_stage=3 with model.moe ({len(model.moe_layers)} MoE blocks): mixture-of-experts "
             "models train with data, tensor, pipeline and expert parallelism and ZeRO 0 to 2 for now"
+        )
+    return problems
+
+
+def source_names(sources: Sequence[DataSource]) -> list[str]:
+    """Each data source's name: its `name`, or `source<i>` by its place."""
+    return [source.name or f"source{index}" for index, source in enumerate(sources)]
+
+
+def mixture_problems(sources: Sequence[DataSource]) -> list[str]:
+    """What the data sources' weights and epochs alone rule out (what needs the data, a weight on a source with no
+    rows, is judged when training opens the dataset: model_core/data/mixture.py)."""
+    names = source_names(sources)
+    problems = [f"data.sources: two sources are named {name!r}" for name in sorted({n for n in names if names.count(n) > 1})]
+    weighted = [(name, source.weight) for name, source in zip(names, sources) if source.weight is not None]
+    total = sum(weight for _, weight in weighted)
+    others = [name for name, source in zip(names, sources) if source.weight is None]
+    listed = ", ".join(f"{name}={weight}" for name, weight in weighted)
+    if weighted and not others and abs(total - 1.0) > WEIGHT_SUM_TOLERANCE:
+        problems.append(f"data.sources weights ({listed}) sum to {total:.6g}, not 1: every source has a weight, so they are its shares")
+    if others and total >= 1.0:
+        problems.append(
+            f"data.sources weights ({listed}) sum to {total:.6g}, leaving no share for {', '.join(others)} "
+            "(sources without a weight are read by epochs; weights must then sum to less than 1)"
         )
     return problems
 

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from params.rules import layout_problems, parallel_problems
+from params.rules import layout_problems, mixture_problems, parallel_problems, source_names
 
 
 def _refuse(problems: list[str]) -> None:
@@ -47,6 +47,27 @@ class DataSource(StrictModel):
     text_unit: Literal["file", "paragraph", "line"] = Field(
         "file", description="For kind=text: what one document is (a whole file, a blank-line paragraph, a line)."
     )
+    name: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_.-]+$",
+        description="What the manifest and the per-source metrics call this source (letters, digits, `_`, `.`, `-`); "
+        "null: `source<i>`, i its place in data.sources.",
+    )
+    weight: float | None = Field(
+        None,
+        gt=0.0,
+        le=1.0,
+        description="This source's share of the training rows (each a row of model.seq_len + 1 tokens of one "
+        "source), read in a keyed order per epoch and repeated when used up. Exclusive with `epochs`. A source "
+        "with neither is read once per mixture cycle (epochs 1), so a corpus without weights is mixed by size.",
+    )
+    epochs: float | None = Field(
+        None,
+        gt=0.0,
+        description="Passes over this source per mixture cycle: its share of the rows is epochs x its rows over "
+        "the cycle's rows, where the cycle is the rows of every epochs-source read that many times and the "
+        "weight-sources take the rest. Below 1, part of the source is seen per cycle. Exclusive with `weight`.",
+    )
 
     @model_validator(mode="after")
     def _paths_match_kind(self) -> DataSource:
@@ -54,6 +75,8 @@ class DataSource(StrictModel):
             raise ValueError("kind=python_docstrings reads the standard library and takes no paths")
         if self.kind != "python_docstrings" and not self.paths:
             raise ValueError(f"kind={self.kind} needs at least one entry in paths")
+        if self.weight is not None and self.epochs is not None:
+            raise ValueError(f"weight={self.weight} and epochs={self.epochs} are both set; a source takes one of them")
         return self
 
 
@@ -110,7 +133,10 @@ class DataParams(StrictModel):
     """Data prep: read, clean, deduplicate, filter, tokenize, pack, shuffle, split, write shards."""
 
     sources: list[DataSource] = Field(
-        default_factory=lambda: [DataSource()], min_length=1, description="Corpus inputs, read in order."
+        default_factory=lambda: [DataSource()],
+        min_length=1,
+        description="Corpus inputs, read in order. Each source packs into rows of its own, and training mixes "
+        "the sources by their `weight` or `epochs` (README: Data mixtures).",
     )
     output_dir: str = Field(
         "artifacts/data",
@@ -207,7 +233,12 @@ class DataParams(StrictModel):
             raise ValueError(f"data.ray_address={self.ray_address!r} is set but data.runner={self.runner!r}, not 'ray'")
         if self.min_chars > self.max_chars:
             raise ValueError(f"data.min_chars={self.min_chars} is greater than data.max_chars={self.max_chars}")
+        _refuse(mixture_problems(self.sources))
         return self
+
+    def source_names(self) -> list[str]:
+        """Each source's name: its `name`, or `source<i>`."""
+        return source_names(self.sources)
 
 
 class TokenizerParams(StrictModel):
@@ -402,7 +433,7 @@ class ModelParams(StrictModel):
 
 
 class ParallelParams(StrictModel):
-    """How the world of devices is split. dp * tp * pp must equal the number of workers."""
+    """How the world of devices is split. dp * cp * tp * pp must equal the number of workers."""
 
     data_parallel: int = Field(1, ge=1, description="Data-parallel replicas (dp).")
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel ranks per layer (tp), innermost.")
@@ -413,6 +444,14 @@ class ParallelParams(StrictModel):
         description="Expert-parallel ranks (ep), carved out of the dp ranks: each of ep consecutive dp replicas "
         "holds model.moe.num_experts / ep of every MoE block's experts, and tokens travel to their experts' rank "
         "by all-to-all. Must divide data_parallel and model.moe.num_experts; adds no ranks.",
+    )
+    context_parallel: int = Field(
+        1,
+        ge=1,
+        description="Context-parallel ranks (cp): every sequence is cut into 2 x cp equal chunks and each cp rank "
+        "holds two of them (chunk i and chunk 2 x cp - 1 - i, so causal attention costs every rank the same); "
+        "attention gathers every layer's keys and values over the cp ranks. Divides each rank's activations by cp. "
+        "model.seq_len must be a multiple of 2 x cp; adds ranks (world = dp x cp x tp x pp).",
     )
     micro_batches: int = Field(
         1,
@@ -468,7 +507,7 @@ class ParallelParams(StrictModel):
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
+        return self.data_parallel * self.context_parallel * self.tensor_parallel * self.pipeline_parallel
 
     @model_validator(mode="after")
     def _degrees_fit(self) -> ParallelParams:

@@ -1,6 +1,7 @@
 """`llmflow compare`: pipeline runs side by side, read back from MLflow: the params that differ between them,
-their headline metrics (copied onto each parent run by `tasks.tracking.log_headline_metrics`), their
-pretraining loss curves on one plot, and where to open each run in MLflow's UI."""
+their headline metrics (copied onto each parent run by `tasks.tracking.log_headline_metrics`), the datasets
+each stage used (MLflow dataset inputs, by content digest) and which of them differ, their pretraining loss
+curves on one plot, and where to open each run in MLflow's UI."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
+from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
 from model_core.storage import write_file
 from model_core.tables import fixed_width, markdown
@@ -25,13 +27,18 @@ class CompareError(ValueError):
     """Runs that cannot be compared: unknown ids, an unknown experiment, nothing found."""
 
 
+SHORT_DIGEST = 8  # digest characters shown in the tables (JSON has them whole)
+
+
 @dataclass(frozen=True)
 class Comparison:
-    runs: list[dict]  # per run: id, name, experiment id, status, params, metrics
+    runs: list[dict]  # per run: id, name, experiment id, status, params, metrics, data (stage -> datasets)
     differing: list[str]  # param names whose values differ between the runs
     headlines: list[str]  # metric columns
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # run name -> pretraining loss
     experiment: str | None = None  # the experiment whose latest runs these are; None for runs named by id
+    data_rows: list[tuple[str, str]] = field(default_factory=list)  # (stage, dataset name) used by any run
+    data_differs: list[tuple[str, str]] = field(default_factory=list)  # those whose digest differs between runs
 
 
 def compare(
@@ -47,16 +54,19 @@ def compare(
     metrics = {name for run in runs for name in run.data.metrics}
     headlines = [name for name in HEADLINES if name in metrics]
     headlines += sorted(name for name in metrics if name.startswith("evaluate.") and name.endswith(".perplexity"))
+    stages = [_stage_runs(client, run) for run in runs]
     rows = [
         {
             "id": run.info.run_id, "name": run.info.run_name, "experiment_id": run.info.experiment_id,
             "status": run.info.status, "params": {name: run.data.params.get(name) for name in differing},
             "metrics": {name: run.data.metrics.get(name) for name in headlines},
+            "data": {stage: _datasets(child) for stage, child in children.items() if child.inputs.dataset_inputs},
         }
-        for run in runs
+        for run, children in zip(runs, stages)
     ]
-    curves = {run.info.run_name: _pretraining_curve(client, run) for run in runs}
-    return Comparison(rows, differing, headlines, curves, None if run_ids else experiment)
+    curves = {run.info.run_name: _pretraining_curve(client, children.get("pretrain")) for run, children in zip(runs, stages)}
+    data_rows, data_differs = _data_rows(rows)
+    return Comparison(rows, differing, headlines, curves, None if run_ids else experiment, data_rows, data_differs)
 
 
 def _existing_store(uri: str) -> None:
@@ -103,14 +113,43 @@ def _is_pipeline_run(run) -> bool:
     return "mlflow.parentRunId" not in tags or "llmflow.sweep_run_id" in tags
 
 
-def _pretraining_curve(client: MlflowClient, parent) -> list[tuple[int, float]]:
+def _stage_runs(client: MlflowClient, parent) -> dict:
+    """A pipeline run's stage runs by stage, in the order they started (a retried stage: its last run)."""
     children = client.search_runs(
-        [parent.info.experiment_id],
-        filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}' and tags.`llmflow.stage` = 'pretrain'",
+        [parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{parent.info.run_id}'",
+        order_by=["attributes.start_time ASC"],
     )
-    if not children:
+    return {child.data.tags["llmflow.stage"]: child for child in children if "llmflow.stage" in child.data.tags}
+
+
+def _datasets(run) -> list[dict]:
+    """A stage run's MLflow dataset inputs: name, digest and the context the stage used each in."""
+    return [
+        {"name": item.dataset.name, "digest": item.dataset.digest,
+         "context": next((tag.value for tag in item.tags if tag.key == MLFLOW_DATASET_CONTEXT), None)}
+        for item in run.inputs.dataset_inputs
+    ]
+
+
+def _data_rows(rows: list[dict]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Every (stage, dataset) any run used, in the order first seen, and those whose digest is not the same in
+    every run that used it (a stage that did not run in one of them is no difference of data)."""
+    digests: dict[tuple[str, str], set[str]] = {}
+    for row in rows:
+        for stage, datasets in row["data"].items():
+            for dataset in datasets:
+                digests.setdefault((stage, dataset["name"]), set()).add(dataset["digest"])
+    return list(digests), [key for key, found in digests.items() if len(found) > 1]
+
+
+def _digest(row: dict, stage: str, name: str) -> str | None:
+    return next((item["digest"] for item in row["data"].get(stage, []) if item["name"] == name), None)
+
+
+def _pretraining_curve(client: MlflowClient, pretrain_run) -> list[tuple[int, float]]:
+    if pretrain_run is None:
         return []
-    history = client.get_metric_history(children[0].info.run_id, "loss")
+    history = client.get_metric_history(pretrain_run.info.run_id, "loss")
     return sorted((point.step, point.value) for point in history)
 
 
@@ -125,8 +164,9 @@ def render(comparison: Comparison, uri: str, form: str = "table") -> str:
     """The comparison as a fixed-width table, a Markdown table, or JSON."""
     if form == "json":
         rows = [{**row, "link": run_link(uri, row)} for row in comparison.runs]
+        differs = [{"stage": stage, "dataset": name} for stage, name in comparison.data_differs]
         return json.dumps({"experiment": comparison.experiment, "differing_params": comparison.differing,
-                           "headline_metrics": comparison.headlines, "runs": rows}, indent=2)
+                           "headline_metrics": comparison.headlines, "differing_data": differs, "runs": rows}, indent=2)
     statuses = any(row["status"] != "FINISHED" for row in comparison.runs)  # e.g. a sweep's stopped trials
     header = ["run", *(["status"] if statuses else []), *comparison.differing, *comparison.headlines]
     body = [
@@ -141,9 +181,36 @@ def render(comparison: Comparison, uri: str, form: str = "table") -> str:
     if comparison.experiment is not None:
         taken = f"the last {len(comparison.runs)} finished pipeline runs of experiment {comparison.experiment!r}"
         heading = [f"{taken}, oldest first", ""]
+    data = _data_table(comparison)
     if form == "markdown":
-        return "\n".join([*heading, markdown([header, *body]), "", *(f"- {link}" for link in links)])
-    return "\n".join([*heading, fixed_width([header, *body]), "", *links])
+        data_section = ["", markdown(data[0]), "", *data[1]] if data else []
+        return "\n".join([*heading, markdown([header, *body]), *data_section, "", *(f"- {link}" for link in links)])
+    data_section = ["", fixed_width(data[0]), "", *data[1]] if data else []
+    return "\n".join([*heading, fixed_width([header, *body]), *data_section, "", *links])
+
+
+def _data_table(comparison: Comparison) -> tuple[list[list[str]], list[str]] | None:
+    """A data row per stage and dataset, each run's short digest in it, and a note of the datasets that differ
+    (None when no run recorded a dataset)."""
+    if not comparison.data_rows:
+        return None
+    header = ["data: stage", "dataset", *(row["name"] for row in comparison.runs)]
+    body = [
+        [stage, name, *((_digest(row, stage, name) or "-")[:SHORT_DIGEST] for row in comparison.runs)]
+        for stage, name in comparison.data_rows
+    ]
+    if not comparison.data_differs:
+        return [header, *body], ["(every stage used the same data in these runs)"]
+    stages: dict[tuple[str, tuple[str | None, ...]], list[str]] = {}  # a dataset and its digests -> its stages
+    for stage, name in comparison.data_differs:
+        stages.setdefault((name, tuple(_digest(row, stage, name) for row in comparison.runs)), []).append(stage)
+    notes = [
+        f"data differ: {name} is "
+        + ", ".join(f"{digest[:SHORT_DIGEST]} in {row['name']}" for row, digest in zip(comparison.runs, digests) if digest)
+        + f" ({', '.join(used_by)})"
+        for (name, digests), used_by in stages.items()
+    ]
+    return [header, *body], notes
 
 
 def _number(value: float | None) -> str:

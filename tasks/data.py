@@ -18,7 +18,7 @@ from params import PipelineParams, flatten
 from tasks.progress import PhaseProgress, forwarded_logs
 from tasks.retry import retry_on_transient_io
 from tasks.runners import check_ray_nodes_reach_api, map_parallelism, map_task_runner, prefect_mapper
-from tasks.tracking import StageRun, Tracking, record_reuse, stage_run
+from tasks.tracking import StageRun, Tracking, record_reuse, stage_run, training_datasets
 
 
 class DataResult(BaseModel):
@@ -76,6 +76,7 @@ def prepare_and_record(params: PipelineParams, tracking: Tracking) -> DataResult
         run.log_metrics(metrics)
         run.set_tags({"llmflow.dataset_dir": str(result.output_dir)})
         record_health(run, health_of(result.manifest, params))
+        run.log_datasets(training_datasets(result.output_dir))  # what it made, each split in the role it has
         record_reuse(run, "data prep", result.output_dir if result.reused else None)
         _log_artifacts(run, result)
     create_markdown_artifact(

@@ -19,7 +19,7 @@ from model_core.train.runs import eval_directory
 from params import PipelineParams, flatten
 from tasks.data import DataResult
 from tasks.finetune import FinetuneStageResult
-from tasks.tracking import Tracking, record_reuse, stage_run
+from tasks.tracking import Tracking, evaluation_datasets, record_reuse, stage_run
 
 
 class EvaluateStageResult(BaseModel):
@@ -46,6 +46,7 @@ def evaluate_stage(
         done = {name for name, directory in directories.items() if (directory / JSON_NAME).is_file()}
         run.log_params({key: value for key, value in flatten(params).items() if key.startswith("eval.")})
         run.log_params({"stage.checkpoint": pretrained, **{f"stage.adapters.{k}": v for k, v in models.items() if v}})
+        run.log_datasets(evaluation_datasets(held_out.values()))
         record_reuse(run, "evaluate", ", ".join(map(str, directories.values())) if done == set(models) else None)
         scores: dict[str, dict[str, HeldOutLoss]] = {}
         for name, adapters in models.items():

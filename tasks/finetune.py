@@ -12,6 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
 from model_core.data import prepare_instructions
+from model_core.data.identity import split_identities
 from model_core.model.lora import CONFIG, base_sha256
 from model_core.parallel.launch import launch
 from model_core.storage import write_file
@@ -24,7 +25,7 @@ from tasks.data import MANIFEST_SETTINGS, DataResult, numeric_leaves
 from tasks.plots import loss_curve_png
 from tasks.progress import IntervalLog, StageFigures
 from tasks.retry import retry_on_transient_io
-from tasks.tracking import MetricsBatcher, Tracking, record_reuse, stage_run
+from tasks.tracking import BASE_MODEL, MetricsBatcher, Tracking, record_reuse, stage_run, training_datasets
 from tasks.train import result_of_checkpoint
 
 __all__ = ["FinetuneStageResult", "finetune_stage"]
@@ -64,6 +65,8 @@ def finetune_stage(
         )
         run.log_metrics(numeric_leaves(instructions.manifest, "data.", skip=MANIFEST_SETTINGS))
         run.log_artifact(instructions.manifest_path, "data")
+        base_data = [(identity, BASE_MODEL) for identity in split_identities(data.dataset_dir, ("train",))]
+        run.log_datasets([*base_data, *training_datasets(instructions.output_dir)])
         reused = _finished(directory, params.lora.steps)
         record_reuse(run, "finetune", directory if reused is not None else None)
         if reused is not None:

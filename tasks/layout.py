@@ -16,7 +16,7 @@ from model_core.parallel.planner import plan
 from model_core.parallel.trials import fastest, format_trials_table, none_finished, nothing_to_try, run_trials
 from params import PipelineParams
 from tasks.data import DataResult
-from tasks.tracking import Tracking, stage_run
+from tasks.tracking import Tracking, stage_run, training_datasets
 
 
 @task(name="layout-trials", cache_policy=NO_CACHE)
@@ -26,6 +26,7 @@ def choose_layout(params: PipelineParams, data: DataResult, tracking: Tracking) 
     host-RSS calibration applies."""
     steps, devices = params.parallel.layout_trial_steps, params.parallel.world_size
     with stage_run(tracking, "layout_trials") as run:
+        run.log_datasets(training_datasets(data.dataset_dir))
         kind = "cpu" if ms.get_context("device_target") == "CPU" else "accelerator"
         planned = plan(params, devices, psutil.virtual_memory().total // devices, device_kind=kind)
         refused = nothing_to_try(params, planned)

@@ -11,16 +11,19 @@ start while the flow process hashes the inputs.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from model_core.data.identity import SplitIdentity, split_identities
 from params import PipelineParams, flatten, params_hash, to_yaml
 
 if TYPE_CHECKING:
@@ -28,6 +31,7 @@ if TYPE_CHECKING:
 
 MAX_PARAMS_PER_BATCH = 100  # MLflow's limit for one log_batch call
 MAX_METRICS_PER_BATCH = 1000
+SOURCE_BUDGET_CHARS = 60_000  # MLflow keeps a dataset's source in 64 KB; a corpus of more files is summarised
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -113,11 +117,13 @@ def close_pipeline_run(tracking: Tracking, succeeded: bool) -> None:
 
 
 class StageRun:
-    """One MLflow run that a stage logs into; every call batches what it is given."""
+    """One MLflow run that a stage logs into; every call batches what it is given. A stage run of a pipeline
+    knows its parent (`parent_run_id`), which lists the datasets of all its stages."""
 
-    def __init__(self, client: MlflowClient, run_id: str) -> None:
+    def __init__(self, client: MlflowClient, run_id: str, parent_run_id: str | None = None) -> None:
         self.client = client
         self.run_id = run_id
+        self.parent_run_id = parent_run_id
 
     def log_params(self, values: Mapping[str, object]) -> None:
         from mlflow.entities import Param
@@ -160,6 +166,62 @@ class StageRun:
             path.write_bytes(content)
             parent = str(Path(artifact_file).parent)
             self.log_artifact(path, None if parent == "." else parent)
+
+    def log_datasets(self, used: Iterable[tuple[SplitIdentity, str]]) -> None:
+        """MLflow dataset inputs of this run, each with its context (how the stage used it: training, validation,
+        evaluation, base model); the parent run gets each once, with the role of its split."""
+        used = list(used)
+        self.client.log_inputs(self.run_id, [_dataset_input(identity, context) for identity, context in used])
+        if self.parent_run_id is not None:
+            roles = [_dataset_input(identity, SPLIT_ROLES[identity.split]) for identity, _ in used]
+            self.client.log_inputs(self.parent_run_id, roles)  # MLflow links a dataset to a run once
+
+
+# How a stage used a dataset: the `mlflow.data.context` tag of its input, shown beside it in MLflow's UI.
+TRAINING, VALIDATION, EVALUATION = "training", "validation", "evaluation"
+BASE_MODEL = "base model"  # a fine-tune's pretraining data: what the model it adapts was trained on
+SPLIT_ROLES = {"train": TRAINING, "validation": VALIDATION}
+
+
+def training_datasets(dataset_dir: str | Path) -> list[tuple[SplitIdentity, str]]:
+    """What a training stage reads of a prepared dataset: the train split it trains on and the validation split
+    it measures its validation loss on."""
+    return [(identity, SPLIT_ROLES[identity.split]) for identity in split_identities(dataset_dir)]
+
+
+def evaluation_datasets(dataset_dirs: Iterable[str | Path]) -> list[tuple[SplitIdentity, str]]:
+    """What the evaluate stage scores: the validation split of each held-out dataset."""
+    return [(identity, EVALUATION) for directory in dataset_dirs for identity in split_identities(directory, ("validation",))]
+
+
+def _dataset_input(identity: SplitIdentity, context: str):
+    """A split as an MLflow dataset input: its name and content digest, a `local` source (MLflow's UI shows its
+    `uri`) with the input files' sha256, its counts as the profile, and the context tag."""
+    from mlflow.entities import Dataset, DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
+
+    dataset = Dataset(
+        name=identity.name, digest=identity.digest, source_type="local", source=_source(identity),
+        profile=json.dumps(identity.profile),
+    )
+    return DatasetInput(dataset, tags=[InputTag(MLFLOW_DATASET_CONTEXT, context)])
+
+
+def _source(identity: SplitIdentity) -> str:
+    """The dataset directory and its input files' sha256, as JSON; a list too long for MLflow is cut, and the
+    count and a sha256 of the whole list (its `path<TAB>sha256` lines) are added."""
+    listed: dict[str, str] = {}
+    size = 0
+    for item in identity.inputs:
+        size += len(json.dumps(item.path)) + len(item.sha256) + 6  # the value's quotes, the separators
+        if size > SOURCE_BUDGET_CHARS:
+            break
+        listed[item.path] = item.sha256
+    source: dict[str, object] = {"uri": str(identity.directory), "inputs": listed}
+    if size > SOURCE_BUDGET_CHARS:
+        lines = "".join(f"{item.path}\t{item.sha256}\n" for item in identity.inputs)
+        source.update(input_files=len(identity.inputs), inputs_sha256=hashlib.sha256(lines.encode()).hexdigest())
+    return json.dumps(source)
 
 
 def record_reuse(run: StageRun, stage: str, reused_from: str | Path | None) -> None:
@@ -211,7 +273,7 @@ def stage_run(tracking: Tracking, stage: str) -> Iterator[StageRun]:
     tags = {"mlflow.parentRunId": tracking.parent_run_id, "llmflow.stage": stage}
     run = client.create_run(tracking.experiment_id, run_name=f"{tracking.flow_run_name}/{stage}", tags=tags)
     try:
-        yield StageRun(client, run.info.run_id)
+        yield StageRun(client, run.info.run_id, tracking.parent_run_id)
     except BaseException:
         client.set_terminated(run.info.run_id, status="FAILED")
         raise

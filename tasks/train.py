@@ -29,7 +29,7 @@ from tasks.data import DataResult, health_of
 from tasks.plots import loss_curve_png
 from tasks.progress import IntervalLog, StageFigures
 from tasks.retry import retry_on_transient_io
-from tasks.tracking import MetricsBatcher, StageRun, Tracking, record_reuse, stage_run
+from tasks.tracking import MetricsBatcher, StageRun, Tracking, record_reuse, stage_run, training_datasets
 
 
 class SmokeTestFailed(ValueError):
@@ -69,6 +69,7 @@ def train_stage(
             "stage.initial_weights": planned.continue_from or initial_weights or "random init",
         }
     )
+    run.log_datasets(training_datasets(data.dataset_dir))
     finished = planned.finished()
     record_reuse(run, stage, finished.path if finished is not None else None)
     if finished is not None:

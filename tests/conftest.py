@@ -16,6 +16,38 @@ import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
+# Fixtures whose one launch several test files read: under pytest-xdist those files must run in one worker, or each
+# worker would launch the jobs again.
+SHARED_LAUNCHES = ("two_worker_jobs", "four_worker_jobs")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (README's `-n 2`; `--dist loadgroup` in pyproject), put each test module in one group,
+    so that its module fixtures (a pretrained model, a Ray cluster) are made once, and every module that reads the
+    shared msrun launches in one group together. A worker takes a whole group and the next when it is nearly
+    done, so the groups go out longest first: the shared launches, then modules by their count of slow tests."""
+    if not hasattr(config, "workerinput"):
+        return
+    modules: dict[str, list] = {}
+    for item in items:
+        modules.setdefault(item.module.__name__, []).append(item)
+    groups: dict[str, list] = {}
+    for name, module_items in modules.items():
+        shared = any(set(SHARED_LAUNCHES) & set(item.fixturenames) for item in module_items) or any(
+            hasattr(item.module, "shared_or_own_job") for item in module_items)  # reads them through getfixturevalue
+        groups.setdefault("shared msrun launches" if shared else name, []).extend(module_items)
+    for group, group_items in groups.items():
+        for item in group_items:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+    def weight(group: str) -> tuple[bool, int]:
+        slow = [item for item in groups[group] if item.get_closest_marker("slow") and not item.get_closest_marker("extended")]
+        return group != "shared msrun launches", -len(slow)
+
+    items[:] = [item for group in sorted(groups, key=weight) for item in groups[group]]
+
+
 # Modules whose docstrings make a small, real, human-written corpus (a few hundred KB).
 CORPUS_MODULES = ("argparse", "textwrap", "json", "pathlib", "functools", "collections", "csv", "string")
 

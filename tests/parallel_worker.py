@@ -2,7 +2,7 @@
 
     python tests/parallel_worker.py collectives OUT_DIR LATE_SECONDS
     python tests/parallel_worker.py freeze OUT_DIR
-    python tests/parallel_worker.py train OUT_DIR DATASET_DIR [--resume PATH] [--set section.field=value ...]
+    python tests/parallel_worker.py train OUT_DIR DATASET_DIR [--resume PATH] [--lora yes] [--set section.field=value ...]
     python tests/parallel_worker.py jobs LOG_DIR JOBS_JSON
 """
 
@@ -158,7 +158,8 @@ def freeze(out_dir: Path) -> None:
 
 
 def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
-    """Train with params `tiny` + `--set` overrides, resuming from `--resume` (default: start fresh); write
+    """Train with params `tiny` + `--set` overrides (LoRA adapters of params.lora with `--lora yes`), resuming from
+    `--resume` (default: start fresh); write
     this rank's metrics history, held parameter, optimizer-state and gradient-buffer bytes (read back from the
     arrays), and its weights as held at the start and the end (rank<r>_initial.npz, rank<r>_final.npz; ZeRO-3
     shards under ZeRO-3, their gradient buffers under parameter offload), and how many offload files it still maps."""
@@ -171,7 +172,8 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     pairs = list(zip(options[::2], options[1::2]))
     params = load_params("tiny", [value for flag, value in pairs if flag == "--set"])
     resume = next((value for flag, value in pairs if flag == "--resume"), "none")
-    trainer = Trainer(params, dataset_dir, out_dir / "checkpoints")
+    lora = params.lora if ("--lora", "yes") in pairs else None
+    trainer = Trainer(params, dataset_dir, out_dir / "checkpoints", lora=lora)
     np.savez(out_dir / f"rank{trainer.rank}_initial.npz", **model_weights(trainer.model))
     result = trainer.run(resume=resume)
     optimizer = trainer.optimizer

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import small_pipeline_overrides
 
 from tasks.data import DataResult
@@ -77,6 +78,7 @@ def test_stage_table_has_a_row_per_stage_with_its_figures(tmp_path):
     assert rows["eval finetuned"].split()[2:6] == ["-", "-", "4.6000", "(pretraining)"]
 
 
+@pytest.mark.slow  # a real `llmflow run` in a child process
 def test_a_failed_stage_says_its_reason_without_engine_tracebacks(corpus_jsonl, tmp_path, mlflow_uri):
     overrides = small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "console-smoke-fails")
     sets = [arg for item in [*overrides, "smoke.steps=5", "smoke.min_loss_drop=50"] for arg in ("--set", item)]

@@ -20,6 +20,7 @@ import sentencepiece as spm
 from model_core.data import DataPrepError, dedup, open_split, prepare, prepare_dataset, read_shards
 from model_core.data.cleaning import clean_text
 from model_core.data.docstrings import stdlib_files
+from model_core.data.identity import InputDigest, split_identities
 from model_core.data.packing import pack_documents
 from model_core.data.permutation import KeyedPermutation
 from model_core.data.shard_map import is_validation, text_hashes
@@ -132,6 +133,13 @@ def test_an_unchanged_request_is_reused_and_any_change_recomputes(tmp_path, corp
     results = [other_param, other_model, other_input]
     assert not any(result.reused for result in results)
     assert len({first.output_dir, *(result.output_dir for result in results)}) == 4
+    # A dataset's digests change with the rows it holds, and only with them (not with a new input that the filters
+    # drop, or a document dropped from the tail that packing leaves out anyway).
+    for result in results:
+        digests = [[identity.digest for identity in split_identities(r.output_dir)] for r in (first, result)]
+        rows = [[shard["sha256"] for split in r.manifest["splits"].values() for shard in split["shards"]] for r in (first, result)]
+        assert (digests[0] == digests[1]) == (rows[0] == rows[1])
+    assert split_identities(other_model.output_dir)[0].digest != split_identities(first.output_dir)[0].digest
 
 
 def test_a_damaged_shard_is_rebuilt_with_a_warning(tmp_path, corpus, caplog):
@@ -302,8 +310,9 @@ def test_progress_lines_give_rates_and_an_eta_as_map_results_land_not_when_the_m
     lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("map:")]
     counts = [int(re.match(r"map: (\d+)/", line).group(1)) for line in lines]
     assert counts == sorted(counts) and counts[-1] == len(before_return)
-    # A poll may land while the first result is still being written in its parent directory: a line of 0 jobs.
-    first = next(line for line in lines if not line.startswith("map: 0/"))
+    # A poll may log "map: 0/N" before the first job lands (every poll logs here, and a busy machine is slow to
+    # finish a job): the first line that counts one is the one to read.
+    first = lines[counts.index(1)]
     assert re.search(r"map: 1/\d+ jobs, [\d,]+ documents \([\d,]+/s\), [\d,]+ tokens \([\d,]+/s\), [\d.]+ MB read", first)
     assert "ETA" in first and "ETA" not in lines[-1]
     map_documents = int(re.search(r"([\d,]+) documents", lines[-1]).group(1).replace(",", ""))
@@ -313,7 +322,8 @@ def test_progress_lines_give_rates_and_an_eta_as_map_results_land_not_when_the_m
 def reference_dataset(texts, data, processor):
     """The dataset's rows computed in one pass over the whole corpus in memory: clean, filter, exact dedup
     (first occurrence kept), split by keyed hash, tokenize, near dedup over all documents in corpus order,
-    pack each split's documents in corpus order, put stream row forward(p) at position p."""
+    pack each split's documents in corpus order, put stream row forward(p) at position p (one source: the
+    training rows are shuffled within its range, keyed by the source too)."""
     cleaned = [clean_text(text) for text in texts]
     kept = [text for text in cleaned if data.min_chars <= len(text) <= data.max_chars]
     kept = list(dict.fromkeys(kept))
@@ -326,7 +336,8 @@ def reference_dataset(texts, data, processor):
     splits = {}
     for split, chosen in (("train", ~validation & ~near), ("validation", validation & ~near)):
         rows = pack_documents(token_ids, lengths, MODEL.seq_len + 1, 1, 2, 3, data.last_row, np.flatnonzero(chosen))
-        order = KeyedPermutation(len(rows), (data.shuffle_seed, 1 if split == "train" else 2)).forward(np.arange(len(rows), dtype=np.uint64))
+        key = (data.shuffle_seed, 1, 0) if split == "train" else (data.shuffle_seed, 2)
+        order = KeyedPermutation(len(rows), key).forward(np.arange(len(rows), dtype=np.uint64))
         splits[split] = rows.take(order.astype(np.int64))
     return splits, int(near.sum())
 
@@ -375,14 +386,19 @@ def test_compressed_jsonl_and_parquet_row_groups_give_the_same_documents(tmp_pat
         sink.write(plain.read_bytes())
     parquet = tmp_path / "c.parquet"
     pq.write_table(pa.table({"text": documents}), parquet, row_group_size=40)
-    splits = []
+    splits, digests = [], set()
     for path, kind in ((plain, "jsonl"), (compressed, "jsonl"), (zstd, "jsonl"), (parquet, "parquet")):
         data = params(tmp_path, plain, sources=[DataSource(kind=kind, paths=[str(path)])], shard_bytes=1 << 13)
         result = prepare_dataset(data.model_copy(update={"output_dir": str(tmp_path / f"out-{path.name}")}), TOKENIZER, MODEL)
         splits.append(result.manifest["splits"])
         if kind == "parquet":
             assert result.report["reuse"]["input_shards"] > 1
+        # The same content from other files, in another directory: the same digests; the source names the file.
+        identities = split_identities(result.output_dir)
+        digests.add(tuple(identity.digest for identity in identities))
+        assert identities[0].inputs == (InputDigest(str(path.resolve()), file_sha256(path)),)
     assert all(entry == splits[0] for entry in splits[1:])
+    assert len(digests) == 1
 
 
 def test_a_run_after_a_new_file_maps_only_that_file_and_equals_a_fresh_run(tmp_path, documents):

@@ -215,6 +215,7 @@ def test_one_and_two_local_workers_and_a_two_node_ray_cluster_write_identical_ma
     tmp_path, mlflow_uri, ray_address
 ):
     files = corpus_files(tmp_path)
+    mixture = f"data.sources=[{{kind: jsonl, paths: ['{files[0]}'], weight: 0.7}}, {{kind: jsonl, paths: ['{files[1]}'], weight: 0.3}}]"
     runs = {
         "one local worker": ["data.num_workers=1"],
         "two local workers": ["data.num_workers=2"],
@@ -222,11 +223,12 @@ def test_one_and_two_local_workers_and_a_two_node_ray_cluster_write_identical_ma
     }
     manifests, reports = {}, {}
     for name, overrides in runs.items():
-        result = data_prep_flow(prep_params(files, tmp_path / name.replace(" ", "-"), *overrides))
+        result = data_prep_flow(prep_params(files, tmp_path / name.replace(" ", "-"), mixture, *overrides))
         manifests[name] = result.manifest_path.read_bytes()
         reports[name] = json.loads((result.dataset_dir / "prep_report.json").read_text())
     assert reports["ray"]["reuse"]["input_shards"] >= 4
     assert manifests["one local worker"] == manifests["two local workers"] == manifests["ray"]
+    assert [source["rows"] > 0 for source in json.loads(manifests["ray"])["splits"]["train"]["sources"]] == [True, True]
 
 
 @pytest.mark.slow

@@ -264,12 +264,13 @@ def stored(tmp_path):
 def test_the_loader_on_shards_hands_out_the_rows_of_its_order(stored):
     rows, split = stored
     loader = ShuffledBatches(split, global_batch_rows=8, seed=11)
-    full_batches = len(rows) // 8
-    for epoch in range(2):
-        order = KeyedPermutation(len(rows), (11, epoch)).forward(np.arange(full_batches * 8)).astype(np.int64)
-        for batch in range(full_batches):
-            _assert_same_rows(loader.next_rows(), rows.take(order[batch * 8 : (batch + 1) * 8]))
-    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["cursor"] == full_batches * 8
+    # One source: sample k is row forward(k % rows) of epoch k // rows, batches running on across epochs.
+    orders = [KeyedPermutation(len(rows), (11, 0, epoch)).forward(np.arange(len(rows))) for epoch in range(2)]
+    order = np.concatenate(orders).astype(np.int64)
+    batches = len(order) // 8
+    for batch in range(batches):
+        _assert_same_rows(loader.next_rows(), rows.take(order[batch * 8 : (batch + 1) * 8]))
+    assert loader.state_dict()["samples"] == batches * 8
 
 
 def test_the_loader_resumes_exactly_and_its_ranks_make_up_the_global_batch(stored):
@@ -294,7 +295,7 @@ def test_a_state_saved_under_another_order_is_refused(stored):
     _, split = stored
     state = {**ShuffledBatches(split, 8, seed=1).state_dict()}
     del state["order"]  # what the loader saved before keyed permutations
-    with pytest.raises(ValueError, match="saved with order=None but this run has order=keyed-feistel-1"):
+    with pytest.raises(ValueError, match="saved with order=None but this run has order=mixture-sainte-lague-keyed-feistel-1"):
         ShuffledBatches(split, 8, seed=1).load_state_dict(state)
 
 

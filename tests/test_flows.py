@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from mlflow.tracking import MlflowClient
 
@@ -9,7 +11,9 @@ from conftest import small_pipeline_overrides
 from flows.cli import main
 from flows.data_prep import data_prep_flow
 from flows.pretrain import pretrain_flow
+from model_core.data.identity import split_identities
 from model_core.model.lora import base_sha256
+from model_core.storage import file_sha256
 from params import load_params, params_hash
 
 pytestmark = pytest.mark.usefixtures("prefect_harness")
@@ -84,6 +88,26 @@ def test_pretrain_flow_records_parent_and_stage_runs(corpus_jsonl, tmp_path, mlf
     reports = {item.path for item in client.list_artifacts(evaluate_run.info.run_id, "eval/finetuned")}
     assert {"eval/finetuned/eval_report.json", "eval/finetuned/eval_report.md"} <= reports
     assert set(result.evaluation.losses) == {"base", "finetuned"}
+
+    # Lineage: each stage's datasets by content digest, in the context it used them; the pipeline run has each once.
+    corpus = {identity.split: identity.digest for identity in split_identities(result.data.dataset_dir)}
+    instructions = {identity.split: identity.digest for identity in split_identities(result.finetune.instructions_dir)}
+    training = {("pretraining/train", corpus["train"], "training"), ("pretraining/validation", corpus["validation"], "validation")}
+    assert _datasets(data_run) == _datasets(smoke_run) == _datasets(pretrain_run) == training
+    tuning = {("instructions/train", instructions["train"], "training"),
+              ("instructions/validation", instructions["validation"], "validation")}
+    assert _datasets(finetune_run) == {("pretraining/train", corpus["train"], "base model"), *tuning}
+    assert _datasets(evaluate_run) == {("pretraining/validation", corpus["validation"], "evaluation"),
+                                       ("instructions/validation", instructions["validation"], "evaluation")}
+    assert _datasets(parent) == training | tuning
+    source = json.loads(pretrain_run.inputs.dataset_inputs[0].dataset.source)
+    assert source == {"uri": str(result.data.dataset_dir), "inputs": {str(corpus_jsonl.resolve()): file_sha256(corpus_jsonl)}}
+
+
+def _datasets(run) -> set[tuple[str, str, str]]:
+    """A run's MLflow dataset inputs as (name, digest, context)."""
+    return {(item.dataset.name, item.dataset.digest, next(tag.value for tag in item.tags if tag.key == "mlflow.data.context"))
+            for item in run.inputs.dataset_inputs}
 
 
 def test_smoke_failure_stops_before_pretraining(corpus_jsonl, tmp_path, mlflow_uri):

@@ -13,6 +13,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from model_core.optim.adamw import AdamW, clip_by_global_norm
 from model_core.optim.step import ApplyGradients
 from model_core.parallel import comm
+from model_core.parallel.expert import ExpertParallelOptimizer
 from model_core.parallel.zero import ShardedAdamW
 from model_core.train.schedule import learning_rate
 from params.schema import OptimizerParams
@@ -123,17 +124,28 @@ def apply_three_steps(make, values, grads, grad_scale: float) -> list[np.ndarray
     return [parameter.asnumpy() for parameter in parameters]
 
 
-def test_zero1_over_a_group_of_one_with_small_gather_buckets_equals_adamw():
+def test_the_gradient_scale_applied_inside_the_update_equals_scaled_gradients_whatever_the_optimizer():
+    """The update scales each gradient as it uses it: bit for bit AdamW over gradients scaled beforehand, also for
+    ZeRO-1 over a group of one (its pieces cut from the full buffers, its updated shard gathered back in buckets of
+    64 bytes, so every weight but the smallest from several) and for the dense/expert pair of expert parallelism."""
     values, grads = initial_values(), gradient_steps(3)
+    scaled = [[g * np.float32(0.25) for g in step] for step in grads]
     settings = OptimizerParams(beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
     names = list(SHAPES)
-    expected = apply_three_steps(lambda p: AdamW(p, BETAS, EPS, WEIGHT_DECAY), values, grads, 0.25)
-    # Its updated shard is gathered back in buckets of 64 bytes: every weight but the smallest from several.
-    sharded = apply_three_steps(
-        lambda p: ShardedAdamW(p, settings, names, comm.Group((0,), 0), bucket_bytes=64), values, grads, 0.25
-    )
-    for name, want, got in zip(names, expected, sharded):
-        np.testing.assert_array_equal(got, want, err_msg=name)
+    expected = apply_three_steps(lambda p: AdamW(p, BETAS, EPS, WEIGHT_DECAY), values, scaled, 1.0)
+    one = comm.Group((0,), 0)
+    makers = {
+        "AdamW": lambda p: AdamW(p, BETAS, EPS, WEIGHT_DECAY),
+        "ShardedAdamW": lambda p: ShardedAdamW(p, settings, names, one, bucket_bytes=64),
+        "ExpertParallelOptimizer": lambda p: ExpertParallelOptimizer(
+            ShardedAdamW([p[0], p[2]], settings, [names[0], names[2]], one, bucket_bytes=64),
+            AdamW([p[1], p[3], p[4]], BETAS, EPS, WEIGHT_DECAY, [names[1], names[3], names[4]]),
+            (0, 2), (1, 3, 4), [names[1], names[3], names[4]], one,
+        ),
+    }
+    for kind, make in makers.items():
+        for name, want, got in zip(names, expected, apply_three_steps(make, values, grads, 0.25)):
+            np.testing.assert_array_equal(got, want, err_msg=f"{kind}: {name}")
 
 
 def test_weight_decay_skips_norms_and_biases():

@@ -41,7 +41,9 @@ def run_workers(tmp_path, *args: str, workers: int = 2) -> list[dict]:
 
 
 def _options(out: Path, overrides: tuple[str, ...], resume: Path | None) -> list[str]:
-    options = [a for o in (*RUN, f"train.output_dir={out}", *overrides) for a in ("--set", o)]
+    """The worker's options: `--set` for each params override; an override "--flag=value" is the worker's own flag."""
+    options = [a for o in (*RUN, f"train.output_dir={out}", *overrides)
+               for a in (o.split("=", 1) if o.startswith("--") else ("--set", o))]
     return options if resume is None else [*options, "--resume", str(resume)]
 
 

@@ -103,20 +103,26 @@ def test_data_parallel_with_zero1_is_recommended_when_the_model_fits():
     assert chosen.candidate == Candidate(8, 1, 1, 1, "none")
 
 
-def test_recompute_only_when_the_layout_does_not_fit_without_it():
+def test_zero_stages_shard_data_parallel_before_recompute():
     params = _small_model()
-    without, with_recompute = _total(params, 8, 1, 1, 1, "none"), _total(params, 8, 1, 1, 1, "all")
-    assert with_recompute < without
+    without = _total(params, 8, 1, 1, 1, "none")
     assert plan(params, 8, without).recommended.candidate == Candidate(8, 1, 1, 1, "none")
-    assert plan(params, 8, without - 1).recommended.candidate == Candidate(8, 1, 1, 1, "all")
+    assert _total(params, 8, 1, 1, 1, "all") < _total(params, 8, 1, 1, 3, "none") < without
+    sharded = plan(params, 8, without - 1).recommended.candidate  # a higher ZeRO stage, still no recompute
+    assert (sharded.dp, sharded.recompute) == (8, "none") and sharded.zero_stage in (2, 3)
+    below_zero3 = _total(params, 8, 1, 1, 3, "none") - 1
+    assert plan(params, 8, below_zero3).recommended.candidate == Candidate(8, 1, 1, 1, "all")
 
 
-def test_tensor_parallel_inside_a_node_before_pipeline_stages():
+def test_tensor_parallel_inside_a_node_only_after_every_zero_stage_and_recompute():
     params = _small_model()
-    memory = _total(params, 8, 1, 1, 1, "all") - 1  # data parallel alone no longer fits
-    assert _total(params, 4, 1, 2, 1, "all") <= memory  # a pipeline would fit too
-    assert plan(params, 8, memory).recommended.candidate == Candidate(4, 2, 1, 1, "none")
-    assert plan(params, 8, memory, devices_per_node=1).recommended.candidate.pp > 1  # no tp across nodes
+    memory = _total(params, 8, 1, 1, 3, "all") - 1  # data parallel alone no longer fits, whatever the ZeRO stage
+    chosen = plan(params, 8, memory).recommended.candidate
+    assert (chosen.dp, chosen.tp, chosen.pp, chosen.offload) == (4, 2, 1, False)
+    assert all(e.candidate.tp == 1 for e in plan(params, 8, memory, devices_per_node=1).estimates)  # not across nodes
+    # Then pipeline stages, and offload last.
+    order = [Candidate(4, 2, 1, 3, "all"), Candidate(4, 1, 2, 0, "none"), Candidate(8, 1, 1, 2, "none", offload=True)]
+    assert sorted(order, key=Candidate.preference) == order
 
 
 def test_zero1_holds_one_dp_th_of_the_optimizer_state():
@@ -143,26 +149,27 @@ def test_zero3_holds_its_shard_as_the_weight_and_the_moments_of_that_shard_alone
         )
 
 
-def test_llama2_7b_on_8_devices_of_64_gib_gets_tensor_parallel_2_with_zero1_and_recompute():
-    result = plan(load_params("llama2_7b_dp8"), devices=8, device_memory_bytes=parse_bytes("64GiB"))
-    chosen = result.recommended
-    assert chosen.candidate == Candidate(4, 2, 1, 1, "all")
-    assert result.summary.startswith("recommended for 8 x 64.00 GiB: dp4 tp2 pp1 zero1 recompute=all")
-    # Pure data parallel (what the preset asks for) needs more than a 64 GiB device even with recompute.
-    assert _total(load_params("llama2_7b_dp8"), 8, 1, 1, 1, "all") > 64 * GIB
-    with_reserve = plan(load_params("llama2_7b_dp8"), 8, 64 * GIB, runtime_bytes=4 * GIB).recommended
-    assert with_reserve.candidate == Candidate(2, 4, 1, 1, "all")
+def test_llama2_7b_on_8_devices_of_64_gib_runs_data_parallel_8_sharded_by_zero():
+    """Issue 32: the reference systems train this model at dp8 on 8 x 64 GB; the plan must too, without tensor
+    parallelism or offload, also with a 4 GiB runtime reserve."""
+    for reserve in (None, 4 * GIB):
+        result = plan(load_params("llama2_7b_dp8"), devices=8, device_memory_bytes=parse_bytes("64GiB"),
+                      runtime_bytes=reserve)
+        chosen = result.recommended.candidate
+        assert (chosen.dp, chosen.tp, chosen.pp, chosen.offload, chosen.zero_stage) == (8, 1, 1, False, 3)
+    assert result.summary.startswith("recommended for 8 x 64.00 GiB: dp8 tp1 pp1 zero3 recompute=all")
 
 
 def test_the_zero_update_holds_no_whole_model_buffer():
-    """The update gathers the updated shards in buckets: a 7B dp8 ZeRO-1/2 rank holds, beyond its weights and
-    optimizer state, its gradients and their scaled copy (ZeRO-1: and its pieces cut from them) and one bucket
-    plus the parameters in progress, not an all-gather of every parameter; its peak is the backward."""
+    """The update scales each gradient in place and gathers the updated shards in buckets: a 7B dp8 ZeRO-1/2 rank
+    holds, beyond its weights and optimizer state, the accumulated gradients (ZeRO-1: and its pieces of them, cut
+    and scaled) and one bucket plus the parameters in progress, not a scaled copy of all the gradients and an
+    all-gather of every parameter; its peak is the backward."""
     params = load_params("llama2_7b_dp8")
     held = stage_parameters(params.model, 1, 1, 0)
     shard = math.ceil(held / 8)
     sizes = [row.size for row in placement_table(params.model, Layout())]
-    for stage, gradients in ((1, 8 * held + 4 * shard), (2, 8 * shard)):
+    for stage, gradients in ((1, 4 * held + 8 * shard), (2, 4 * shard)):
         backward, update = stage_phases(params, Candidate(8, 1, 1, stage, "all"), 0, ACCELERATOR, 0)
         assert (update.gradients, update.communication) == (gradients, shard_gather_bytes(sizes, 8, 32 * 2**20))
         assert update.communication < 0.2 * 4 * held and backward.total > update.total
@@ -343,7 +350,7 @@ def test_cli_plan_prints_the_table_and_fails_when_nothing_fits(capsys):
 
     assert main(["plan", "--params", "llama2_7b_dp8", "--devices", "8", "--device-memory", "64GiB"]) == 0
     out = capsys.readouterr().out
-    assert "recommended for 8 x 64.00 GiB: dp4 tp2 pp1 zero1" in out and out.count("\n") > 10
+    assert "recommended for 8 x 64.00 GiB: dp8 tp1 pp1 zero3" in out and out.count("\n") > 10
     assert main(["plan", "--params", "llama2_7b_dp8", "--devices", "2", "--device-memory", "8GiB"]) == 1
     assert "nothing fits" in capsys.readouterr().out
     assert main(["plan", "--devices", "2", "--device-memory", "12XB"]) == 1

@@ -38,10 +38,12 @@ def test_pretraining_key_ignores_later_stages_cadence_and_layout():
     # The same global batch of 16 sequences, cut differently: the same run.
     assert key("train.micro_batch_size=4", "train.grad_accum_steps=4") == key("train.micro_batch_size=8", "train.grad_accum_steps=2")
     assert key("train.micro_batch_size=4", "parallel.data_parallel=2") == key("train.micro_batch_size=8")
-    for change in ("train.steps=301", "optimizer.lr=2e-3", "train.seed=1", "model.init_std=0.01", "train.micro_batch_size=4"):
+    mixture = "data.sources=[{kind: text, paths: [a], weight: 0.5}, {kind: text, paths: [b], epochs: 2}]"
+    for change in ("train.steps=301", "optimizer.lr=2e-3", "train.seed=1", "model.init_std=0.01", "train.micro_batch_size=4", mixture):
         assert key(change) != key(), change
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
 def test_a_rerun_is_a_no_op_and_a_lora_change_reuses_pretraining(corpus_jsonl, tmp_path, mlflow_uri):
     from flows.pretrain import pretrain_flow
@@ -173,13 +175,17 @@ def test_new_data_continues_pretraining_from_the_last_checkpoint(first_run, caps
     continued = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [r["step"] for r in continued] == list(range(11, 21))
     # The weights were loaded: its first loss is that of the first run's last weights on the new data's first
-    # batch (read from its start); the warmup runs again and the token count goes on.
+    # batch (read from its start); the warmup runs again and the token count goes on. The source grew: its
+    # epochs go on from the first run's count, its rows read in the order of the epoch after those.
     params = load_params("tiny", both)
     dataset = prepare_dataset(params.data, params.tokenizer, params.model)
     probe = Trainer(params, dataset.output_dir, tmp / "probe", steps=1, initial_weights=first_directory / "step-00000010")
+    probe.batches.mixture.carry({"source0": first[-1]["data/source0/epochs"]})
     assert probe.run().initial_loss == pytest.approx(continued[0]["loss"], rel=1e-6)
     assert continued[0]["lr"] == pytest.approx(first[0]["lr"])
     assert continued[0]["tokens_seen"] == first[-1]["tokens_seen"] + first[0]["tokens_seen"]
+    rows = json.loads((dataset.output_dir / "manifest.json").read_text())["splits"]["train"]["rows"]
+    assert continued[0]["data/source0/epochs"] == pytest.approx(first[-1]["data/source0/epochs"] + 8 / rows)
 
     assert main(["train", *_cli_sets(*both, "train.continue_from=none"), "--metrics-jsonl", str(tmp / "fresh.metrics")]) == 0
     fresh = [json.loads(line) for line in (tmp / "fresh.metrics").read_text().splitlines()]

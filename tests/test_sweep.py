@@ -64,6 +64,7 @@ def test_random_sweeps_are_seeded_and_draw_inside_their_ranges(tmp_path, capsys)
         assert 1e-4 <= trial.params.optimizer.lr <= 1e-2 and trial.params.train.seed in (1, 2)
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("prefect_harness")
 def test_a_learning_rate_sweep_tags_the_best_trial(corpus_jsonl, tmp_path, mlflow_uri):
     from flows.sweep import sweep_flow

@@ -73,8 +73,8 @@ def test_ranks_split_each_global_batch():
 
 def test_loader_refuses_mismatched_state_and_tiny_splits():
     loader = ShuffledBatches(_rows(10), global_batch_rows=2, seed=1)
-    with pytest.raises(ValueError, match="global_batch_rows=2 but this run has global_batch_rows=4"):
-        ShuffledBatches(_rows(10), global_batch_rows=4, seed=1).load_state_dict(loader.state_dict())
+    with pytest.raises(ValueError, match="saved with seed=1 but this run has seed=2"):
+        ShuffledBatches(_rows(10), global_batch_rows=4, seed=2).load_state_dict(loader.state_dict())
     with pytest.raises(ValueError, match="has 3 rows, fewer than one global batch of 4 rows"):
         ShuffledBatches(_rows(3), global_batch_rows=4, seed=1)
 

@@ -20,7 +20,8 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="estimate per-rank memory of every valid layout and recommend one",
         description="Estimate per-rank bytes (parameters, gradients, optimizer state, activations with and without "
         "recompute, communication buffers) for every dp x tp x pp x ZeRO layout of --devices, and recommend "
-        "one: data parallel if the model fits, then tensor parallel inside a node, then pipeline stages. "
+        "one: data parallel with ZeRO stages 1, 2, 3, then recompute, then tensor parallel inside a node, pipeline "
+        "stages, offload last. "
         "See docs/planner.md.",
     )
     add_params_arguments(planner)

@@ -38,6 +38,7 @@ import sentencepiece as spm
 from model_core.data import dedup, global_dedup, row_shuffle
 from model_core.data.input_shards import InputShard
 from model_core.data.sources import InputFile, list_inputs
+from params.rules import source_names
 from params.schema import DataHealthParams, DataSource
 
 METRICS = (
@@ -285,11 +286,11 @@ def _positions_path(scratch: Path, shard: int) -> Path:
 
 
 def shard_sources(sources: list[DataSource], shards: list[InputShard]) -> list[str]:
-    """The source of each input shard, named `source<i>` by its place in data.sources."""
+    """The source of each input shard, by its name (params/rules.py `source_names`)."""
     names: dict[tuple, str] = {}
-    for index, source in enumerate(sources):
+    for name, source in zip(source_names(sources), sources):
         for item in list_inputs([source]):
-            names.setdefault(_input_key(item), f"source{index}")
+            names.setdefault(_input_key(item), name)
     return [names[_input_key(shard.input)] for shard in shards]
 
 

@@ -64,7 +64,7 @@ from model_core.data.tokenizer import load_tokenizer, open_tokenizer, train_toke
 from model_core.storage import commit_directory, file_sha256, write_file
 from params.schema import DataParams, ModelParams, TokenizerParams
 
-FORMAT_VERSION = 3  # 3: map/reduce prep, split by keyed hash, flat memory-mappable token shards
+FORMAT_VERSION = 4  # 3: map/reduce prep, split by keyed hash, flat token shards; 4: rows of one source each
 # How this build went (timings, jobs, workers, what it took from the .work cache), beside the manifest and
 # never in it: the manifest describes only the content, so identical datasets have identical manifests
 # however they were built (interrupted and rerun, any workers or shard size).
@@ -77,6 +77,8 @@ _NON_DATA_PARAMS = {
     "output_dir", "num_workers", "runner", "ray_address", "ray_connect_timeout_s", "shard_bytes", "verify_on_reuse",
     "health",  # thresholds of warnings about the data, which is the same whatever they are
 }
+# How training mixes the sources, not what any source's rows hold.
+_MIXTURE_FIELDS = {"name", "weight", "epochs"}
 # A tokenizer sample of at most this many lines trains in the prep process: its trainer's memory (tens of MB)
 # is less than a child process costs to start (an interpreter and the data modules imported again).
 TRAIN_HERE_LINES = 50_000
@@ -135,6 +137,8 @@ def prepare_dataset(
         shards = plan_shards(inputs, data.shard_bytes, contents)
         manifest = build.run(shards)
         manifest.update(key=key, params=params, params_hash=_hash(params), input_fingerprint=input_fingerprint)
+        # The files it was made from and their content, for lineage (identity.py): the fingerprint alone names none.
+        manifest["inputs"] = [{"path": str(item.path), "sha256": contents[item.path]} for item in inputs]
         write_manifest(build_dir, manifest)
         (build_dir / REPORT_NAME).write_text(json.dumps(build.report(workers), indent=2) + "\n")
         commit_directory(build_dir, final_dir, replace=True)  # a damaged copy under the name is replaced
@@ -158,7 +162,7 @@ def data_params(data: DataParams, tokenizer: TokenizerParams, model: ModelParams
         tokenizer_params["model_sha256"] = file_sha256(given) if given.is_file() else None
     return {
         "format_version": FORMAT_VERSION,
-        "data": data.model_dump(exclude=_NON_DATA_PARAMS),
+        "data": data.model_dump(exclude={**dict.fromkeys(_NON_DATA_PARAMS, True), "sources": {"__all__": _MIXTURE_FIELDS}}),
         "tokenizer": tokenizer_params,
         "model": {"vocab_size": model.vocab_size, "seq_len": model.seq_len, **vocab_padding(model)},
     }
@@ -255,6 +259,7 @@ class _Build:
 
     def run(self, shards: list[InputShard]) -> dict:
         self.single_shard = len(shards) == 1
+        self.shard_sources = [shard.input.source for shard in shards]
         threads = max(1, self.workers // max(1, min(self.workers, len(shards))))
         tokenizer_info, tokenizer_path = self._tokenizer(shards, threads)
         results = self._map(shards, threads, tokenizer_path, tokenizer_info["sha256"])
@@ -471,13 +476,16 @@ class _Build:
     def _pack_and_write(self, plan: global_dedup.Plan) -> dict[str, dict]:
         """Pack, shuffle and write both splits, in one pack step and one write step; their manifest entries."""
         plan_path = self.scratch / "plan.json"
-        packings, lengths, rows = {}, {}, {}
+        packings, lengths, rows, streams = {}, {}, {}, {}
         for split in row_shuffle.SPLITS:
             packings[split] = self._packing(split)
             lengths[split] = row_shuffle.stream_lengths(plan, self.scratch, split, self.data.add_bos)
             _check_split(split, sum(lengths[split][0]), self.data.validation_fraction)
-            row_shuffle.save_offsets(self.scratch, split, lengths[split][1])
-            rows[split] = row_shuffle.rows_of(sum(lengths[split][1]), packings[split])
+            streams[split] = row_shuffle.SplitStream.of(
+                lengths[split][1], self.shard_sources, len(self.data.sources), packings[split]
+            )
+            streams[split].save(row_shuffle.stream_path(self.scratch, split))
+            rows[split] = sum(streams[split].rows)
         # A job per worker and split: packing a shard or writing a bucket takes less than a task run costs.
         pack_jobs = [
             row_shuffle.PackJob(plan_path, self.scratch, packings[split], first, end)
@@ -499,6 +507,7 @@ class _Build:
                 "tokens": sum(lengths[split][1]),
                 "rows": rows[split],
                 "packed_tokens": sum(shard["tokens"] for shard in shards[split]),
+                "sources": _source_counts(lengths[split], streams[split], packings[split].within_sources),
                 "shards": shards[split],
             }
             for split in row_shuffle.SPLITS
@@ -530,7 +539,21 @@ class _Build:
             rows_per_shard=self.data.rows_per_shard,
             vocab_size=self.model.vocab_size,
             shards_per_bucket=row_shuffle.shards_per_bucket(self.data.rows_per_shard, self.model.seq_len + 1),
+            within_sources=split == "train",  # the sampler reads each source's range; validation is read in file order
         )
+
+
+def _source_counts(lengths: tuple[list[int], list[int]], stream: row_shuffle.SplitStream, ranges: bool) -> list[dict]:
+    """Per data source, in data.sources order: its kept documents, stream tokens and rows in the split, and
+    where `ranges` (training rows shuffled within their source) the first of its rows in the split's files."""
+    counts = [{"documents": 0, "tokens": 0, "rows": rows} for rows in stream.rows]
+    for documents, tokens, source in zip(*lengths, stream.sources):
+        counts[source]["documents"] += documents
+        counts[source]["tokens"] += tokens
+    if ranges:
+        for source, entry in enumerate(counts):
+            entry["first_row"] = stream.first_row(source)
+    return counts
 
 
 def _check_split(split: str, documents: int, fraction: float) -> None:

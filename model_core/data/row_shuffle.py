@@ -1,17 +1,22 @@
-"""The last map steps of data prep: pack each shard's kept documents into rows of its split's token
-stream, then shuffle the rows over the whole split without ever holding it.
+"""The last map steps of data prep: pack each shard's kept documents into rows of its source's token
+stream, then shuffle the rows without ever holding the split.
 
-The stream of a split is every kept document of the split as [BOS] + ids + [EOS] in corpus order, so it
-does not depend on how the corpus was cut into shards (the rows are shuffled afterwards). Row r is stream positions [r * row_len, (r + 1) * row_len), as if the stream were packed
-in one piece: `pack_shard` writes the rows that start inside its shard's part of the stream, reading the
-first documents of the next shards for its last row. The final partial row is dropped or padded
-(data.last_row).
+The stream of a source in a split is every kept document of the source's input shards as [BOS] + ids + [EOS]
+in corpus order, so it does not depend on how the corpus was cut into shards (the rows are shuffled
+afterwards). Every source packs on its own, so a row holds the documents of one source, which is what lets
+training mix the sources by weight: row r of a source is its stream positions [r * row_len, (r + 1) * row_len),
+as if the stream were packed in one piece, and `pack_shard` writes the rows that start inside its shard's part
+of the stream, reading the first documents of the source's next shards for its last row. Each source's final
+partial row is dropped or padded (data.last_row). The split's rows are the sources' rows one source after the
+other (`SplitStream`).
 
-The row order is `KeyedPermutation(rows, (seed, split))`: the row at stream index r goes to position
-`inverse(r)`. `pack_shard` sorts its rows by position and records where each write bucket's positions
-begin among them, so `write_bucket`, which owns the positions of a run of output shards, reads its rows
-from every pack file with a few positioned reads and writes them in order: each step holds one input
-shard's rows or one output shard, never the split.
+The rows are then shuffled by a keyed permutation. Training rows stay in their source's range and are
+shuffled within it, `KeyedPermutation(rows of the source, (seed, split, source))`, so the manifest can give
+each source's rows as one range; validation rows, read in file order, are shuffled over the whole split,
+`KeyedPermutation(rows, (seed, split))`, so any prefix samples every source. `pack_shard` sorts its rows by
+position and records where each write bucket's positions begin among them, so `write_bucket`, which owns the
+positions of a run of output shards, reads its rows from every pack file with a few positioned reads and
+writes them in order: each step holds one input shard's rows or one output shard, never the split.
 
 A job packs a run of input shards, or writes a run of buckets, one after another (`job_runs`): packing a
 shard or writing a bucket takes tens of milliseconds, less than a task run of an orchestrator costs.
@@ -19,6 +24,7 @@ shard or writing a bucket takes tens of milliseconds, less than a task run of an
 
 from __future__ import annotations
 
+import bisect
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +57,45 @@ class Packing:
     rows_per_shard: int
     vocab_size: int
     shards_per_bucket: int  # output shards of one write bucket (`shards_per_bucket`)
+    within_sources: bool  # each source's rows shuffled in its own range (training), or over the whole split
+
+
+@dataclass(frozen=True)
+class SplitStream:
+    """How a split's stream is laid out over the input shards and the sources: `offsets[i]` is where shard i's
+    part starts in the concatenated stream (one more entry: the end), `sources[i]` the source shard i belongs
+    to (shards of a source are consecutive, sources in order), `rows[s]` the rows source s packs into."""
+
+    offsets: list[int]
+    sources: list[int]
+    rows: list[int]
+
+    @classmethod
+    def of(cls, tokens: list[int], sources: list[int], source_count: int, packing: Packing) -> SplitStream:
+        """From each shard's stream tokens and source."""
+        per_source = [0] * source_count
+        for count, source in zip(tokens, sources):
+            per_source[source] += count
+        offsets = np.concatenate([[0], np.cumsum(tokens, dtype=np.int64)]).tolist()
+        return cls(offsets, list(sources), [rows_of(count, packing) for count in per_source])
+
+    def first_row(self, source: int) -> int:
+        """The split-wide number of the source's first row (the sources' rows one after the other)."""
+        return sum(self.rows[:source])
+
+    def token_start(self, source: int) -> int:
+        return self.offsets[bisect.bisect_left(self.sources, source)]
+
+    def end_shard(self, source: int) -> int:
+        """One past the source's last shard."""
+        return bisect.bisect_right(self.sources, source)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps({"offsets": self.offsets, "sources": self.sources, "rows": self.rows}))
+
+    @classmethod
+    def load(cls, path: Path) -> SplitStream:
+        return cls(**json.loads(path.read_text()))
 
 
 @dataclass(frozen=True)
@@ -107,37 +152,34 @@ def rows_of(total_tokens: int, packing: Packing) -> int:
     return rows + (1 if remainder and packing.pad_last_row else 0)
 
 
-def _offsets_path(scratch: Path, split: str) -> Path:
+def stream_path(scratch: Path, split: str) -> Path:
     return scratch / f"stream-{split}.json"
-
-
-def save_offsets(scratch: Path, split: str, tokens: list[int]) -> None:
-    offsets = np.concatenate([[0], np.cumsum(tokens, dtype=np.int64)]).tolist()
-    _offsets_path(scratch, split).write_text(json.dumps(offsets))
 
 
 def pack_shards(job: PackJob) -> dict:
     """`pack_shard` of each input shard of the job."""
     plan = Plan.load(job.plan_path)
-    offsets = json.loads(_offsets_path(job.scratch, job.packing.split).read_text())
-    rows = sum(pack_shard(plan, job.scratch, shard, job.packing, offsets) for shard in range(job.first_shard, job.end_shard))
+    stream = SplitStream.load(stream_path(job.scratch, job.packing.split))
+    rows = sum(pack_shard(plan, job.scratch, shard, job.packing, stream) for shard in range(job.first_shard, job.end_shard))
     return {"rows": rows}
 
 
-def pack_shard(plan: Plan, scratch: Path, shard: int, packing: Packing, offsets: list[int]) -> int:
-    """Write the rows that start in this shard's part of the split's stream (whose shards start at
-    `offsets`), sorted by shuffled position; their number."""
-    rows = rows_of(offsets[-1], packing)
-    start, end = offsets[shard], offsets[shard + 1]
+def pack_shard(plan: Plan, scratch: Path, shard: int, packing: Packing, stream: SplitStream) -> int:
+    """Write the rows that start in this shard's part of its source's stream, sorted by shuffled position;
+    their number."""
+    source = stream.sources[shard]
+    rows, base = stream.rows[source], stream.token_start(source)
+    start, end = stream.offsets[shard] - base, stream.offsets[shard + 1] - base
     length = packing.row_len
     output = pack_directory(scratch, packing.split, shard)
     first_row, end_row = -(-start // length), min(-(-end // length), rows)
+    split_rows = sum(stream.rows)
     if first_row >= end_row:
         empty = PackedRows(np.empty((0, length), np.int32), np.empty(0, np.int32), np.zeros(1, np.int64))
-        _save_pack(output, empty, np.empty(0, np.int64), packing, rows)
+        _save_pack(output, empty, np.empty(0, np.int64), packing, split_rows)
         return 0
     need = end_row * length - start  # stream tokens from this shard's start to the end of its last row
-    tokens, doc_starts = _stream(plan, scratch, shard, packing, need)
+    tokens, doc_starts = _stream(plan, scratch, shard, packing, need, stream.end_shard(source))
     skip = first_row * length - start
     tokens, doc_starts = tokens[skip:], doc_starts[doc_starts >= skip] - skip
     count = end_row - first_row
@@ -146,12 +188,19 @@ def pack_shard(plan: Plan, scratch: Path, shard: int, packing: Packing, offsets:
     body[: min(len(tokens), len(body))] = tokens[: len(body)]
     rows_tokens = body.reshape(count, length)
     values, row_offsets = _row_doc_starts(doc_starts[doc_starts < min(len(tokens), len(body))], count, length)
-    positions = KeyedPermutation(rows, (packing.seed, _SPLIT_KEYS[packing.split])).inverse(
-        np.arange(first_row, end_row, dtype=np.uint64)
-    ).astype(np.int64)
+    positions = _positions(packing, stream, source, np.arange(first_row, end_row, dtype=np.uint64))
     order = np.argsort(positions)
-    _save_pack(output, PackedRows(rows_tokens, values, row_offsets).take(order), positions[order], packing, rows)
+    _save_pack(output, PackedRows(rows_tokens, values, row_offsets).take(order), positions[order], packing, split_rows)
     return count
+
+
+def _positions(packing: Packing, stream: SplitStream, source: int, rows: np.ndarray) -> np.ndarray:
+    """Where the source's rows (numbered in its stream) go in the split's files."""
+    first, split = stream.first_row(source), _SPLIT_KEYS[packing.split]
+    if packing.within_sources:
+        order = KeyedPermutation(stream.rows[source], (packing.seed, split, source))
+        return first + order.inverse(rows).astype(np.int64)
+    return KeyedPermutation(sum(stream.rows), (packing.seed, split)).inverse(rows + np.uint64(first)).astype(np.int64)
 
 
 def _save_pack(directory: Path, rows: PackedRows, positions: np.ndarray, packing: Packing, split_rows: int) -> None:
@@ -212,11 +261,13 @@ class _PackFiles:
         return self.read("positions", lo, hi - lo), PackedRows(tokens, self.read("starts", first, last - first), offsets)
 
 
-def _stream(plan: Plan, scratch: Path, shard: int, packing: Packing, need: int) -> tuple[np.ndarray, np.ndarray]:
-    """At least `need` tokens of the split's stream from the start of `shard`'s part (fewer at the end of the
-    stream), and the stream positions where documents start."""
+def _stream(
+    plan: Plan, scratch: Path, shard: int, packing: Packing, need: int, end_shard: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """At least `need` tokens of the source's stream from the start of `shard`'s part (fewer at the end of the
+    source, whose shards end before `end_shard`), and the stream positions where documents start."""
     parts, starts, have = [], [], 0
-    while have < need and shard < len(plan.directories):
+    while have < need and shard < end_shard:
         tokens, doc_starts = _shard_stream(plan, scratch, shard, packing, need - have)
         parts.append(tokens)
         starts.append(doc_starts + have)

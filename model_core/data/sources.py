@@ -44,6 +44,7 @@ class InputFile:
     kind: str
     text_field: str = "text"
     text_unit: str = "file"
+    source: int = 0  # its place in data.sources: a row packs the documents of one source
 
 
 @dataclass
@@ -58,9 +59,9 @@ class FileReport:
 
 def list_inputs(sources: list[DataSource]) -> list[InputFile]:
     inputs: list[InputFile] = []
-    for source in sources:
+    for index, source in enumerate(sources):
         if source.kind == "python_docstrings":
-            inputs.append(InputFile(stdlib_dir(), source.kind))
+            inputs.append(InputFile(stdlib_dir(), source.kind, source=index))
             continue
         for pattern in source.paths:
             matches = sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern) else [pattern]
@@ -68,7 +69,7 @@ def list_inputs(sources: list[DataSource]) -> list[InputFile]:
             if not files:
                 what = "matches no file" if glob.has_magic(pattern) else "does not exist or is not a file"
                 raise DataPrepError(f"data source kind={source.kind}: {pattern!r} {what}")
-            inputs += [InputFile(path, source.kind, source.text_field, source.text_unit) for path in files]
+            inputs += [InputFile(path, source.kind, source.text_field, source.text_unit, index) for path in files]
     return inputs
 
 

@@ -1,7 +1,8 @@
 """Scaled dot-product attention: the backend's fused kernel where one exists, plain softmax(QK^T/sqrt(d))V elsewhere.
 
-Every attention layer owns an `Attention` cell, so a faster kernel is swapped in here and nowhere else. The
-mask is boolean, True where a query may attend to a key; the plain path turns it into an additive bias,
+Every attention layer owns an `Attention` cell, so a faster kernel is swapped in here and nowhere else, and the
+model owns one `CausalMask`, so parallelism that changes which keys a rank's queries see (context parallelism,
+`model_core.parallel.context`) swaps both from outside. The mask is boolean, True where a query may attend to a key; the plain path turns it into an additive bias,
 computes scores and softmax in fp32 whatever the compute dtype, and repeats key/value heads for
 grouped-query attention. Its backward is hand-written (`fused.SoftmaxAttentionFunction`).
 """
@@ -34,10 +35,27 @@ def repeat_kv(x: ms.Tensor, num_heads: int) -> ms.Tensor:
     return expanded.reshape(batch, num_heads, seq, head_dim)
 
 
+class CausalMask(nn.Cell):
+    """bool mask, True where query t may attend to key s: s <= t, and within one segment (document) if segment ids
+    [B, T] are given. Returns [T, T] without segments, [B, 1, T, T] with them."""
+
+    def __init__(self, seq_len: int):
+        super().__init__()
+        self.causal = ms.Tensor(np.tril(np.ones((seq_len, seq_len), dtype=bool)))
+
+    def construct(self, seq, segment_ids=None):
+        causal = self.causal[:seq, :seq]
+        if segment_ids is None:
+            return causal
+        same_segment = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)  # [B, T, T]
+        return ops.logical_and(same_segment, causal).unsqueeze(1)
+
+
 class Attention(nn.Cell):
     """softmax(q k^T / sqrt(head_dim) where mask, else -inf) v.
 
-    q: [B, H, T, D]; k, v: [B, H_kv, T, D] with H a multiple of H_kv; mask: bool, broadcastable to [B, 1, T, T].
+    q: [B, H, T, D]; k, v: [B, H_kv, S, D] with H a multiple of H_kv (S = T but under context parallelism, where
+    the keys are the whole sequence's); mask: bool, broadcastable to [B, 1, T, S].
     Returns [B, H, T, D] in the dtype of v. `fused` asks for the flash-attention kernel (see
     `fused_attention_available`; callers decide it once, outside the compiled graph); the kernel takes
     fp16/bf16 only, so fp32 inputs always take the plain path.

@@ -236,7 +236,9 @@ class SoftmaxAttentionFunction(nn.Cell):
         # column ([dout, -sum] [v, 1]^T = dprobs - sum) subtracts it inside the matmul instead of broadcasting
         # it over the scores.
         row = row_sum(dout.astype(ms.float32) * out.astype(ms.float32)).astype(dout.dtype) * self.scale
-        shifted = _bmm_nt(mint.cat((dout * self.scale, -row), dim=-1), mint.cat((v, ops.ones_like(row)), dim=-1))
+        # The column of ones has the keys' length, which is not the queries' under context parallelism.
+        ones = ops.ones_like(v[:, :, :, :1])
+        shifted = _bmm_nt(mint.cat((dout * self.scale, -row), dim=-1), mint.cat((v, ones), dim=-1))
         dscores = (probs * shifted.astype(ms.float32)).astype(q.dtype)
         dq = ops.matmul(dscores, k)
         dk = _bmm_tn(dscores, q)

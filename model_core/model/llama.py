@@ -5,7 +5,8 @@ Parameter names follow Hugging Face `LlamaForCausalLM` minus its `model.` prefix
 table. q/k/v and gate/up stay separate matrices so tensor parallelism can split them from outside.
 
 Dtypes: parameters are fp32; the residual stream and matmuls run in `compute_dtype`; RMSNorm, softmax
-and the returned logits are fp32. RoPE tables and the causal mask are built once, at construction.
+and the returned logits are fp32. RoPE tables and the causal mask (`attention.CausalMask`) are built once, at
+construction.
 
 Generation uses a second path through the same weights: `Llama.decode` runs only the new tokens, writes
 their keys and values into a `KVCache` in place and attends over it, as one compiled graph a step. The cache
@@ -30,7 +31,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, mint, nn, ops
 
-from model_core.model.attention import Attention, cached_attention, fused_attention_available
+from model_core.model.attention import Attention, CausalMask, cached_attention, fused_attention_available
 from model_core.model.fused import (
     HeadsFirst,
     HeadsLast,
@@ -276,7 +277,7 @@ class Llama(nn.Cell):
         # takes the previous stage's hidden states instead of tokens, or returns its own instead of logits.
         self.takes_tokens, self.returns_logits = True, True
         self.rope_cos, self.rope_sin = rope_tables(params.head_dim, params.seq_len, params.rope_theta)
-        self.causal_mask = Tensor(np.tril(np.ones((params.seq_len, params.seq_len), dtype=bool)))
+        self.attention_mask = CausalMask(params.seq_len)
         self.rotation_basis = rotation_basis(params.head_dim)  # decoding's RoPE, see `rotation_matrices`
         self.vocab_mask = vocab_mask(params) if params.vocab_padding else None
         # Generation's KV-cache Parameters by (batch, slots) (`empty_cache`); a plain dict, so not model weights.
@@ -319,7 +320,7 @@ class Llama(nn.Cell):
         cos and sin and the attention mask."""
         seq = tokens.shape[1]
         cos, sin = self._rotary_angles(seq, position_ids)
-        mask = self._attention_mask(seq, segment_ids)
+        mask = self.attention_mask(seq, segment_ids)
         x = self.embed_tokens(tokens).astype(self.compute_dtype) if self.takes_tokens else tokens
         return x, cos, sin, mask
 
@@ -342,14 +343,6 @@ class Llama(nn.Cell):
             cos = ops.gather(self.rope_cos, position_ids, 0).unsqueeze(1)  # [B, 1, T, D]
             sin = ops.gather(self.rope_sin, position_ids, 0).unsqueeze(1)
         return cos.astype(self.compute_dtype), sin.astype(self.compute_dtype)
-
-    def _attention_mask(self, seq: int, segment_ids: Tensor | None) -> Tensor:
-        """bool, True where query t may attend to key s: s <= t, and within one segment if segments are given."""
-        causal = self.causal_mask[:seq, :seq]  # [T, T]
-        if segment_ids is None:
-            return causal
-        same_segment = segment_ids.unsqueeze(2) == segment_ids.unsqueeze(1)  # [B, T, T]
-        return ops.logical_and(same_segment, causal).unsqueeze(1)  # [B, 1, T, T]
 
     @ms.jit
     def compiled_forward(self, tokens, position_ids=None, segment_ids=None):

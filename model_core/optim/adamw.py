@@ -34,9 +34,14 @@ def applies_weight_decay(parameter: Parameter) -> bool:
 class AdamW(nn.Cell):
     """PyTorch-exact AdamW over `parameters`, updated in place; works in PyNative, jit and graph-mode Cells.
 
-    Call it as `optimizer(grads, lr, step)`: grads is a tuple in the order of `parameters`; lr and step are
-    scalar Tensors, so changing them never recompiles. step is the bias-correction count t of this update,
-    1-based like torch's state["step"]: 1 on the first update, so schedule step s (0-based) updates with
+    Call it as `optimizer(grads, lr, step[, grad_scale])`: grads is a tuple in the order of `parameters`; lr, step
+    and grad_scale (the loss scale's inverse times the clip factor) are scalar Tensors, so changing them never
+    recompiles. With grad_scale the grads must be Parameters (the gradient buffers): each is scaled in place just
+    before its own update, after the previous parameter's update has run, and holds the scaled values afterwards,
+    so no scaled copy of the gradients is made (with `grad_slices`, only the slice is scaled, into a new tensor).
+    The call returns a Tensor that exists once every update is done, to order what must come after (zeroing the
+    buffers: before the update has read them would lose the gradient). step is the bias-correction count t of
+    this update, 1-based like torch's state["step"]: 1 on the first update, so schedule step s (0-based) updates with
     t = s + 1 (t = 0 divides by zero). The moments are Parameters named `adam_m.<name>` and
     `adam_v.<name>`, so saving this cell checkpoints them; `state_dict`/`load_state_dict` move them as numpy.
     Calling a graph-mode cell directly (not from inside another cell's construct) with a fresh grads tuple
@@ -58,6 +63,9 @@ class AdamW(nn.Cell):
         self.exp_avg = self.params.clone(prefix="adam_m", init="zeros")
         self.exp_avg_sq = self.params.clone(prefix="adam_v", init="zeros")
         self.decays = tuple(applies_weight_decay(p) for p in self.params)
+        # (start, end) of the flattened gradient that updates parameter i, or None for the whole gradient (ZeRO-1
+        # passes its full gradient buffers to an optimizer over its shard's pieces).
+        self.grad_slices = (None,) * len(self.params)
         self.beta1, self.beta2 = float(betas[0]), float(betas[1])
         self.eps, self.weight_decay = float(eps), float(weight_decay)
         self._beta1 = Tensor(self.beta1, ms.float32)
@@ -71,19 +79,33 @@ class AdamW(nn.Cell):
         """The AdamW an `OptimizerParams` describes (lr and clipping are the caller's, per step)."""
         return cls(parameters, (optimizer.beta1, optimizer.beta2), optimizer.eps, optimizer.weight_decay, names)
 
-    def construct(self, grads: tuple[Tensor, ...], lr: Tensor, step: Tensor) -> None:
+    def construct(
+        self, grads: tuple[Tensor, ...], lr: Tensor, step: Tensor, grad_scale: Tensor | None = None
+    ) -> Tensor:
         t = step.astype(ms.float32)
         beta1_power = ops.pow(self._beta1, t)
         beta2_power = ops.pow(self._beta2, t)
         eps_t = self.eps * ops.sqrt(1.0 - beta2_power)
         keep = 1.0 - lr * self.weight_decay
+        done = t
         for i in range(len(self.params)):
+            grad = ops.depend(grads[i], done)
+            if self.grad_slices[i] is not None:
+                start, end = self.grad_slices[i]
+                grad = grad.reshape(-1)[start:end]
+                if grad_scale is not None:
+                    grad = grad * grad_scale
+            elif grad_scale is not None:
+                # Scaled in place (the caller zeroes the buffer after the update anyway): the compiled graph then
+                # keeps no scaled copy, which it would hold beside the buffer for as long as the graph lives.
+                grad = ops.assign(grads[i], grad * grad_scale)
             if self.decays[i]:
                 ops.assign(self.params[i], self.params[i] * keep)
-            self._fused_update(
+            done = self._fused_update(
                 self.params[i], self.exp_avg[i], self.exp_avg_sq[i],
-                beta1_power, beta2_power, lr, self._beta1, self._beta2, eps_t, grads[i],
-            )
+                beta1_power, beta2_power, lr, self._beta1, self._beta2, eps_t, grad,
+            )[0]
+        return ops.depend(t, done)
 
     def _moments(self) -> dict[str, Parameter]:
         return {

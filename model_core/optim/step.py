@@ -83,8 +83,10 @@ class AccumulateGradients(nn.Cell):
     @ms.jit
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
         outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise)
-        for buffer, grad in zip(self.buffers, grads):
-            ops.assign_add(buffer, grad)
+        # Added last weight first, in the order the backward finishes the gradients: each add can then run as soon as
+        # its gradient exists, which frees it, instead of the whole fresh set waiting for the embedding's, last.
+        for i in range(len(grads) - 1, -1, -1):
+            ops.assign_add(self.buffers[i], grads[i])
         if self.routed:
             return outputs[1], outputs[2]
         return outputs[1]
@@ -125,7 +127,8 @@ def sum_of_squares(x):
 
 
 class ApplyGradients(nn.Cell):
-    """optimizer(buffers x grad_scale), then zero the buffers for the next step."""
+    """optimizer(buffers, lr, step, grad_scale), which scales each buffer as it uses it, then zero the buffers for
+    the next step."""
 
     def __init__(self, buffers: ParameterTuple, optimizer: nn.Cell) -> None:
         super().__init__()
@@ -134,10 +137,8 @@ class ApplyGradients(nn.Cell):
 
     @ms.jit
     def construct(self, lr, step, grad_scale):
-        grads = tuple(buffer * grad_scale for buffer in self.buffers)
-        self.optimizer(grads, lr, step)
-        for buffer in self.buffers:
-            ops.assign(buffer, mint.zeros_like(buffer))
+        done = self.optimizer(self.buffers, lr, step, grad_scale)
+        zero_in_turn(self.buffers, done)
         return grad_scale
 
 
@@ -150,9 +151,17 @@ class ZeroGradients(nn.Cell):
 
     @ms.jit
     def construct(self):
-        for buffer in self.buffers:
-            ops.assign(buffer, mint.zeros_like(buffer))
+        zero_in_turn(self.buffers, ops.zeros((), ms.float32))
         return True
+
+
+def zero_in_turn(buffers, after):
+    """Zero every buffer, one after the other and after `after`: each zero tensor is made only once the previous
+    buffer is written, so at most one is alive (made up front, they would add a whole gradient set to the peak)."""
+    done = after
+    for buffer in buffers:
+        done = ops.assign(buffer, mint.zeros_like(ops.depend(buffer, done)))
+    return done
 
 
 def scalar(value: float) -> Tensor:

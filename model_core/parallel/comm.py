@@ -15,7 +15,7 @@ The fallbacks cost more bandwidth (an all-gather moves size x the data) but are 
 no bit. Whether this rank is the root is read from a Parameter at run time, not decided in Python: in a jit
 graph the root's `AllReduce(x)` would otherwise be merged with any other `AllReduce(x)` (common
 subexpression elimination) on the root alone, and the ranks would then disagree on how many collectives
-to run. Blocks are along axis 0, in group order. A group of one rank needs no communication and no
+to run. Blocks are along axis 0 (all-gather and reduce-scatter: along any axis), in group order. A group of one rank needs no communication and no
 `mindspore.communication.init()`, so single-process code can call the same methods.
 """
 
@@ -146,21 +146,23 @@ class Group(nn.Cell):
         total = self._sum(x)
         return total / self.size if op == "mean" else total
 
-    def all_gather(self, x: Tensor) -> Tensor:
-        """Every member's x concatenated along axis 0 in group order, on every member."""
+    def all_gather(self, x: Tensor, axis: int = 0) -> Tensor:
+        """Every member's x concatenated along `axis` in group order, on every member."""
         if self.size == 1:
             return x
-        if self.native_all_gather:
-            return self._gather(x)
-        return self._sum(gather_contribution(x, self.index, self.size))
+        if self.native_all_gather:  # the operator gathers along axis 0: its blocks are moved to `axis` after
+            gathered = self._gather(x)
+            return gathered if axis == 0 else ops.cat(ops.split(gathered, x.shape[0], 0), axis)
+        return self._sum(gather_contribution(x, self.index, self.size, axis))
 
-    def reduce_scatter(self, x: Tensor) -> Tensor:
-        """Block `index` (of `size` equal blocks along axis 0) of the group's sum of x."""
+    def reduce_scatter(self, x: Tensor, axis: int = 0) -> Tensor:
+        """Block `index` (of `size` equal blocks along `axis`) of the group's sum of x."""
         if self.size == 1:
             return x
-        if self.native_reduce_scatter:
-            return self._scatter(x)
-        return own_block(self._sum(x), self.index, self.size)
+        if self.native_reduce_scatter:  # the operator scatters along axis 0: the blocks are stacked there first
+            stacked = x if axis == 0 else ops.cat(ops.split(x, x.shape[axis] // self.size, axis), 0)
+            return self._scatter(stacked)
+        return own_block(self._sum(x), self.index, self.size, axis)
 
     def all_to_all(self, x: Tensor) -> Tensor:
         """Block `index` of every member's x (`size` equal blocks along axis 0), concatenated in group order:
@@ -220,17 +222,20 @@ def _native_send_receive(x: Tensor, source: int, destination: int, me: int) -> T
 # The fallbacks' arithmetic, kept apart from the collective so it can be checked in one process.
 
 
-def gather_contribution(x: Tensor, index: int, size: int) -> Tensor:
-    """A buffer of `size` blocks the shape of x: zeros, except block `index`, which is x."""
-    rest = tuple(x.shape[1:])
-    before, after = index * x.shape[0], (size - 1 - index) * x.shape[0]
+def gather_contribution(x: Tensor, index: int, size: int, axis: int = 0) -> Tensor:
+    """A buffer of `size` blocks the shape of x along `axis`: zeros, except block `index`, which is x."""
+    shape = tuple(x.shape)
+
+    def zeros(blocks: int) -> Tensor:
+        return ops.zeros(shape[:axis] + (blocks * shape[axis],) + shape[axis + 1 :], x.dtype)
+
     parts = []
-    if before:
-        parts.append(ops.zeros((before,) + rest, x.dtype))
+    if index:
+        parts.append(zeros(index))
     parts.append(x)
-    if after:
-        parts.append(ops.zeros((after,) + rest, x.dtype))
-    return ops.cat(parts) if len(parts) > 1 else x
+    if size - 1 - index:
+        parts.append(zeros(size - 1 - index))
+    return ops.cat(parts, axis) if len(parts) > 1 else x
 
 
 def all_to_all_contribution(x: Tensor, index: int, size: int) -> Tensor:
@@ -245,10 +250,10 @@ def received_blocks(gathered: Tensor, index: int, size: int) -> Tensor:
     return mine.reshape((size * rows,) + tuple(gathered.shape[2:]))
 
 
-def own_block(x: Tensor, index: int, size: int) -> Tensor:
-    """Block `index` of `size` equal blocks of x along axis 0."""
-    rows = x.shape[0] // size
-    return x[index * rows : (index + 1) * rows]
+def own_block(x: Tensor, index: int, size: int, axis: int = 0) -> Tensor:
+    """Block `index` of `size` equal blocks of x along `axis`."""
+    rows = x.shape[axis] // size
+    return ops.split(x, rows, axis)[index] if axis else x[index * rows : (index + 1) * rows]
 
 
 def broadcast_contribution(x: Tensor, is_root: Tensor) -> Tensor:

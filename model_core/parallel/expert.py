@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, mint, nn
+from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
 
 from model_core.model.moe import Experts, swiglu_experts
 from model_core.optim.adamw import AdamW
@@ -101,9 +101,9 @@ def moment_names(names: Sequence[str]) -> set[str]:
 
 
 class ExpertParallelOptimizer(nn.Cell):
-    """Two optimizers called as one AdamW, (grads, lr, step): `dense` updates the weights at `dense_positions`
-    of the gradient tuple, `experts` those at `expert_positions` (this rank's expert shards, named
-    `expert_names`). `state_dict` and `load_state_dict` speak whole tensors; both are collective over ep."""
+    """Two optimizers called as one AdamW, (grads, lr, step[, grad_scale]): `dense` updates the weights at
+    `dense_positions` of the gradient tuple, `experts` those at `expert_positions` (this rank's expert shards,
+    named `expert_names`). `state_dict` and `load_state_dict` speak whole tensors; both are collective over ep."""
 
     def __init__(self, dense: nn.Cell, experts: nn.Cell, dense_positions: Sequence[int], expert_positions: Sequence[int],
                  expert_names: Sequence[str], ep_group: Group) -> None:
@@ -113,9 +113,9 @@ class ExpertParallelOptimizer(nn.Cell):
         self.expert_moments = moment_names(expert_names)
         self.ep_group = ep_group
 
-    def construct(self, grads, lr, step):
-        self.dense(tuple(grads[i] for i in self.dense_positions), lr, step)
-        self.experts(tuple(grads[i] for i in self.expert_positions), lr, step)
+    def construct(self, grads, lr, step, grad_scale=None):
+        dense = self.dense(tuple(grads[i] for i in self.dense_positions), lr, step, grad_scale)
+        return ops.depend(self.experts(tuple(grads[i] for i in self.expert_positions), lr, step, grad_scale), dense)
 
     def moment_bytes(self) -> int:
         return sum(o.moment_bytes() if hasattr(o, "moment_bytes") else moment_bytes(o) for o in (self.dense, self.experts))

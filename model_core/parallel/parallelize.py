@@ -5,8 +5,9 @@ order (torchtitan's: describe the whole model, cut it, then make only what is ke
   1. describe    the single-device `Llama` built inside `deferred_weights()`: cells with placeholder weights,
                  each then told the shape this rank holds of it (its tp block, from the table);
   2. stage       under pipeline parallelism only this rank's stage is kept (`pipeline.prune_to_stage`);
-  3. tensor      under tensor parallelism cells are swapped from outside (`tensor_parallel`), and under expert
-                 parallelism every MoE block's experts (`expert.expert_parallel`);
+  3. tensor      under tensor parallelism cells are swapped from outside (`tensor_parallel`), under expert
+                 parallelism every MoE block's experts (`expert.expert_parallel`), and under context parallelism
+                 the attention cells and mask (`context.context_parallel`);
   4. adapters    LoRA wraps the targeted projections, its A and B placeholders too, the rest frozen;
   5. ZeRO-3      every weight's cells swapped for ones that gather it from a flat shard over dp;
   6. weights     every placeholder becomes what this rank holds of the weight, as the table places it: its
@@ -38,6 +39,7 @@ from model_core.model.weights import WeightMismatchError, load_weights, model_we
 from model_core.optim.adamw import AdamW
 from model_core.optim.step import AccumulateGradients, ApplyGradients, SummedTokenLoss, ZeroGradients
 from model_core.parallel import comm
+from model_core.parallel.context import context_parallel
 from model_core.parallel.data_parallel import AccumulateAndSumGradients, GradientAllReduce
 from model_core.parallel.expert import (
     ExpertShardedAccumulateGradients,
@@ -91,9 +93,11 @@ def build_shard(
     compute_dtype: str = "float32",
     initial_weights: str | Path | None = None,
     dp_group: comm.Group | None = None,
+    cp_group: comm.Group | None = None,
 ) -> Shard:
     """Rank `rank`'s shard of the model (see the module docstring): LoRA adapters where the table has them, ZeRO-3
-    over `dp_group` where its ZeRO stage is 3. `initial_weights`: a directory with model.safetensors to start from
+    over `dp_group` where its ZeRO stage is 3, attention over the whole sequence across `cp_group` when it has
+    several ranks. `initial_weights`: a directory with model.safetensors to start from
     instead of the seeded initialisation (adapters always start from the seed)."""
     layout = table.layout
     with deferred_weights():
@@ -104,6 +108,8 @@ def build_shard(
     parallelism = tensor_parallel(model, layout, rank, params) if layout.tp > 1 else None
     if layout.ep > 1:
         expert_parallel(model, comm.group(layout.ep_group(rank)))
+    if cp_group is not None:
+        context_parallel(model, cp_group)
     hold_blocks(model, table)
     adaptation = None
     if table.lora is not None:
@@ -195,7 +201,14 @@ def parallelize(
            over expert-dp), the dp gradient sum (expert shards': over expert-dp) and the global gradient norm,
            each read from the placement table.
     Not every feature runs under every layout: params/rules.py says which combinations are refused, and the
-    entry points have asked it before anything was prepared or launched."""
+    entry points have asked it before anything was prepared or launched.
+
+    Under context parallelism the cp ranks of a dp replica read the same rows (`data_group` is the dp group) and
+    hold the same weights: from here on the layout is `Layout.folded()`, where they are dp ranks like the others,
+    so gradients are summed, and ZeRO shards cut, over dp x cp together (as Megatron does). Sharding over dp alone
+    would keep cp copies of every shard and its moments; over dp x cp a rank keeps 1 / (dp x cp)."""
+    cp_group, data_group = comm.group(layout.cp_group(rank)), comm.group(layout.dp_group(rank))
+    layout = layout.folded()
     dp_group, tp_group = comm.group(layout.dp_group(rank)), comm.group(layout.tp_group(rank))
     ep_group, expert_dp_group = comm.group(layout.ep_group(rank)), comm.group(layout.expert_dp_group(rank))
     check_run(params, finetunes=lora is not None)  # for callers that skip the CLI
@@ -204,7 +217,7 @@ def parallelize(
         params.model, layout, zero_stage, lora, params.parallel.optimizer_offload, params.parallel.param_offload
     )
     shard = build_shard(
-        params.model, table, rank, params.train.seed, params.precision.compute_dtype, initial_weights, dp_group
+        params.model, table, rank, params.train.seed, params.precision.compute_dtype, initial_weights, dp_group, cp_group
     )
     model, tensor_parallelism, adaptation, zero3 = shard.model, shard.tensor_parallelism, shard.adaptation, shard.zero3
     apply_recompute(model, params)
@@ -291,6 +304,8 @@ def parallelize(
         layout=layout,
         rank=rank,
         dp_group=dp_group,
+        data_group=data_group,
+        cp_group=cp_group,
         ep_group=ep_group,
         adaptation=adaptation,
         pipeline=pipeline,
@@ -316,13 +331,18 @@ class Parallelized:
     `gradients` runs a step's micro-batches forward and backward into the gradient buffers (through the pipeline
     schedule, per micro-batch otherwise) and sums them over dp where the layout needs it; `gradient_norm`,
     `apply` and `discard_gradients` finish the step; `summed_loss` scores a batch forward only; `full_weights`
-    and `load_weights` speak whole tensors by path (this rank's tp block and stage), as checkpoints do."""
+    and `load_weights` speak whole tensors by path (this rank's tp block and stage), as checkpoints do.
 
-    def __init__(self, *, model, table, layout, rank, dp_group, ep_group, adaptation, pipeline, zero3, accumulate,
-                 loss, optimizer, norm, accumulate_and_sum, sum_gradients, sum_expert_gradients, sum_partial_gradients,
-                 micro_batches_per_pass) -> None:
+    `dp_group`: the ranks holding the same weights (dp x cp), over which token counts and losses are summed;
+    `data_group`: the dp replicas, which read different rows; `cp_group`: the ranks sharing this rank's rows, each
+    taking its part of them (`loader.context_shard`)."""
+
+    def __init__(self, *, model, table, layout, rank, dp_group, data_group, cp_group, ep_group, adaptation, pipeline,
+                 zero3, accumulate, loss, optimizer, norm, accumulate_and_sum, sum_gradients, sum_expert_gradients,
+                 sum_partial_gradients, micro_batches_per_pass) -> None:
         self.model, self.table, self.layout, self.rank = model, table, layout, rank
         self.dp_group, self.ep_group = dp_group, ep_group
+        self.data_group, self.cp_group = data_group, cp_group
         self.experts = {row.name for row in table if row.expert} if ep_group.size > 1 else set()  # held as ep blocks
         self.sum_expert_gradients = sum_expert_gradients
         self.adaptation = adaptation

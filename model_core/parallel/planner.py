@@ -1,8 +1,8 @@
 """The memory planner behind `llmflow plan`: per-rank bytes of every valid parallel layout, and the one to use.
 
 For a model (params.model), a micro-batch (params.train.micro_batch_size sequences of model.seq_len tokens
-per data-parallel rank) and `devices` of `device_memory_bytes` each, `plan` lists every layout (dp, tp, pp,
-ZeRO stage, recompute none/all) with dp * tp * pp == devices that the model allows, estimates the bytes of
+per data-parallel rank) and `devices` of `device_memory_bytes` each, `plan` lists every layout (dp, cp, tp, pp,
+ZeRO stage, recompute none/all) with dp * cp * tp * pp == devices that the model allows, estimates the bytes of
 its busiest rank, and recommends one. It counts from the params alone and runs nothing on a device, so it plans
 for machines this process does not run on. docs/planner.md has a worked example and the CPU measurements.
 
@@ -15,7 +15,8 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    ZeRO-3: 4P/dp
     gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward 4P fresh gradients, which the
                    compiled backward holds (ZeRO-2: also every bucket's flat input to its reduce-scatter, 4P more;
-                   ZeRO-3: 4P/dp); in the update a scaled copy of every buffer (ZeRO-1: and its pieces, 4P/dp).
+                   ZeRO-3: 4P/dp). The update scales each gradient in place as AdamW takes it; ZeRO-1 cuts each
+                   piece of its shard out of the buffer and scales it, both held by its compiled update: 8P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and ShardedAdamW's fp32
                    copy of its shard)
     activations    per layer and micro-batch, what the hand-written backwards of model_core.model.fused keep:
@@ -75,12 +76,26 @@ is f k B T H c x 4 (ep - 1)/ep at capacity factor f (dropless: C = B T). `Estima
 sums them over the MoE blocks and a step's micro-batches. ep is added only where the experts do not fit under
 dp alone: it comes after tp and pp in the order below, so the plan prefers ep1, then the smallest ep that fits.
 
-Preference among layouts that fit: no ZeRO beyond stage 1 (ZeRO-2/3 repeat collectives every accumulated
-micro-batch, and ZeRO-3 gathers every weight in each forward and again in each backward; the trainer runs ZeRO-2
-with pp = 1 and ZeRO-3 with tp = pp = 1), then the fewest pipeline stages, then the smallest
-tensor-parallel degree (so data parallel first, then tensor parallel inside a node, then pipeline stages),
-then no recompute; with dp > 1, ZeRO-1 before none (which fits instead only where ZeRO-1's all-gather of the
-updated parameters does not). When nothing fits the plan says so and names the smallest layout.
+Context parallelism (cp, `model_core.parallel.context`) cuts every sequence over cp ranks: each holds B T / cp
+tokens of every micro-batch, so every activation above is divided by cp, except what attention gathers: each layer
+keeps the whole sequence's keys and values for its backward, 2 B T (kv_heads x head_dim) c / tp, of which a
+(cp - 1) / cp share comes from the other ranks, and the mask of its queries against every key with its fp32 bias,
+B (T / cp) T x 5 bytes (alive once, shared by the layers). The weights are replicated over cp as over dp: ZeRO
+shards over dp x cp. Each layer's forward all-gathers its keys and values and its backward reduce-scatters their
+gradients (a recomputed layer gathers again): `context_bytes_per_step` counts what a rank receives, and the
+communication column one layer's gathered K and V. cp ranks sit next to tp inside a node (cp x tp <= devices per
+node). cp is the last resort: the plan adds layouts with cp > 1 only when no layout without it fits (or when asked
+for them), and prefers any layout without cp that fits, so it recommends cp when a sequence's activations do not
+fit otherwise.
+
+Preference among layouts that fit follows how the field fits a model into device memory: data parallel first,
+ZeRO stages 1, 2, 3 to shard what data parallel replicates, then recompute, and only then tensor parallelism inside
+a node, pipeline stages, expert parallelism and, last, offload. So the plan takes the fewest pipeline stages, then
+the smallest tensor-parallel degree, then the smallest ep; within those degrees ZeRO-1 (ZeRO-0 only where ZeRO-1's
+gather of the updated parameters does not fit), ZeRO-2, ZeRO-3, each without recompute before any with it. ZeRO-2
+and 3 repeat collectives every accumulated micro-batch (ZeRO-3 gathers every weight in each forward and backward),
+but that costs less than the activation traffic of tensor parallelism or a pipeline's bubble; the trainer runs
+ZeRO-2 with pp = 1 and ZeRO-3 with tp = pp = 1. When nothing fits the plan says so and names the smallest layout.
 """
 
 from __future__ import annotations
@@ -103,6 +118,7 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RECOMPUTE_MODES = ("none", "all")
+ZERO_ORDER = (1, 0, 2, 3)  # with dp > 1: ZeRO-1 shards the moments for free; 2 and 3 add collectives per micro-batch
 OFFLOAD_GAP = 0.20  # offload is advised only when the layout without it is at most this much over the device
 OFFLOAD_STAGING_BYTES = 3 * 4 * 2**20  # model_core/optim/offload.py: three 4 MiB staging buckets
 # Stated bandwidths the offload traffic is timed at: host <-> device over PCIe 4.0 x16 (~25 GB/s of its 32), and
@@ -182,23 +198,30 @@ class Candidate:
     offload: bool = False  # the optimizer's moments off the device
     ep: int = 1  # expert-parallel ranks, out of dp
     param_offload: bool = False  # ZeRO-3: the parameter shards off the device too (with `offload`)
+    cp: int = 1  # context-parallel ranks: each holds 1 / cp of every sequence
+
+    @property
+    def replicas(self) -> int:
+        """Ranks holding the same weights (dp x cp), over which ZeRO shards them."""
+        return self.dp * self.cp
 
     def preference(self) -> tuple[int, ...]:
-        """Smaller is preferred: no offload (then optimizer offload alone), then no ZeRO beyond stage 1, then fewer
-        pipeline stages, then less tensor parallelism, then less expert parallelism, then no recompute; with dp > 1,
-        ZeRO-1 before ZeRO-0."""
-        beyond_one = max(self.zero_stage - 1, 0)
-        unsharded_dp = int(self.dp > 1 and self.zero_stage == 0)
+        """Smaller is preferred, in the order the field fits a model: less context parallelism (cp only where
+        nothing without it fits), offload last (optimizer offload before parameter offload), then fewer pipeline
+        stages, then less tensor parallelism, then less expert parallelism; within those degrees, data parallel
+        sharded by ZeRO 1 -> 2 -> 3 (ZeRO-0 only after ZeRO-1), and only then recompute."""
         return (
-            int(self.offload) + int(self.param_offload), beyond_one, self.pp, self.tp, self.ep,
-            RECOMPUTE_MODES.index(self.recompute), unsharded_dp,
+            self.cp, int(self.offload) + int(self.param_offload), self.pp, self.tp, self.ep,
+            RECOMPUTE_MODES.index(self.recompute), ZERO_ORDER.index(self.zero_stage),
         )
 
     def __str__(self) -> str:
         offload = " offload=optimizer" if self.offload else ""
         offload += "+parameters" if self.param_offload else ""
         experts = f" ep{self.ep}" if self.ep > 1 else ""
-        return f"dp{self.dp} tp{self.tp} pp{self.pp}{experts} zero{self.zero_stage} recompute={self.recompute}{offload}"
+        context = f" cp{self.cp}" if self.cp > 1 else ""
+        return (f"dp{self.dp}{context} tp{self.tp} pp{self.pp}{experts} zero{self.zero_stage} "
+                f"recompute={self.recompute}{offload}")
 
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "communication", "runtime")
@@ -232,6 +255,7 @@ class Estimate:
     offload_bytes_per_step: int = 0  # moments (and parameter shards) read and written per step (offload candidates)
     without_offload: int = 0  # bytes the same layout needs without offload (offload candidates)
     all_to_all_bytes_per_step: int = 0  # sent by one rank through expert parallelism's all-to-alls
+    context_bytes_per_step: int = 0  # received by one rank through context parallelism's K/V gathers and scatters
 
     def offload_gap(self, device_memory_bytes: int) -> float:
         """How far over the device the layout is without offload, as a fraction of the device (0 when it fits)."""
@@ -246,6 +270,7 @@ class Excluded:
     tp: int
     pp: int
     reason: str
+    cp: int = 1
 
 
 @dataclass(frozen=True)
@@ -316,36 +341,44 @@ class Plan:
 # ------------------------------------------------------------------------------------------ validity
 
 
-def layout_problems(params: PipelineParams, dp: int, tp: int, pp: int, devices_per_node: int) -> list[str]:
+def layout_problems(params: PipelineParams, dp: int, tp: int, pp: int, devices_per_node: int, cp: int = 1) -> list[str]:
     """Why these degrees cannot run this model (empty when they can): the rule book's reasons, and a tp group
-    that would not fit in one node."""
+    (with cp: cp x tp ranks) that would not fit in one node."""
     parallel = params.parallel.model_copy(update={
         "data_parallel": dp, "tensor_parallel": tp, "pipeline_parallel": pp, "pipeline_layers": None,
         "expert_parallel": 1, "zero_stage": 0, "optimizer_offload": False, "param_offload": False,
+        "context_parallel": cp,
     })
     problems = rules.parallel_problems(parallel) + rules.layout_problems(params.model, parallel)
-    if tp > devices_per_node:
-        problems.append(f"tensor_parallel={tp} is more than the {devices_per_node} devices of one node")
+    if cp * tp > devices_per_node:
+        group = f"context_parallel={cp} x tensor_parallel={tp}" if cp > 1 else f"tensor_parallel={tp}"
+        problems.append(f"{group} is more than the {devices_per_node} devices of one node")
     return problems
 
 
-def degrees(devices: int) -> list[tuple[int, int, int]]:
-    """Every (dp, tp, pp) with dp * tp * pp == devices."""
+def degrees(devices: int, context: bool = False) -> list[tuple[int, int, int, int]]:
+    """Every (dp, tp, pp, cp) with dp * cp * tp * pp == devices; cp = 1 unless `context`."""
     divisors = [d for d in range(1, devices + 1) if devices % d == 0]
-    return [(devices // (tp * pp), tp, pp) for pp in divisors for tp in divisors if (devices // pp) % tp == 0]
+    return [
+        (devices // (cp * tp * pp), tp, pp, cp)
+        for cp in (divisors if context else [1]) for pp in divisors for tp in divisors
+        if devices % (cp * tp * pp) == 0
+    ]
 
 
-def candidates(dp: int, tp: int, pp: int, model: ModelParams | None = None, devices_per_node: int = 8) -> list[Candidate]:
+def candidates(dp: int, tp: int, pp: int, model: ModelParams | None = None, devices_per_node: int = 8,
+               cp: int = 1) -> list[Candidate]:
     """ZeRO stages 0-3 where there is a dp group to shard over (only 0 for dp=1), each with and without recompute,
     for a model with MoE blocks under every expert-parallel degree that divides dp and the experts and keeps the
     ep group (ep x tp ranks) inside a node; with ZeRO-2/3 each also with optimizer offload, with ZeRO-3 also with
     parameter offload: those of them the rule book (params/rules.py) lets run together."""
-    stages = range(4) if dp > 1 else (0,)
+    stages = range(4) if dp * cp > 1 else (0,)
     expert_degrees = [1]
     if model is not None and model.moe_layers:
         experts = model.moe.num_experts
         expert_degrees = [ep for ep in range(1, dp + 1) if dp % ep == 0 and experts % ep == 0 and ep * tp <= devices_per_node]
-    plain = [Candidate(dp, tp, pp, stage, mode, ep=ep) for ep in expert_degrees for stage in stages for mode in RECOMPUTE_MODES]
+    plain = [Candidate(dp, tp, pp, stage, mode, ep=ep, cp=cp)
+             for ep in expert_degrees for stage in stages for mode in RECOMPUTE_MODES]
     offloaded = [replace(c, offload=True) for c in plain if c.zero_stage >= 2]
     every = plain + offloaded + [replace(c, param_offload=True) for c in offloaded if c.zero_stage == 3]
     return [c for c in every if runs_together(c, model)]
@@ -356,7 +389,7 @@ def runs_together(candidate: Candidate, model: ModelParams | None) -> bool:
     c = candidate
     parallel = ParallelParams.model_construct(  # unvalidated: judging it is the rule book's job
         data_parallel=c.dp, tensor_parallel=c.tp, pipeline_parallel=c.pp, micro_batches=c.pp, expert_parallel=c.ep,
-        zero_stage=c.zero_stage, optimizer_offload=c.offload, param_offload=c.param_offload,
+        zero_stage=c.zero_stage, optimizer_offload=c.offload, param_offload=c.param_offload, context_parallel=c.cp,
     )
     problems = rules.parallel_problems(parallel)
     if model is not None:
@@ -400,13 +433,14 @@ def all_to_all_bytes_per_step(params: PipelineParams, ep: int, pp: int = 1, stag
     return exchanges * blocks * micro_batches * buffer * (ep - 1) // ep
 
 
-def layer_activation_bytes(params: PipelineParams, tp: int) -> int:
-    """Bytes one layer's backward keeps for one micro-batch, without recompute (module docstring)."""
+def layer_activation_bytes(params: PipelineParams, tp: int, cp: int = 1) -> int:
+    """Bytes one layer's backward keeps for one micro-batch, without recompute (module docstring); under cp, of
+    this rank's 1 / cp of the sequence, and the keys and values gathered from the other cp ranks."""
     model, c = params.model, _DTYPE_BYTES[params.precision.compute_dtype]
-    tokens = params.train.micro_batch_size * model.seq_len
+    tokens = params.train.micro_batch_size * model.seq_len // cp
     hidden, ffn = model.hidden_size, model.ffn_hidden_size
     replicated = 2 * tokens * hidden * 4 + 2 * tokens * hidden * c
-    split = (4 * tokens * hidden + 3 * tokens * ffn) * c // tp
+    split = (4 * tokens * hidden + 3 * tokens * ffn) * c // tp + gathered_kv_bytes(params, tp, cp) * (cp - 1) // cp
     if not model.moe_layers:
         return replicated + split
     # An MoE block keeps, in place of the dense 3 BTF: its expert slots' inputs and outputs (2 S H) and the
@@ -421,20 +455,50 @@ def layer_activation_bytes(params: PipelineParams, tp: int) -> int:
 
 
 
+def gathered_kv_bytes(params: PipelineParams, tp: int, cp: int) -> int:
+    """One layer's keys and values of the whole sequence of a micro-batch (1 / tp of the kv heads), as a cp rank
+    gathers them; 0 without cp."""
+    if cp == 1:
+        return 0
+    model, c = params.model, _DTYPE_BYTES[params.precision.compute_dtype]
+    return 2 * params.train.micro_batch_size * model.seq_len * model.num_kv_heads * model.head_dim * c // tp
+
+
+def context_mask_bytes(params: PipelineParams, cp: int) -> int:
+    """The cp attention mask of a rank's queries against every key (bool) and its fp32 additive bias."""
+    if cp == 1:
+        return 0
+    seq = params.model.seq_len
+    return params.train.micro_batch_size * (seq // cp) * seq * (1 + 4)
+
+
+def context_bytes_per_step(params: PipelineParams, candidate: Candidate, stage: int = 0) -> int:
+    """Bytes one rank receives per optimizer step through cp: every layer of its stage gathers the other ranks'
+    keys and values in the forward (again when recomputed, and under pp, whose backward recomputes the forward)
+    and receives their share of its keys' and values' gradients in the backward."""
+    cp = candidate.cp
+    if cp == 1:
+        return 0
+    layers = params.model.num_layers // candidate.pp
+    micro_batches = params.parallel.micro_batches * params.train.grad_accum_steps
+    passes = 2 + int(candidate.recompute == "all" or candidate.pp > 1)
+    return passes * layers * micro_batches * gathered_kv_bytes(params, candidate.tp, cp) * (cp - 1) // cp
+
+
 def activation_bytes(params: PipelineParams, candidate: Candidate, stage: int, kind: DeviceKind) -> int:
     """Bytes the backward of pipeline stage `stage` keeps: its blocks' for one micro-batch (pp = 1: for each
     accumulated one in turn), the inputs of the micro-batches in flight (pp > 1), and on the last stage the
     head's inputs and the logits (module docstring)."""
     model, parallel = params.model, params.parallel
     c = _DTYPE_BYTES[params.precision.compute_dtype]
-    tokens = params.train.micro_batch_size * model.seq_len
+    tokens = params.train.micro_batch_size * model.seq_len // candidate.cp
     layers = model.num_layers // candidate.pp
-    per_layer = layer_activation_bytes(params, candidate.tp)
+    per_layer = layer_activation_bytes(params, candidate.tp, candidate.cp)
     if candidate.recompute == "all" and kind.recompute_saves_memory:
         per_micro_batch = layers * tokens * model.hidden_size * c + per_layer
     else:
         per_micro_batch = layers * per_layer
-    blocks = per_micro_batch
+    blocks = per_micro_batch + context_mask_bytes(params, candidate.cp)
     if candidate.pp > 1:
         in_flight = parallel.micro_batches if parallel.pipeline_schedule == "gpipe" else candidate.pp - stage
         stored_input = tokens * 4 if stage == 0 else tokens * model.hidden_size * c
@@ -455,9 +519,10 @@ def stage_phases(
     params: PipelineParams, candidate: Candidate, stage: int, kind: DeviceKind, runtime: int
 ) -> tuple[Memory, Memory]:
     """Bytes of one rank of `stage` under `candidate` at its two peaks: the backward (activations, fresh gradients,
-    gradient buckets) and the update (scaled gradients, ZeRO-1/2's bucketed gather of the updated shards)."""
+    gradient buckets) and the update (ZeRO-1's scaled gradient pieces, ZeRO-1/2's bucketed gather of the updated
+    shards)."""
     c = _DTYPE_BYTES[params.precision.compute_dtype]
-    dp, zero = candidate.dp, candidate.zero_stage
+    dp, zero = candidate.replicas, candidate.zero_stage  # ZeRO shards over dp x cp
     dense, experts = stage_parameter_split(params.model, candidate.tp, candidate.pp, stage, candidate.ep)
     held = dense + experts
     shard = math.ceil(dense / dp) + math.ceil(experts / (dp // candidate.ep))  # expert shards over expert-dp
@@ -494,9 +559,10 @@ def stage_phases(
         sizes = [math.prod(row.block_shape(candidate.tp, candidate.ep)) for row in
                  placement_table(params.model, layout).on_stage(stage)]
         gathered = shard_gather_bytes(sizes, dp, bucket_bytes(params))
-    # The update scales a copy of every gradient buffer (`ApplyGradients`); ZeRO-1 then cuts its pieces out of them.
-    scaled = 0 if candidate.offload else accumulated + (4 * shard if dp > 1 and zero == 1 else 0)
-    update = Memory(parameters=masters, gradients=accumulated + scaled, activations=0, communication=gathered,
+    # AdamW scales each gradient buffer in place as it takes it; ZeRO-1 cuts each piece's gradient out of the full
+    # buffer and scales it, and its compiled update holds both, 8P/dp.
+    pieces = 8 * shard if dp > 1 and zero == 1 and not candidate.offload else 0
+    update = Memory(parameters=masters, gradients=accumulated + pieces, activations=0, communication=gathered,
                     phase="update", **state)
     return backward, update
 
@@ -521,11 +587,12 @@ def backward_communication_bytes(params: PipelineParams, candidate: Candidate, p
     """Gradient buckets over dp (ZeRO-3: also two layers of gathered parameters), activations over tp and pp."""
     model, c = params.model, _DTYPE_BYTES[params.precision.compute_dtype]
     total = 0
-    if candidate.dp > 1:
+    if candidate.replicas > 1:
         total += 2 * min(bucket_bytes(params), 4 * parameters)
         if candidate.zero_stage == 3:
             total += 2 * 4 * parameters // (model.num_layers // candidate.pp)
-    tokens = params.train.micro_batch_size * model.seq_len
+    tokens = params.train.micro_batch_size * model.seq_len // candidate.cp
+    total += gathered_kv_bytes(params, candidate.tp, candidate.cp)  # one layer's gather (or scatter) buffer
     if candidate.tp > 1:
         total += 2 * tokens * model.hidden_size * c
     if candidate.ep > 1:  # the all-to-all's send and receive buffers
@@ -545,16 +612,19 @@ def estimate(
     stage = max(range(candidate.pp), key=lambda s: per_stage[s].total)
     memory = per_stage[stage]
     exchanged = all_to_all_bytes_per_step(params, candidate.ep, candidate.pp, stage)
+    context = context_bytes_per_step(params, candidate, stage)
     if not candidate.offload:
-        return Estimate(candidate, stage, memory, memory.total <= device_memory_bytes, all_to_all_bytes_per_step=exchanged)
+        return Estimate(candidate, stage, memory, memory.total <= device_memory_bytes, all_to_all_bytes_per_step=exchanged,
+                        context_bytes_per_step=context)
     held = stage_parameters(params.model, candidate.tp, candidate.pp, stage)
     without = estimate(params, replace(candidate, offload=False, param_offload=False), device_memory_bytes, kind, runtime)
-    shard = math.ceil(held / candidate.dp)
+    shard = math.ceil(held / candidate.replicas)
     traffic = 2 * 8 * shard  # the moments of this rank's shard, read and written back
     if candidate.param_offload:  # the shard, read for each micro-batch's forward and backward and by the update
         micro_batches = math.ceil(params.global_batch_size / (params.train.micro_batch_size * candidate.dp))
         traffic += 4 * shard * (2 * micro_batches + 2)
-    return Estimate(candidate, stage, memory, memory.total <= device_memory_bytes, traffic, without.memory.total)
+    return Estimate(candidate, stage, memory, memory.total <= device_memory_bytes, traffic, without.memory.total,
+                    context_bytes_per_step=context)
 
 
 # -------------------------------------------------------------------------------------------- plan
@@ -568,9 +638,10 @@ def plan(
     device_kind: str = "accelerator",
     runtime_bytes: int | None = None,
     offload_bandwidth: float | None = None,
+    context_parallel: bool | None = None,
 ) -> Plan:
     """Every valid layout of `devices` for this model, estimated, in order of preference, and the first that
-    fits. device_kind: "accelerator" (counted tensors) or "cpu" (fitted to measured RSS); runtime_bytes: the
+    fits; layouts with cp > 1 too where `context_parallel` is True, or is None and no layout without cp fits. device_kind: "accelerator" (counted tensors) or "cpu" (fitted to measured RSS); runtime_bytes: the
     device runtime's own reserve, None for the kind's (0 for accelerators, the measured baseline on CPU);
     offload_bandwidth: bytes/s the offloaded optimizer state moves at, None for the kind's stated one."""
     if devices < 1 or device_memory_bytes < 1 or devices_per_node < 1:
@@ -582,17 +653,25 @@ def plan(
         raise ValueError(f"device_kind={device_kind!r} is not one of {', '.join(DEVICE_KINDS)}")
     kind = DEVICE_KINDS[device_kind]
     runtime = kind.runtime_bytes if runtime_bytes is None else runtime_bytes
-    estimates, excluded = [], []
-    for dp, tp, pp in degrees(devices):
-        problems = layout_problems(params, dp, tp, pp, devices_per_node)
-        if problems:
-            excluded.append(Excluded(dp, tp, pp, "; ".join(problems)))
-            continue
-        layouts = candidates(dp, tp, pp, params.model, devices_per_node)
-        estimates.extend(estimate(params, c, device_memory_bytes, kind, runtime) for c in layouts)
-    estimates.sort(key=lambda e: e.candidate.preference())
     bandwidth = OFFLOAD_BANDWIDTH[kind.name] if offload_bandwidth is None else offload_bandwidth
-    return Plan(devices, device_memory_bytes, devices_per_node, kind, runtime, tuple(estimates), tuple(excluded), bandwidth)
+    estimates, excluded = [], []
+
+    def add(layouts: list[tuple[int, int, int, int]]) -> Plan:
+        for dp, tp, pp, cp in layouts:
+            problems = layout_problems(params, dp, tp, pp, devices_per_node, cp)
+            if problems:
+                excluded.append(Excluded(dp, tp, pp, "; ".join(problems), cp))
+                continue
+            found = candidates(dp, tp, pp, params.model, devices_per_node, cp)
+            estimates.extend(estimate(params, c, device_memory_bytes, kind, runtime) for c in found)
+        estimates.sort(key=lambda e: e.candidate.preference())
+        return Plan(devices, device_memory_bytes, devices_per_node, kind, runtime, tuple(estimates), tuple(excluded),
+                    bandwidth)
+
+    without_cp = add(degrees(devices))
+    if context_parallel is False or (context_parallel is None and without_cp.recommended is not None):
+        return without_cp
+    return add([layout for layout in degrees(devices, context=True) if layout[3] > 1])
 
 
 def _gib(nbytes: int) -> str:
@@ -631,10 +710,16 @@ def format_plan_table(plan: Plan) -> str:
         line(["-" * w for w in widths]),
         *(line(row) for row in rows),
     ]
-    lines += [f"excluded dp{e.dp} tp{e.tp} pp{e.pp}: {e.reason}" for e in plan.excluded]
+    lines += [f"excluded dp{e.dp}{f' cp{e.cp}' if e.cp > 1 else ''} tp{e.tp} pp{e.pp}: {e.reason}" for e in plan.excluded]
     lines.append(plan.summary)
     if chosen is not None and expert_parallel_note(chosen):
         lines.append(expert_parallel_note(chosen))
+    if chosen is not None and chosen.candidate.cp > 1:
+        lines.append(
+            f"context parallelism: each rank receives {_gib(chosen.context_bytes_per_step)} GiB per step through the "
+            f"key/value gathers of cp{chosen.candidate.cp} (every layer's forward, and its gradients' reduce-scatter "
+            "in the backward); without cp no layout fits, nor comes within the offload rule's reach"
+        )
     if plan.offload_note is not None:
         lines.append(plan.offload_note)
     return "\n".join(lines)

@@ -60,6 +60,7 @@ def layout_params(params: PipelineParams, estimate: Estimate) -> PipelineParams:
         )
     raw = params.model_dump(mode="json")
     raw["parallel"].update(data_parallel=c.dp, tensor_parallel=c.tp, pipeline_parallel=c.pp, pipeline_layers=None,
+                           context_parallel=c.cp,
                            zero_stage=c.zero_stage, optimizer_offload=c.offload,
                            param_offload=c.param_offload)
     raw["recompute"] = {"mode": c.recompute}
@@ -96,10 +97,10 @@ def nothing_to_try(params: PipelineParams, plan: Plan) -> str | None:
 
 
 def candidates_to_try(plan: Plan) -> list[Estimate]:
-    """The plan's most preferred fitting estimate of each (dp, tp, pp), in order of preference."""
-    chosen: dict[tuple[int, int, int], Estimate] = {}
+    """The plan's most preferred fitting estimate of each (dp, cp, tp, pp), in order of preference."""
+    chosen: dict[tuple[int, int, int, int], Estimate] = {}
     for found in plan.estimates:
-        degrees = (found.candidate.dp, found.candidate.tp, found.candidate.pp)
+        degrees = (found.candidate.dp, found.candidate.cp, found.candidate.tp, found.candidate.pp)
         if plan.advisable(found) and degrees not in chosen:
             chosen[degrees] = found
     return list(chosen.values())

@@ -13,7 +13,8 @@ ZeRO-2 keeps no full gradient buffer: each micro-batch's gradients, flattened th
 reduce-scattered over the group bucket by bucket and only this rank's shard is added into shard-sized buffers,
 one per piece (`GradientShards`, which pipeline stages use too); the gradient norm sums the shards' squares over
 the group. Both stages write the updated shards back into the weights with a bucketed all-gather (`ShardGather`),
-so the update makes no all-gathered buffer the size of the whole model.
+and AdamW applies the loss scale and the clip factor to each gradient piece as it uses it: no buffer the size of
+the whole model is made at the update.
 """
 
 from __future__ import annotations
@@ -116,9 +117,12 @@ class ShardGather(nn.Cell):
         )
         self.local = shard_fill(self.buckets, [end - start for _, start, end in pieces])
 
-    def construct(self, pieces):
+    def construct(self, pieces, after=None):
+        """Write the weights from `pieces`, once `after` (the update that made them), when given, is done."""
         segments = []
         done = ops.zeros((), ms.float32)
+        if after is not None:
+            done = ops.depend(done, after)
         for k in range(len(self.buckets)):
             parts = [pieces[j].reshape(-1)[a:b] if j >= 0 else ops.zeros((b - a,), ms.float32) for j, a, b in self.local[k]]
             mine = ops.cat(parts) if len(parts) > 1 else parts[0]
@@ -152,7 +156,8 @@ def shard_fill(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, int, i
 
 
 class ShardedAdamW(nn.Cell):
-    """AdamW over `parameters` with this rank's 1/dp of the moments; called like AdamW: (grads, lr, step).
+    """AdamW over `parameters` with this rank's 1/dp of the moments; called like AdamW:
+    (grads, lr, step[, grad_scale]).
 
     grads are one full gradient per parameter, or with `sharded_gradients` (ZeRO-2) one per piece of this
     rank's shard, in the order of `ShardedAccumulateGradients.buffers`."""
@@ -188,15 +193,17 @@ class ShardedAdamW(nn.Cell):
         self.inner = AdamW.from_params(copies, optimizer, [f"{names[i]}[{start}:{end}]" for i, start, end in self.pieces])
         # The pieces are flat; decay follows the parameter they come from (matrices yes, norms no).
         self.inner.decays = tuple(applies_weight_decay(parameters[i]) for i, _, _ in self.pieces)
+        if not sharded_gradients:  # ZeRO-1: each piece's gradient is cut from the full buffer as it is used
+            self.inner.grad_slices = tuple((start, end) for _, start, end in self.pieces)
         self.gather = ShardGather(parameters, self.pieces, self.shard_length, group, bucket_bytes)
 
-    def construct(self, grads, lr, step):
+    def construct(self, grads, lr, step, grad_scale=None):
         for k, (i, start, end) in enumerate(self.pieces):
             ops.assign(self.inner.params[k], self.params[i].reshape(-1)[start:end])
         if not self.sharded_gradients:
-            grads = tuple(grads[i].reshape(-1)[start:end] for i, start, end in self.pieces)
-        self.inner(grads, lr, step)
-        self.gather(self.inner.params)
+            grads = tuple(grads[i] for i, _, _ in self.pieces)
+        updated = self.inner(grads, lr, step, grad_scale)
+        return self.gather(self.inner.params, updated)
 
     def _padded(self, parts):
         if self.padding:

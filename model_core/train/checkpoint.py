@@ -158,6 +158,7 @@ def _commit(building: Path, final: Path, step: int, state: dict, layout: Layout)
         raise FileNotFoundError(f"checkpoint step {step}: no rank wrote {missing} into {building}")
     (building / STATE).write_text(json.dumps(state, indent=2, sort_keys=True))
     split = {} if layout.pipeline_layers is None else {"pipeline_layers": list(layout.pipeline_layers)}
+    split |= {"cp": layout.cp} if layout.cp > 1 else {}  # a record only: cp changes nothing a checkpoint holds
     (building / LAYOUT).write_text(json.dumps({"dp": layout.dp, "tp": layout.tp, "pp": layout.pp, **split}))
     files = {name: file_sha256(building / name) for name in (*sorted(expected), STATE, LAYOUT)}
     (building / MANIFEST).write_text(json.dumps({"step": step, "sha256": files}, indent=2))

@@ -10,9 +10,8 @@ too. `reshard(checkpoint_dir, to_layout, output_dir)` writes a checkpoint for an
 whatever layout the checkpoint was saved under (a pipeline stage then keeps what it owns).
 
 Only tp and pp shape the files. Moments are stored whole over dp (ZeRO gathers them when saving), and the
-data-loader position counts rows of the global sample stream, so a checkpoint resumes under another dp as
-long as the global batch (micro-batch x micro_batches x accumulation x dp) stays the same; otherwise the
-loader stops with both sizes.
+data-loader position counts samples of the global sample stream, so a checkpoint resumes under another dp,
+micro-batch size, accumulation or global batch at the next sample.
 """
 
 from __future__ import annotations

@@ -9,15 +9,17 @@ dict) to `on_metrics`.
 A step whose loss or gradient norm is not finite is skipped and counted; `max_consecutive_nonfinite` of
 them in a row stop the run with `NonFiniteError`, leaving the last good checkpoint as it was.
 
-Each data-parallel replica trains on its slice of each global batch; token counts and summed losses are
-summed over dp, so the update is the one a single process makes on the whole global batch. Only rank 0
+Each data-parallel replica trains on its slice of each global batch, and each context-parallel rank of a replica
+on its part of every sequence of that slice; token counts and summed losses are summed over dp x cp, so the update
+is the one a single process makes on the whole global batch. Only rank 0
 reports metrics. Checkpoints are written by the ranks of the first dp replica, one file per tp block of each
-pipeline stage (ZeRO shards gathered whole), and resume under another tp or pp (resharded in memory) or,
-with the same global batch, another dp.
+pipeline stage (ZeRO shards gathered whole), and resume under another tp or pp (resharded in memory), dp,
+micro-batch size or global batch: the data position is the number of samples of the mixture consumed.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ import mindspore as ms
 import numpy as np
 
 from model_core.data import open_split, read_manifest
+from model_core.data.mixture import MixtureSource, mixture_sources
 from model_core.model.moe import router_noise
 from model_core.model.weights import WeightMismatchError
 from model_core.optim.step import scalar
@@ -38,7 +41,7 @@ from model_core.parallel.pipeline import MicroBatch
 from model_core.train import checkpoint as ckpt
 from model_core.train.callbacks import MetricsCallback
 from model_core.train.flops import flops_per_token, mfu, peak_flops_for_current_device
-from model_core.train.loader import Batch, ShuffledBatches, make_batch, sequential_batches
+from model_core.train.loader import Batch, ShuffledBatches, context_shard, make_batch, sequential_batches
 from model_core.train.precision import LossScale, check_precision
 from model_core.train.reshard import blocks_for, stage_tensors
 from model_core.train.schedule import learning_rate
@@ -46,6 +49,8 @@ from model_core.train.system import device_target, peak_memory_bytes
 from params.schema import LoraParams, ModelParams, PipelineParams
 
 RESUME_CHOICES = ("auto", "none")
+
+logger = logging.getLogger(__name__)
 
 
 class NonFiniteError(ArithmeticError):
@@ -99,7 +104,8 @@ class Trainer:
         LoRA adapters (and nothing else) on top of those weights. `continue_from`: a training checkpoint of an
         earlier run (on other data) whose weights, AdamW moments, loss scale and step number this run starts
         from when it has no checkpoint of its own to resume; it then trains `steps` more steps, its learning-rate
-        warmup and decay run again over them, and the data is read from its start."""
+        warmup and decay run again over them, and the data is read from its first sample (each source's epochs
+        going on from the earlier run's count)."""
         device = device_target()
         check_precision(params.precision, device)
         self.params = params
@@ -108,13 +114,14 @@ class Trainer:
         self.initial_weights = Path(initial_weights) if initial_weights is not None else None
         self.continue_from = Path(continue_from) if continue_from is not None else None
         self.schedule_start = 0
-        check_dataset(dataset_dir, params)
+        sources = check_dataset(dataset_dir, params)
         self.layout, self.rank = _join_layout(params)
         ms.set_seed(params.train.seed)
         self.parallel = parallelize(params, self.layout, self.rank, self.initial_weights, lora)
         self.model, self.optimizer = self.parallel.model, self.parallel.optimizer
         self.adaptation = self.parallel.adaptation
-        self.dp_group = self.parallel.dp_group
+        self.dp_group = self.parallel.dp_group  # dp x cp: the ranks that sum token counts and losses
+        self.data_group, self.cp_group = self.parallel.data_group, self.parallel.cp_group
         self.is_reporting = self.rank == 0
         self.writes_checkpoints = self.dp_group.index == 0  # the first dp replica holds every tp block
 
@@ -125,9 +132,12 @@ class Trainer:
                 train.micro_batch_size, params.parallel.micro_batches, train.grad_accum_steps
             ),
             seed=train.seed,
-            rank=self.dp_group.index,
-            world=self.dp_group.size,
+            rank=self.data_group.index,
+            world=self.data_group.size,
+            sources=sources,
         )
+        self.batch_change: tuple[int, int] | None = None  # (saved, this run's) global batch rows of a resume across them
+        self.epochs_reported: dict[str, int] = {}  # whole epochs of each source the log has announced
         self.validation = open_split(dataset_dir, "validation")
         # First read at the first evaluation, steps into the run: a damaged shard there stops the run before it starts.
         self.validation.check(np.arange(min(len(self.validation), train.eval_batches * train.micro_batch_size)))
@@ -154,6 +164,13 @@ class Trainer:
             return None
         state = self._load(found)
         self.batches.load_state_dict(state["data"])
+        saved_batch = state["data"]["global_batch_rows"]
+        if saved_batch != self.batches.global_batch_rows:
+            self.batch_change = (saved_batch, self.batches.global_batch_rows)
+            logger.warning(
+                "resuming %s at sample %d of the data: saved under a global batch of %d rows, continuing with %d",
+                found.path, self.batches.samples, saved_batch, self.batches.global_batch_rows,
+            )
         self.counters = _Counters(**state["counters"])
         self.schedule_start = state.get("schedule_start", 0)
         return found.path
@@ -162,7 +179,10 @@ class Trainer:
         found = ckpt.Checkpoint(path, -1)
         if problem := ckpt.verify(found):
             raise ResumeError(f"checkpoint {path} to continue from is not usable: {problem}")
-        state = self._load(found)  # the data position belongs to the earlier data: this data starts at its start
+        state = self._load(found)
+        # The position belongs to the earlier data: this data starts at its first sample, each source going on
+        # from the epochs the earlier run read of it (data/mixture.py).
+        self.batches.mixture.carry(state["data"].get("epochs", {}))
         self.schedule_start = state["step"]
         self.counters = _Counters(step=state["step"], tokens_seen=state["counters"]["tokens_seen"])
 
@@ -299,7 +319,7 @@ class Trainer:
         model, steps = self.params.model, range(0, rows, size)
         if model.moe is None or model.moe.router_jitter == 0:
             return [None for _ in steps]
-        first = self.dp_group.index * rows
+        first = self.data_group.index * rows
         return [
             ms.Tensor(router_noise(
                 model.moe.router_jitter, self.params.train.seed, self.counters.step,
@@ -309,7 +329,8 @@ class Trainer:
         ]
 
     def _batch(self, rows) -> Batch:
-        return make_batch(rows, self.params.tokenizer.pad_id, self.params.train.reset_at_document_boundaries)
+        batch = make_batch(rows, self.params.tokenizer.pad_id, self.params.train.reset_at_document_boundaries)
+        return context_shard(batch, self.cp_group.size, self.cp_group.index)
 
     def _record(self, loss: float, grad_norm: float, tokens_per_second: float) -> dict[str, float]:
         step = self.counters.step
@@ -328,6 +349,7 @@ class Trainer:
             record["mfu"] = mfu(tokens_per_second, self.flops_per_token, self.peak.flops)
             record["mfu_peak_flops"] = self.peak.flops
             record["mfu_peak_measured"] = float(self.peak.measured)
+        record.update(self._data_metrics())
         record.update(self.last_routing)
         offload = self.parallel.offload
         if offload is not None:  # moments (and parameter shards) read from and written to the files, and the staging time
@@ -337,6 +359,22 @@ class Trainer:
             record["pipeline_bubble"] = self.parallel.pipeline.last_timing.bubble()  # over all stages
             record["pipeline_sent_bytes"] = self.parallel.pipeline.last_timing.sent_bytes  # by this rank
         return record
+
+    def _data_metrics(self) -> dict[str, float]:
+        """Per data source, the tokens the run has read of it (inputs, as `tokens_seen` counts) and the epochs they
+        make (above 1: the source was used up and is being repeated); after a resume under another global batch,
+        both sizes in its first record."""
+        metrics: dict[str, float] = {}
+        for name, (samples, epochs) in self.batches.consumed().items():
+            metrics[f"data/{name}/tokens_seen"] = samples * self.params.model.seq_len
+            metrics[f"data/{name}/epochs"] = epochs
+            if int(epochs) > self.epochs_reported.setdefault(name, int(epochs)):
+                self.epochs_reported[name] = int(epochs)
+                logger.info("data source %s read whole %d time(s): it is repeated, in a new order", name, int(epochs))
+        if self.batch_change is not None:
+            metrics["resumed_global_batch_rows_before"], metrics["resumed_global_batch_rows_after"] = self.batch_change
+            self.batch_change = None
+        return metrics
 
     def evaluate(self) -> float:
         """Mean token loss over the first `train.eval_batches` validation micro-batches. Every rank calls it:
@@ -350,7 +388,9 @@ class Trainer:
         )
         self.model.set_train(False)
         try:
-            total, counted = self._evaluate_in_lockstep(list(batches))
+            total, counted = self._evaluate_in_lockstep(
+                [context_shard(batch, self.cp_group.size, self.cp_group.index) for batch in batches]
+            )
         finally:
             self.model.set_train(True)
         total, counted = sum_over(self.dp_group, [total, counted])
@@ -361,7 +401,7 @@ class Trainer:
         forward gathers weights over dp, under pp it runs on every stage): a replica with no batch left in the
         last round repeats one and counts nothing."""
         total, counted = 0.0, 0
-        size, index = self.dp_group.size, self.dp_group.index
+        size, index = self.data_group.size, self.data_group.index
         for start in range(0, len(batches), size):
             mine = start + index
             summed = self._summed_loss(batches[min(mine, len(batches) - 1)])
@@ -430,9 +470,11 @@ def routing_metrics(statistics: list[float], counted: float, model: ModelParams)
     return metrics
 
 
-def check_dataset(dataset_dir: str | Path, params: PipelineParams) -> None:
+def check_dataset(dataset_dir: str | Path, params: PipelineParams) -> list[MixtureSource] | None:
     """The prepared data must have been made for this model's tokens (its vocabulary less the padding rows no
-    token uses, so a model padded for tensor parallelism trains on the same data) and sequence length."""
+    token uses, so a model padded for tensor parallelism trains on the same data) and sequence length, and a
+    pretraining dataset must give the mixture data.sources asks for (`mixture_sources`): returns its sources,
+    None for an instruction dataset (one source)."""
     manifest = read_manifest(dataset_dir)  # checked against manifest.sha256 before anything trusts it
     model = params.model
     tokens = "model.vocab_size - model.vocab_padding" if model.vocab_padding else "model.vocab_size"
@@ -446,6 +488,9 @@ def check_dataset(dataset_dir: str | Path, params: PipelineParams) -> None:
                 f"dataset {dataset_dir} was prepared for {name}={made_for} but {ours}={wanted}; "
                 "prepare the data again with these params"
             )
+    if manifest.get("kind") is not None:  # instruction data: its examples, not data.sources
+        return None
+    return mixture_sources(params.data.sources, manifest["splits"]["train"], str(dataset_dir))
 
 
 def _inputs(batch: Batch) -> tuple:
