@@ -18,7 +18,7 @@ from tasks.evaluate import EvaluateStageResult, evaluate_stage
 from tasks.finetune import FinetuneStageResult, finetune_stage
 from tasks.layout import choose_layout
 from tasks.summary import stage_table
-from tasks.tracking import pipeline_run
+from tasks.tracking import pipeline_run, record_warnings
 from tasks.train import TrainStageResult, pretrain, smoke_run
 
 
@@ -34,8 +34,9 @@ class PipelineResult(BaseModel):
 
 @flow(name="pretrain-flow", log_prints=True)
 def pretrain_flow(params: PipelineParams = PipelineParams()) -> PipelineResult:  # noqa: B008 (Prefect reads the default)
-    check_run(params, finetunes=params.lora.enabled)  # before the first task: a deployment run is refused here
+    warnings = check_run(params, finetunes=params.lora.enabled)  # before the first task: a deployment run is refused here
     with pipeline_run(params) as tracking:
+        record_warnings(tracking, warnings)
         data = prepare_data(params, tracking)
         converted = convert_hf(params, tracking) if params.convert.hf_source else None
         smoke = smoke_run(params, data, tracking) if params.smoke.enabled else None

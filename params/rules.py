@@ -6,7 +6,10 @@ stages, ep against dp and the experts, 2 x cp against the sequence, sequence-par
 feature combinations not built (ZeRO-3, context or sequence parallelism with mixture-of-experts blocks, sequence
 parallelism with context parallelism, optimizer offload under expert parallelism, parameter offload with pipeline
 stages or a LoRA fine-tune), and what the data sources' weights and epochs may be. A refusal is one line naming
-both settings and both values.
+both settings and both values. The same place judges what a run can start with but will do nothing with (sequence
+parallelism without tp) or will most likely not learn well with (RoPE theta against the sequence, no gradient
+clipping, a learning rate far above its size's, fp16 without loss scaling): a warning each, one line with the
+numbers and the reason.
 
 It lives in params/ and imports no MindSpore, so the CLI judges a run in milliseconds and every layer may ask:
 the schema's validators apply the rules that hold whatever a run does (so a file, a `--set` or a Prefect
@@ -17,12 +20,14 @@ model_core's `Layout` and `parallelize` call the same functions on the ranks for
 
 from __future__ import annotations
 
-import warnings
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the schema's validators call this module: a runtime import would be circular
-    from params.schema import DataSource, ModelParams, ParallelParams, PipelineParams
+    from params.schema import (
+        DataSource, ModelParams, OptimizerParams, ParallelParams, PipelineParams, PrecisionParams
+    )
 
 # How far the weights of a mixture whose every source has one may sum from 1 (they are then scaled to 1 exactly).
 WEIGHT_SUM_TOLERANCE = 1e-3
@@ -32,34 +37,15 @@ class ParallelConfigError(ValueError):
     """A run that cannot happen; the message names the settings and the numbers that disagree."""
 
 
-def check_run(params: PipelineParams, *, world_size: int | None = None, finetunes: bool = False) -> None:
-    """Refuse params that describe no run that can happen, naming the first problem, and warn (once per process and
-    message) of settings that have no effect under the layout. `world_size`: the ranks the run gets, when the caller
-    knows (a launched rank); `finetunes`: whether the run trains LoRA adapters (the pipeline with lora.enabled,
-    `llmflow finetune`)."""
+def check_run(params: PipelineParams, *, world_size: int | None = None, finetunes: bool = False) -> list[str]:
+    """Refuse params that describe no run that can happen, naming the first problem; else return the run's
+    warnings (`run_warnings`), which the entry point that starts the run shows once (a launched rank or a stage
+    that checks again ignores them). `world_size`: the ranks the run gets, when the caller knows (a launched
+    rank); `finetunes`: whether the run trains LoRA adapters (the pipeline with lora.enabled, `llmflow finetune`)."""
     problems = run_problems(params, world_size=world_size, finetunes=finetunes)
     if problems:
         raise ParallelConfigError(problems[0])
-    for warning in run_warnings(params):
-        warnings.warn(warning, LayoutWarning, stacklevel=2)
-
-
-class LayoutWarning(UserWarning):
-    """A setting the layout leaves without effect; the run goes ahead."""
-
-
-def run_warnings(params: PipelineParams) -> list[str]:
-    """Settings that do nothing under this layout. Sequence parallelism splits the sequence over the tp group, so
-    with tensor_parallel=1 there is nothing to split. It is a warning, not a refusal: one params file runs under
-    several layouts (`llmflow plan --try`, layout trials, a resume resharded to another tp), and a long-context preset
-    should keep sequence_parallel on wherever tp > 1 without being refused at tp=1."""
-    parallel = params.parallel
-    if parallel.sequence_parallel and parallel.tensor_parallel == 1:
-        return [
-            "parallel.sequence_parallel=true with parallel.tensor_parallel=1: there is no tp group to split the "
-            "sequence over, so it changes nothing"
-        ]
-    return []
+    return run_warnings(params)
 
 
 def run_problems(params: PipelineParams, *, world_size: int | None = None, finetunes: bool = False) -> list[str]:
@@ -275,3 +261,119 @@ def mixture_problems(sources: Sequence[DataSource]) -> list[str]:
             "(sources without a weight are read by epochs; weights must then sum to less than 1)"
         )
     return problems
+
+
+# ----------------------------------------------------------------------------------------------- warnings
+
+# The peak learning rates GPT-3 trained its sizes at (Brown et al. 2020, Table 2.1): parameters -> rate.
+GPT3_LEARNING_RATES = {
+    125e6: 6.0e-4, 350e6: 3.0e-4, 760e6: 2.5e-4, 1.3e9: 2.0e-4, 2.7e9: 1.6e-4, 6.7e9: 1.2e-4, 13e9: 1.0e-4, 175e9: 0.6e-4
+}
+# How far above its size's GPT-3 rate a learning rate is "far above": Llama 2 trained 7B and 13B at 3e-4 (2.5 and 3
+# times GPT-3's rate there), so a ceiling closer to the table would warn about published recipes.
+LEARNING_RATE_CEILING = 5.0
+
+
+def run_warnings(params: PipelineParams) -> list[str]:
+    """What a run can start with but will most likely not learn well with, one line each with the numbers and the
+    reason (empty for the presets)."""
+    warnings = [
+        sequence_parallel_warning(params.parallel),
+        rope_warning(params.model),
+        clipping_warning(params.optimizer),
+        learning_rate_warning(params.model, params.optimizer),
+        loss_scale_warning(params.precision, params.train.steps),
+    ]
+    return [warning for warning in warnings if warning is not None]
+
+
+def sequence_parallel_warning(parallel: ParallelParams) -> str | None:
+    """Sequence parallelism splits the sequence over the tp group, so with tensor_parallel=1 there is nothing to
+    split. A warning, not a refusal: one params file runs under several layouts (`llmflow plan --try`, layout
+    trials, a resume resharded to another tp), and a long-context preset should keep sequence_parallel on wherever
+    tp > 1 without being refused at tp=1."""
+    if parallel.sequence_parallel and parallel.tensor_parallel == 1:
+        return (
+            "parallel.sequence_parallel=true with parallel.tensor_parallel=1: there is no tp group to split the "
+            "sequence over, so it changes nothing"
+        )
+    return None
+
+
+def rope_warning(model: ModelParams) -> str | None:
+    """RoPE turns pair i of a head's d dimensions by theta^(-2i/d) radians a position, so the slowest pair
+    (i = d/2 - 1) comes full circle every 2 pi theta^((d-2)/d) positions. When that wavelength is shorter than
+    the sequence, every pair has wrapped around inside the context: a token that far back gets the same rotation
+    as a near one, attention cannot tell them apart, and the loss hovers high on long sequences. The least theta
+    whose slowest wavelength covers seq_len is (seq_len / 2 pi)^(d/(d-2))."""
+    d = model.head_dim
+    wavelength = 2 * math.pi * model.rope_theta ** ((d - 2) / d)
+    if wavelength >= model.seq_len:
+        return None
+    fix = f"raise model.rope_theta to at least {(model.seq_len / (2 * math.pi)) ** (d / (d - 2)):.0f}" if d > 2 else "widen the heads"
+    return (
+        f"model.rope_theta={model.rope_theta:g} with head dim {d}: the slowest RoPE pair comes full circle every "
+        f"{wavelength:.0f} positions, fewer than model.seq_len={model.seq_len}, so attention cannot tell tokens that "
+        f"far apart from near ones and loss hovers high on long sequences ({fix}; 10000 is usual)"
+    )
+
+
+def clipping_warning(optimizer: OptimizerParams) -> str | None:
+    """Without a clip, one batch with an outsized gradient moves every weight by its full size."""
+    if optimizer.grad_clip is not None:
+        return None
+    return (
+        "optimizer.grad_clip=null: gradients are not clipped, so one batch with an outsized gradient moves every "
+        "weight by its full size (loss spikes, divergence mid-run); 1.0 is the usual clip"
+    )
+
+
+def approximate_parameters(model: ModelParams) -> int:
+    """Kaplan et al.'s 12 L H^2 for the blocks (attention 4 H^2, an MLP of 8 H^2), plus the embedding table: the
+    size that learning-rate tables are read at."""
+    return 12 * model.num_layers * model.hidden_size**2 + model.vocab_size * model.hidden_size
+
+
+def typical_learning_rate(parameters: float) -> float:
+    """The power law a N^b fitted by least squares to GPT-3's table in log-log, which carries it below its smallest
+    model (125M) and between its rows."""
+    xs = [math.log(size) for size in GPT3_LEARNING_RATES]
+    ys = [math.log(rate) for rate in GPT3_LEARNING_RATES.values()]
+    x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum((x - x_mean) ** 2 for x in xs)
+    return math.exp(y_mean + slope * (math.log(parameters) - x_mean))
+
+
+def learning_rate_warning(model: ModelParams, optimizer: OptimizerParams) -> str | None:
+    """A peak learning rate more than LEARNING_RATE_CEILING times what models of this size train at."""
+    parameters = approximate_parameters(model)
+    typical = typical_learning_rate(parameters)
+    if optimizer.lr <= LEARNING_RATE_CEILING * typical:
+        return None
+    return (
+        f"optimizer.lr={optimizer.lr:g} is {optimizer.lr / typical:.0f}x the {typical:.2g} that models of ~"
+        f"{_count(parameters)} parameters train at (GPT-3's table, fitted), above the {LEARNING_RATE_CEILING:g}x "
+        f"that published recipes stay under: expect loss spikes and divergence (lower optimizer.lr to "
+        f"{LEARNING_RATE_CEILING * typical:.2g} or less)"
+    )
+
+
+def loss_scale_warning(precision: PrecisionParams, steps: int) -> str | None:
+    """fp16 flushes gradients below ~6e-8 to zero unless the loss is scaled up first; the scale here is dynamic,
+    but one that starts at 1 and cannot grow within the run (loss_scale_window >= steps) scales nothing."""
+    if precision.compute_dtype != "float16":
+        return None
+    if precision.initial_loss_scale <= 1 and precision.loss_scale_window >= steps:
+        return (
+            f"precision.compute_dtype=float16 without loss scaling: precision.initial_loss_scale="
+            f"{precision.initial_loss_scale:g} cannot grow within train.steps={steps} (precision.loss_scale_window="
+            f"{precision.loss_scale_window}), so small gradients flush to zero in fp16; start it at 65536 (the default)"
+        )
+    return None
+
+
+def _count(parameters: float) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if parameters >= size:
+            return f"{parameters / size:.3g}{unit}"
+    return f"{parameters:.0f}"

@@ -80,6 +80,55 @@ class DataSource(StrictModel):
         return self
 
 
+class DataHealthParams(StrictModel):
+    """Thresholds of the data-health measures that data prep writes to the manifest (model_core/data/health.py
+    defines them): a source or dataset above one gets a warning naming the measure, its value and the threshold.
+    Warnings, never refusals; they change nothing in the dataset, which keeps its key whatever they are."""
+
+    max_fertility: float = Field(
+        0.5,
+        gt=0.0,
+        description="Tokens per character of the tokenized documents. A tokenizer trained on the text gives "
+        "about 0.25 on English prose and 0.3 on code; near 1 it spells text out piece by piece (a vocabulary too "
+        "small, or trained on other text). Scripts without spaces between words (Chinese, Japanese) run higher.",
+    )
+    max_rare_token_share: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="Share of training tokens whose id occurs fewer than 10 times in the whole training split: "
+        "pieces too rare for their embeddings to learn anything.",
+    )
+    max_unknown_rate: float = Field(
+        0.01,
+        ge=0.0,
+        le=1.0,
+        description="Share of training tokens that are the unknown piece or byte-fallback pieces (<0x..>): text "
+        "the vocabulary does not cover.",
+    )
+    max_repeated_ngram_rate: float = Field(
+        0.5,
+        ge=0.0,
+        le=1.0,
+        description="Share of the 4-grams of token ids in a packed training row that already occurred earlier in "
+        "the same row: repetitive text (boilerplate, a few lines repeated, generated filler).",
+    )
+    max_longest_id_run: int = Field(
+        64,
+        ge=1,
+        description="Longest run of one token id inside a packed training row, padding left out (a separator "
+        "line, a blob of whitespace or zeros).",
+    )
+    max_near_copy_row_share: float = Field(
+        0.1,
+        ge=0.0,
+        le=1.0,
+        description="Share of packed training rows that nearly copy an earlier row (MinHash over "
+        "data.shingle_words-token shingles, LSH banded for a Jaccard similarity of 0.8): repeated content the "
+        "model sees several times per epoch.",
+    )
+
+
 class DataParams(StrictModel):
     """Data prep: read, clean, deduplicate, filter, tokenize, pack, shuffle, split, write shards."""
 
@@ -154,6 +203,10 @@ class DataParams(StrictModel):
         "its sha256 (reads every byte: minutes per TB), a damaged dataset being rebuilt. The manifest (against "
         "manifest.sha256) and the tokenizer are always checked by their sha256, and training checks each shard's "
         "sha256 when it first reads it, whichever is chosen here.",
+    )
+    health: DataHealthParams = Field(
+        default_factory=DataHealthParams,
+        description="Thresholds of the data-health warnings (README 'Data health').",
     )
     runner: Literal["local", "ray"] = Field(
         "local",

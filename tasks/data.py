@@ -13,7 +13,7 @@ from prefect.artifacts import create_markdown_artifact
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
-from model_core.data import PrepResult, prepare_dataset
+from model_core.data import PrepResult, health, prepare_dataset
 from params import PipelineParams, flatten
 from tasks.progress import PhaseProgress, forwarded_logs
 from tasks.retry import retry_on_transient_io
@@ -75,6 +75,7 @@ def prepare_and_record(params: PipelineParams, tracking: Tracking) -> DataResult
         metrics["seconds"] = time.perf_counter() - started
         run.log_metrics(metrics)
         run.set_tags({"llmflow.dataset_dir": str(result.output_dir)})
+        record_health(run, health_of(result.manifest, params))
         run.log_datasets(training_datasets(result.output_dir))  # what it made, each split in the role it has
         record_reuse(run, "data prep", result.output_dir if result.reused else None)
         _log_artifacts(run, result)
@@ -95,6 +96,23 @@ def _stage_params(params: PipelineParams) -> dict[str, object]:
     return {key: value for key, value in flatten(params).items() if key.startswith(keep)}
 
 
+def health_of(manifest: dict, params: PipelineParams) -> dict | None:
+    """The manifest's data-health section judged against this run's data.health thresholds (a reused dataset was
+    judged against those of the run that built it); None for a dataset prepared before data health existed."""
+    section = manifest.get("health")
+    return {**section, **health.judge(section, params.data.health)} if section else None
+
+
+def record_health(run: StageRun, section: dict | None) -> None:
+    """The data-health line and warnings in the console and the Prefect log, and on the data prep run: the tag
+    `llmflow.data_health_warnings` (their count) and the text artifact data_health.txt (the measures are metrics)."""
+    line = health.summary_line(section)
+    print(line)
+    if section is not None:
+        run.set_tags({"llmflow.data_health_warnings": str(len(section["warnings"]))})
+        run.log_text(line + "\n", "data_health.txt")
+
+
 def _log_artifacts(run: StageRun, result: PrepResult) -> None:
     run.log_artifact(result.manifest_path, "data")
     run.log_artifact(result.tokenizer_path, "tokenizer")
@@ -102,7 +120,9 @@ def _log_artifacts(run: StageRun, result: PrepResult) -> None:
 
 # Manifest sections that record settings (already the stage's params) or per-shard detail, not measurements:
 # left out of the stage's metrics, where only what prep counted and measured belongs.
-MANIFEST_SETTINGS = frozenset({"shards", "params", "format_version", "near_dedup", "tokenizer", "vocab_size", "seq_len"})
+MANIFEST_SETTINGS = frozenset(
+    {"shards", "params", "format_version", "near_dedup", "tokenizer", "vocab_size", "seq_len", "thresholds"}
+)
 
 
 def numeric_leaves(tree: object, prefix: str = "", skip: frozenset[str] | set[str] = frozenset()) -> dict[str, float]:

@@ -296,6 +296,18 @@ def pipeline_run(params: PipelineParams) -> Iterator[Tracking]:
         close_pipeline_run(tracking, succeeded)
 
 
+def record_warnings(tracking: Tracking, warnings: list[str]) -> None:
+    """The run's warnings (params/rules.py `check_run`), once per pipeline run: printed (the console and, in a
+    flow with log_prints, the Prefect log) and on the pipeline's MLflow run, as the tag `llmflow.warnings` (their
+    count) and the text artifact warnings.txt."""
+    for warning in warnings:
+        print(f"warning: {warning}")
+    run = StageRun(_mlflow_client(tracking.uri), tracking.parent_run_id)
+    run.set_tags({"llmflow.warnings": str(len(warnings))})
+    if warnings:
+        run.log_text("\n".join(warnings) + "\n", "warnings.txt")
+
+
 # A training stage's summary: its logged summary metrics and, from its per-step history, these.
 TRAINING_STAGES = ("smoke", "pretrain", "finetune")
 HISTORY_HEADLINES = {  # headline name -> (history metric, how its values are summarised)

@@ -8,6 +8,7 @@ diagnosed (`llmflow doctor`) into its MLflow run and the log before its error go
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from pydantic import BaseModel
 
+from model_core.data.health import summary_line
 from model_core.parallel.launch import launch_training
 from model_core.storage import write_file
 from model_core.train import runs
@@ -24,7 +26,7 @@ from model_core.train.checkpoint import Checkpoint, list_checkpoints, verify
 from model_core.train.runs import TrainingRun
 from model_core.train.trainer import Trainer, TrainResult
 from params import PipelineParams, to_yaml
-from tasks.data import DataResult
+from tasks.data import DataResult, health_of
 from tasks.doctor import diagnosed_on_failure
 from tasks.plots import loss_curve_png
 from tasks.progress import IntervalLog, StageFigures
@@ -174,7 +176,9 @@ def result_of_checkpoint(found: Checkpoint, history: list[dict[str, float]]) -> 
 
 @task(name="smoke-run", cache_policy=NO_CACHE)
 def smoke_run(params: PipelineParams, data: DataResult, tracking: Tracking) -> TrainStageResult:
-    """Always from a random initialisation: it checks that this model, data and optimizer can learn."""
+    """Always from a random initialisation: it checks that this model, data and optimizer can learn. It starts with
+    the data-health line, whose warnings name what most often keeps a run from learning on its data."""
+    print(summary_line(health_of(json.loads(data.manifest_path.read_text()), params)))
     with stage_run(tracking, "smoke") as run:
         planned = runs.smoke_run(params, data.dataset_dir)
         with diagnosed_on_failure(params, run, planned.directory, data.dataset_dir):

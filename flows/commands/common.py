@@ -4,6 +4,7 @@ dataset the stages after data prep read."""
 from __future__ import annotations
 
 import argparse
+import sys
 
 from params import PipelineParams, load_params, preset_names
 
@@ -27,6 +28,13 @@ def add_params_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load(args: argparse.Namespace) -> PipelineParams:
     return load_params(args.params, args.overrides)
+
+
+def show_warnings(warnings: list[str]) -> None:
+    """The run's warnings from params/rules.py `check_run`, on stderr, by the command that starts the run (its
+    msrun ranks run the command again, and leave them to it)."""
+    for warning in warnings:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def prepared_pretraining_data(params: PipelineParams):

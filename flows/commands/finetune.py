@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from flows.commands.common import add_params_arguments, load, prepared_pretraining_data
+from flows.commands.common import add_params_arguments, load, prepared_pretraining_data, show_warnings
 from flows.commands.train import resume_choice
 from params import PipelineParams
 from params.rules import check_run
@@ -43,7 +43,9 @@ def run(args: argparse.Namespace) -> int:
     from tasks.progress import TrainingProgress
 
     params = load(args)
-    check_run(params, finetunes=True)  # a run that cannot happen fails before anything is prepared
+    warnings = check_run(params, finetunes=True)  # a run that cannot happen fails before anything is prepared
+    if not comm.launched_by_msrun():
+        show_warnings(warnings)
     dataset = prepared_pretraining_data(params)
     base = args.base or latest_pretrained(params, dataset.output_dir)
     instructions = prepare_instructions(

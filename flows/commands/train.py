@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
-from flows.commands.common import add_params_arguments, load, prepared_pretraining_data
+from flows.commands.common import add_params_arguments, load, prepared_pretraining_data, show_warnings
 from model_core.parallel.launch import COLLECTIVE_TIMEOUT_S
 from params.rules import check_run
 
@@ -66,7 +66,9 @@ def run(args: argparse.Namespace) -> int:
     from tasks.progress import TrainingProgress
 
     params = load(args)
-    check_run(params)  # a run that cannot happen fails before anything is prepared
+    warnings = check_run(params)  # a run that cannot happen fails before anything is prepared
+    if not comm.launched_by_msrun():
+        show_warnings(warnings)
     dataset = prepared_pretraining_data(params)
     convert = params.convert
     converted = convert_for_run(convert, params.model, params.parallel.tensor_parallel) if convert.hf_source else None

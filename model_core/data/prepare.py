@@ -46,7 +46,7 @@ from pathlib import Path
 
 import numpy as np
 
-from model_core.data import dedup, global_dedup, row_shuffle, shard_map
+from model_core.data import dedup, global_dedup, health, row_shuffle, shard_map
 from model_core.data.docstrings import stdlib_fingerprint
 from model_core.data.engine import LocalMapper, Mapper, available_cores, run_jobs
 from model_core.data.errors import DataPrepError
@@ -74,7 +74,8 @@ WORK_DIR = ".work"  # under data.output_dir: map results kept for later runs, an
 MAX_REPORTED_RECORDS = shard_map.MAX_REPORTED_RECORDS
 # Params that change where or how fast the data is made, not what it is.
 _NON_DATA_PARAMS = {
-    "output_dir", "num_workers", "runner", "ray_address", "ray_connect_timeout_s", "shard_bytes", "verify_on_reuse"
+    "output_dir", "num_workers", "runner", "ray_address", "ray_connect_timeout_s", "shard_bytes", "verify_on_reuse",
+    "health",  # thresholds of warnings about the data, which is the same whatever they are
 }
 # How training mixes the sources, not what any source's rows hold.
 _MIXTURE_FIELDS = {"name", "weight", "epochs"}
@@ -278,6 +279,7 @@ class _Build:
                 f"the {splits['train']['documents']} training documents make {splits['train']['tokens']} tokens, "
                 f"less than one row of model.seq_len + 1 = {self.model.seq_len + 1}"
             )
+        data_health = self._health(shards)
         return {
             "format_version": FORMAT_VERSION,
             "counts": {**read_counts, "dropped": dropped, "kept_documents": kept},
@@ -294,6 +296,7 @@ class _Build:
             **vocab_padding(self.model),
             "seq_len": self.model.seq_len,
             "splits": splits,
+            "health": data_health,
         }
 
     def report(self, workers: int) -> dict:
@@ -406,7 +409,11 @@ class _Build:
         shared_tokenizer = self.scratch / TOKENIZER_NAME
         shutil.copyfile(tokenizer_path, shared_tokenizer)
         params = self._map_params(
-            "map", tokenizer_sha256=tokenizer_sha256, vocab_size=self.model.vocab_size, near=self.data.near_dup_threshold is not None
+            "map",
+            tokenizer_sha256=tokenizer_sha256,
+            vocab_size=self.model.vocab_size,
+            near=self.data.near_dup_threshold is not None,
+            characters=True,  # a result holds its documents' characters (fertility): one without them is not reused
         )
         # The last shards encode on as many threads as there are workers: a worker still on one of them when
         # the others have none left then takes their cores, where one thread left them idle (on 2 cores and
@@ -505,6 +512,20 @@ class _Build:
             }
             for split in row_shuffle.SPLITS
         }
+
+    def _health(self, shards: list[InputShard]) -> dict:
+        """The manifest's data-health section: the training rows measured a run of input shards per job, then
+        merged per source and judged against data.health (health.py)."""
+        runs = row_shuffle.job_runs(len(shards), self.workers)
+        packing = self._packing("train")
+        jobs = [health.HealthJob(self.scratch, packing, *run, self.data.shingle_words) for run in runs]
+        measured = [shard for job in self._run_step_of_small_jobs("health", health.measure_shards, jobs) for shard in job]
+        started = time.perf_counter()
+        unknown = health.unknown_ids(self.build_dir / TOKENIZER_NAME)
+        sources = health.shard_sources(self.data.sources, shards)
+        section = health.summarize(measured, sources, self.scratch, unknown, self.data.health)
+        self.seconds["health"] += time.perf_counter() - started
+        return section
 
     def _packing(self, split: str) -> row_shuffle.Packing:
         return row_shuffle.Packing(

@@ -217,6 +217,17 @@ def _save_pack(directory: Path, rows: PackedRows, positions: np.ndarray, packing
     files.write("start_offsets", rows.doc_start_offsets)
 
 
+def packed_rows(scratch: Path, packing: Packing, shard: int) -> tuple[np.ndarray, np.ndarray]:
+    """The rows that `pack_shard` wrote for an input shard: their positions in the shuffled split and the rows,
+    (rows, row_len) in their stored type, memory-mapped."""
+    directory = pack_directory(scratch, packing.split, shard)
+    positions = np.fromfile(directory / "positions", dtype=np.int64)
+    if not len(positions):  # a shard where no row starts: an empty file cannot be mapped
+        return positions, np.empty((0, packing.row_len), token_dtype(packing.vocab_size))
+    rows = np.memmap(directory / "tokens", dtype=token_dtype(packing.vocab_size), mode="r")
+    return positions, rows.reshape(-1, packing.row_len)
+
+
 class _PackFiles:
     """A pack step's arrays as headerless files whose types the packing decides. A write step reads one
     bucket's range of each with positioned reads: with .npy files, opening every pack's arrays for every

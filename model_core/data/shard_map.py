@@ -118,6 +118,7 @@ class _Counts:
         self.seen = dict.fromkeys((*FILTER_STEPS, "exact_duplicate"), 0)
         self.dropped = dict.fromkeys((*FILTER_STEPS, "exact_duplicate"), 0)
         self._hashes: set[bytes] = set()
+        self.characters: list[int] = []  # of each selected document
 
     def select(self, texts: list[str]) -> tuple[list[str], np.ndarray]:
         """The texts that pass the length filters and are not repeats of an earlier one in this shard."""
@@ -145,6 +146,7 @@ class _Counts:
             self.dropped["exact_duplicate"] += int((~first).sum())
             kept = [text for text, flag in zip(kept, first.tolist()) if flag]
             hashes = hashes[first]
+        self.characters += map(len, kept)
         return kept, hashes
 
 
@@ -253,6 +255,7 @@ def map_shard(job: ShardJob) -> dict:
         np.save(directory / "hashes.npy", all_hashes)
         np.save(directory / "validation.npy", is_validation(all_hashes, job.data))
         np.save(directory / "lengths.npy", lengths.astype(np.int32))
+        np.save(directory / "characters.npy", np.array(counts.characters, dtype=np.int64))
         np.save(directory / "tokens.npy", token_ids.astype(token_dtype(job.vocab_size)))
         if signatures is not None:
             np.save(directory / "signatures.npy", signatures)
