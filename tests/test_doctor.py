@@ -155,7 +155,9 @@ def short_runs(dataset_dir, tmp_path_factory) -> dict[str, tuple[object, list[di
 
     base = [*SMALL_MODEL, "train.log_interval=1", "train.eval_interval=1000", "train.micro_batch_size=2"]
     runs = {
-        "divergence": ["optimizer.lr=0.05", "optimizer.grad_clip=null", "optimizer.warmup_steps=2", "train.steps=30"],
+        # Four times the small model's width: at 64 wide, Adam at lr 0.05 only makes the loss noisy.
+        "divergence": ["model.hidden_size=256", "model.ffn_hidden_size=512", "optimizer.lr=0.05", "optimizer.grad_clip=null",
+                       "optimizer.warmup_steps=2", "train.steps=30"],
         "overflow": ["precision.compute_dtype=float16", "precision.initial_loss_scale=1e30", "train.steps=10"],
     }
     found = {}
@@ -175,7 +177,7 @@ def short_runs(dataset_dir, tmp_path_factory) -> dict[str, tuple[object, list[di
 def test_a_learning_rate_far_too_high_without_clipping_diverges(short_runs):
     params, records, failure = short_runs["divergence"]
     report = diagnose(RunEvidence(params, records, failure=failure))
-    assert report.kind in ("divergence", "spikes"), report.text()
+    assert report.kind == "divergence", report.text()
     first, second = report.causes[:2]
     assert first.name.startswith("learning rate far above") and "optimizer.lr=0.05" in first.evidence
     assert second.change == "optimizer.grad_clip=1.0"

@@ -5,7 +5,7 @@ hands `on_metrics`), its dataset's health (the manifest's `health` section), its
   oom         a log says memory ran out (`model_core.parallel.oom` places the phase);
   hang        the launcher found the job hung, the scheduler lost a node, or the heartbeats show a silent rank;
   divergence  after warmup, the loss climbed well above its best and did not come back, or passed the loss of
-              guessing uniformly over the vocabulary (ln V);
+              guessing uniformly over the vocabulary (ln V) for several records running;
   non-finite  steps whose loss or gradient norm was inf or nan (the trainer skips them);
   spikes      after warmup, single records far above the median of the records before them, then back down;
   plateau     after warmup, the last third of the records is barely below the first third (or the smoke gate
@@ -49,6 +49,8 @@ KINDS = {
 }
 # A loss above its best post-warmup value by this share (and by at least DIVERGED_NATS) has diverged.
 DIVERGED_SHARE, DIVERGED_NATS = 0.25, 0.5
+# Records in a row above ln V (and DIVERGED_NATS) after warmup that make a divergence even if the loss comes back.
+BLOWN_UP_RECORDS = 3
 # A record above the median of the SPIKE_WINDOW records before it by this share (at least SPIKE_NATS) is a spike.
 SPIKE_SHARE, SPIKE_NATS, SPIKE_WINDOW = 0.1, 0.3, 10
 # A post-warmup loss whose last third is below its first third by less than this share is a plateau.
@@ -271,7 +273,7 @@ def _diverged(judged: list[dict], params: PipelineParams | None, then_nonfinite:
     uniform = math.log(params.model.vocab_size) if params is not None else None
     above_uniform = uniform is not None and ending > uniform + DIVERGED_NATS and best_at < len(losses) - len(tail)
     if ending - losses[best_at] < margin and not above_uniform:
-        return None
+        return _blew_up(judged, uniform, then_nonfinite)
     norms = [r.get("grad_norm") for r in (judged[best_at], tail[-1])]
     norm_words = f", gradient norm {norms[0]:.3g} -> {norms[1]:.3g}" if None not in norms else ""
     words = (f"steps {judged[best_at]['step']}-{tail[-1]['step']}: loss {losses[best_at]:.3f} (best, step "
@@ -279,6 +281,30 @@ def _diverged(judged: list[dict], params: PipelineParams | None, then_nonfinite:
     if above_uniform:
         words += f"; above ln(vocab_size) = {uniform:.3f}, worse than guessing"
     return words + ("; then non-finite steps" if then_nonfinite else "")
+
+
+def _blew_up(judged: list[dict], uniform: float | None, then_nonfinite: bool) -> str | None:
+    """After warmup, BLOWN_UP_RECORDS or more records in a row worse than guessing (above ln V): the update threw
+    the model out of what it had learnt, a divergence even where the loss later found its way back down."""
+    if uniform is None:
+        return None
+    start, longest = None, (0, 0)
+    for i, record in enumerate([*judged, {"loss": -math.inf}]):
+        if record["loss"] > uniform + DIVERGED_NATS:
+            start = i if start is None else start
+        elif start is not None:
+            longest = max(longest, (i - start, start), key=lambda pair: pair[0])
+            start = None
+    length, first = longest
+    if length < BLOWN_UP_RECORDS:
+        return None
+    window = judged[first:first + length]
+    peak = max(window, key=lambda r: r["loss"])
+    after = judged[first + length:]
+    back = f", then back to {after[-1]['loss']:.3f} by step {after[-1]['step']}" if after else ""
+    return (f"steps {window[0]['step']}-{window[-1]['step']}: loss above ln(vocab_size) = {uniform:.3f}, worse than "
+            f"guessing, for {length} records running, peaking at {peak['loss']:.3f} (step {peak['step']}){back}"
+            + ("; then non-finite steps" if then_nonfinite else ""))
 
 
 def _spikes(judged: list[dict]) -> str | None:
