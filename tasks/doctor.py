@@ -124,18 +124,21 @@ def diagnose_target(
 
 @contextmanager
 def diagnosed_on_failure(
-    params: PipelineParams, run: StageRun, directory: Path | None, dataset_dir: Path | None
+    params: PipelineParams, run: StageRun, directory: Path | None, dataset_dir: Path | None,
+    stage: str | None = None,
 ) -> Iterator[None]:
-    """Run a training stage's block; when it raises, `report_failed_stage` before the error goes on."""
+    """Run a training stage's block; when it raises, `report_failed_stage` before the error goes on. `stage`
+    "finetune": `params` are the fine-tuning trainer's (`finetune_params`)."""
     try:
         yield
     except Exception as error:
-        report_failed_stage(params, run, directory, dataset_dir, f"{type(error).__name__}: {error}")
+        report_failed_stage(params, run, directory, dataset_dir, f"{type(error).__name__}: {error}", stage)
         raise
 
 
 def report_failed_stage(
     params: PipelineParams, run: StageRun, directory: Path | None, dataset_dir: Path | None, failure: str,
+    stage: str | None = None,
 ) -> Report | None:
     """Diagnose a failed stage from its MLflow run and its directory, and leave the report on the console (and so
     in the Prefect log), as `doctor.md` and `doctor.json` on the run, and as the tag `llmflow.doctor.kind`. The
@@ -147,6 +150,7 @@ def report_failed_stage(
         evidence.metrics = evidence.metrics or metric_records(run.client, run.run_id)
         evidence.health = evidence.health or _health(dataset_dir)
         evidence.failure = failure
+        evidence.stage = stage
         report = diagnose(evidence)
         run.log_text(report.text() + "\n", "doctor.md")
         run.log_text(report.to_json() + "\n", "doctor.json")

@@ -18,10 +18,11 @@ from model_core.parallel.launch import launch
 from model_core.storage import write_file
 from model_core.train.callbacks import MetricsCallback, fan_out, follow_jsonl
 from model_core.train.checkpoint import latest_valid
-from model_core.train.finetune import ADAPTERS_DIR, FinetuneResult, finetune, read_summary
+from model_core.train.finetune import ADAPTERS_DIR, FinetuneResult, finetune, finetune_params, read_summary
 from model_core.train.runs import finetune_directory
 from params import PipelineParams, to_yaml
 from tasks.data import MANIFEST_SETTINGS, DataResult, numeric_leaves
+from tasks.doctor import diagnosed_on_failure
 from tasks.plots import loss_curve_png
 from tasks.progress import IntervalLog, StageFigures
 from tasks.retry import retry_on_transient_io
@@ -72,7 +73,11 @@ def finetune_stage(
         if reused is not None:
             result = reused
         else:
-            with MetricsBatcher(run) as batcher:
+            tuned = finetune_params(params)
+            with (
+                diagnosed_on_failure(tuned, run, directory, instructions.output_dir, stage="finetune"),
+                MetricsBatcher(run) as batcher,
+            ):
                 metrics = fan_out(batcher, IntervalLog("finetune", params.lora.steps))
                 if params.parallel.world_size > 1:  # the ranks under msrun, as pretraining runs them
                     result = _finetune_on_ranks(params, base_checkpoint, directory, metrics)

@@ -124,6 +124,21 @@ def test_loss_spikes_after_warmup_name_the_step():
     assert "largest gradient norm logged was 250" in report.causes[0].evidence
 
 
+def test_a_fine_tune_that_blows_up_names_lora_lr_and_a_pretraining_lr_is_not_judged_by_lora_rates():
+    from model_core.train.finetune import finetune_params
+
+    tuned = finetune_params(load_params("tiny", ["lora.enabled=true", "lora.lr=0.01", "lora.steps=100"]))
+    metrics = _falling(range(1, 101), start=3.0)
+    for record in metrics[40:50]:  # ten records worse than guessing over the 512-piece vocabulary
+        record["loss"] = 9.0
+    report = diagnose(RunEvidence(tuned, metrics, stage="finetune"))
+    assert report.kind == "divergence", report.text()
+    assert "loss above ln(vocab_size)" in report.summary and "for 10 records running" in report.summary
+    assert report.causes[0].change.startswith("lora.lr: try 2e-04") and "lora.lr=0.01" in report.causes[0].evidence
+    healthy = finetune_params(load_params("tiny", ["lora.enabled=true", "lora.lr=2e-4", "lora.steps=100"]))
+    assert diagnose(RunEvidence(healthy, _falling(range(1, 101), start=3.0), stage="finetune")).causes == []
+
+
 def test_an_oom_log_is_placed_in_its_phase():
     log = ('Traceback (most recent call last):\n  File "/x/model_core/train/trainer.py", line 1, in _optimizer_step\n'
            "RuntimeError: Allocate memory failed\n")

@@ -242,23 +242,27 @@ def _native_send_receive(x: Tensor, source: int, destination: int, me: int) -> T
 
 def gather_contribution(x: Tensor, index: int, size: int, axis: int = 0) -> Tensor:
     """A buffer of `size` blocks the shape of x along `axis`: zeros, except block `index`, which is x."""
-    shape = tuple(x.shape)
+    if axis:  # moved to the front and back: the row form below is the one MindSpore's graph compiler takes
+        return row_contribution(x.swapaxes(0, axis), index, size).swapaxes(0, axis)
+    return row_contribution(x, index, size)
 
-    def zeros(blocks: int) -> Tensor:
-        return ops.zeros(shape[:axis] + (blocks * shape[axis],) + shape[axis + 1 :], x.dtype)
 
+def row_contribution(x: Tensor, index: int, size: int) -> Tensor:
+    """A buffer of `size` blocks the shape of x along axis 0: zeros, except block `index`, which is x."""
+    rest = tuple(x.shape[1:])
+    before, after = index * x.shape[0], (size - 1 - index) * x.shape[0]
     parts = []
-    if index:
-        parts.append(zeros(index))
+    if before:
+        parts.append(ops.zeros((before,) + rest, x.dtype))
     parts.append(x)
-    if size - 1 - index:
-        parts.append(zeros(size - 1 - index))
-    return ops.cat(parts, axis) if len(parts) > 1 else x
+    if after:
+        parts.append(ops.zeros((after,) + rest, x.dtype))
+    return ops.cat(parts) if len(parts) > 1 else x
 
 
 def all_to_all_contribution(x: Tensor, index: int, size: int) -> Tensor:
     """[size, *x.shape]: zeros, except row `index`, which is x (summed over the group: every member's x)."""
-    return gather_contribution(x.reshape((1,) + tuple(x.shape)), index, size)
+    return row_contribution(x.reshape((1,) + tuple(x.shape)), index, size)
 
 
 def received_blocks(gathered: Tensor, index: int, size: int) -> Tensor:

@@ -57,6 +57,9 @@ SPIKE_SHARE, SPIKE_NATS, SPIKE_WINDOW = 0.1, 0.3, 10
 PLATEAU_DROP = 0.02
 # Validation loss this far above its best while the training loss falls: the model memorises its training rows.
 MEMORISING_NATS = 0.1
+# The peak learning rate LoRA fine-tunes are usually run at (Hu et al. 2021 and Dettmers et al. 2023 use 1e-4 to
+# 4e-4 on their largest models).
+LORA_USUAL_LR = 2e-4
 # Learning rates published for dense decoder models trained from scratch, by non-embedding size (GPT-3, Brown et
 # al. 2020, table 2.1): the doctor calls an lr "far above" when it exceeds LR_FAR_ABOVE times the one for its size.
 PUBLISHED_LR = ((125e6, 6e-4), (350e6, 3e-4), (760e6, 2.5e-4), (1.3e9, 2e-4), (2.7e9, 1.6e-4), (6.7e9, 1.2e-4),
@@ -147,6 +150,10 @@ class RunEvidence:
     logs: dict[str, str] = field(default_factory=dict)  # name (a path) -> text
     heartbeats: list[dict] = field(default_factory=list)
     failure: str | None = None  # the error the run ended with, when known
+    # "finetune" when the metrics are a LoRA fine-tune's: `params` are then the ones its trainer ran with
+    # (`finetune_params`: lora.lr as the peak, a tenth of lora.steps as warmup) and the learning rate is judged
+    # against LoRA's, not pretraining's.
+    stage: str | None = None
 
 
 def diagnose(run: RunEvidence) -> Report:
@@ -365,7 +372,16 @@ def _param_causes(run: RunEvidence) -> list[tuple[str, Cause]]:
     optimizer, model, precision = params.optimizer, params.model, params.precision
     size = non_embedding_parameters(model)
     usual = typical_lr(size)
-    if optimizer.lr > LR_FAR_ABOVE * usual:
+    if run.stage == "finetune":
+        if optimizer.lr > LR_FAR_ABOVE * LORA_USUAL_LR:
+            found.append(("lr", Cause(
+                "learning rate far above what LoRA fine-tunes train at",
+                f"lora.lr={optimizer.lr:g}; LoRA and QLoRA fine-tunes use about {LORA_USUAL_LR:.0e}, and "
+                f"{LR_FAR_ABOVE:g}x that is {LR_FAR_ABOVE * LORA_USUAL_LR:.0e}",
+                f"lora.lr: try {LORA_USUAL_LR:.0e}",
+                1.0 + math.log10(optimizer.lr / (LR_FAR_ABOVE * LORA_USUAL_LR)),
+            )))
+    elif optimizer.lr > LR_FAR_ABOVE * usual:
         found.append(("lr", Cause(
             "learning rate far above what models of this size train at",
             f"optimizer.lr={optimizer.lr:g} for {size / 1e6:,.1f}M non-embedding parameters; published runs of that "
