@@ -255,7 +255,6 @@ def documents_reference(dataset_dir, tmp_path_factory):
 CP2 = ("parallel.context_parallel=2", "parallel.micro_batches=4")
 JOBS = {
     "cp2": (2, CP2),
-    "cp2-lora": (2, (*CP2, *LORA)),
     "dp2-cp2-recompute": (4, ("parallel.data_parallel=2", "parallel.context_parallel=2", "parallel.micro_batches=2",
                               "recompute.mode=all")),
     "tp2-cp2": (4, ("parallel.tensor_parallel=2", *CP2)),
@@ -278,7 +277,7 @@ def test_document_resets_change_the_run(documents_reference, dataset_dir, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name in JOBS if name != "cp2-lora"])
+@pytest.mark.parametrize("name", list(JOBS))
 def test_cp_layouts_match_one_process(name, request, documents_reference):
     jobs = request.getfixturevalue("two_worker_jobs" if JOBS[name][0] == 2 else "four_worker_jobs")
     _, ranks = jobs[name]
@@ -287,9 +286,10 @@ def test_cp_layouts_match_one_process(name, request, documents_reference):
         assert [r["step"] for r in rank["history"] if "validation_loss" in r] == [5, 10]
 
 
-@pytest.mark.slow
-def test_cp2_lora_matches_one_process(two_worker_jobs, dataset_dir, tmp_path):
-    _, ranks = two_worker_jobs["cp2-lora"]
+# -m extended: LoRA is trained under a layout by default in tests/test_finetune.py (dp2 ZeRO-1), cp2 without it here
+@pytest.mark.extended
+def test_cp2_lora_matches_one_process(dataset_dir, tmp_path):
+    ranks = train_job(tmp_path / "cp2-lora", dataset_dir, *CP_RUN, *CP2, *LORA)
     expected = _one_process(dataset_dir, tmp_path, *LORA, lora=True)
     for rank in ranks:
         assert_same_metrics(rank["history"], expected)
