@@ -16,9 +16,9 @@ import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-# Fixtures whose one launch several test files read: under pytest-xdist those files must run in one worker, or each
-# worker would launch the jobs again.
-SHARED_LAUNCHES = ("two_worker_jobs", "four_worker_jobs")
+# Fixtures whose one launch or run several test files read: under pytest-xdist those files must run in one worker, or
+# each worker would launch the jobs (or train the reference) again.
+SHARED_LAUNCHES = ("two_worker_jobs", "four_worker_jobs", "single_process")
 
 
 @pytest.hookimpl(tryfirst=True)
