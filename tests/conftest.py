@@ -177,12 +177,30 @@ TWO_WORKER_JOBS: dict[str, tuple[str, ...]] = {}
 FOUR_WORKER_JOBS: dict[str, tuple[str, ...]] = {}
 
 
+@contextmanager
+def workers_temp_dir(directory: Path) -> Iterator[Path]:
+    """TMPDIR for the processes started in the block: `directory`, where a test finds what they left there."""
+    directory.mkdir()
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(directory)
+    try:
+        yield directory
+    finally:
+        if before is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = before
+
+
 @pytest.fixture(scope="session")
 def two_worker_jobs(dataset_dir, tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
-    """name -> (the job's directory, each rank's report) for every job in TWO_WORKER_JOBS."""
+    """name -> (the job's directory, each rank's report) for every job in TWO_WORKER_JOBS. The workers' temporary
+    directory is `tmp` beside the jobs' directories (what the offload test reads)."""
     from test_parallel_msrun import train_jobs
 
-    return train_jobs(tmp_path_factory.mktemp("two-worker-jobs"), dataset_dir, dict(TWO_WORKER_JOBS))
+    root = tmp_path_factory.mktemp("two-worker-jobs")
+    with workers_temp_dir(root / "tmp"):
+        return train_jobs(root, dataset_dir, dict(TWO_WORKER_JOBS))
 
 
 @pytest.fixture(scope="session")

@@ -76,17 +76,20 @@ def test_dp2_zero_with_offload_equals_the_job_without(dataset_dir, plain_job, tm
     assert_same_blocks(checkpoint(tmp_path / "offloaded"), checkpoint(plain_dir), blocks=1)
 
 
-def test_dp2_zero3_with_param_offload_equals_the_job_without(dataset_dir, plain_job, tmp_path, offload_dir):
+TWO_WORKER_JOBS["dp2-zero3-param-offload"] = (*layout(3), *PARAM_OFFLOAD)
+
+
+def test_dp2_zero3_with_param_offload_equals_the_job_without(plain_job, two_worker_jobs):
     plain_dir, plain = plain_job(3)
-    offloaded = train_job(tmp_path / "offloaded", dataset_dir, *layout(3), *PARAM_OFFLOAD)
+    offloaded_dir, offloaded = two_worker_jobs["dp2-zero3-param-offload"]
     for before, again in zip(plain, offloaded, strict=True):
         assert metrics(again) == metrics(before)
         # the moments and the shards the update reads and writes, and the shards the step's gathers fetch
         assert again["history"][-1]["offload_bytes_per_step"] > 2 * before["moment_bytes"]
         assert again["parameter_bytes"] == before["parameter_bytes"]  # in the model: the shards' gradient buffers
         assert again["offload_mappings_after_run"] == 0
-    assert_same_blocks(checkpoint(tmp_path / "offloaded"), checkpoint(plain_dir), blocks=1)
-    assert leftover_files(offload_dir) == []
+    assert_same_blocks(checkpoint(offloaded_dir), checkpoint(plain_dir), blocks=1)
+    assert leftover_files(offloaded_dir.parent / "tmp") == []  # the launch's temporary directory (tests/conftest.py)
 
 
 @pytest.mark.extended
