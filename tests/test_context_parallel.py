@@ -259,12 +259,13 @@ JOBS = {
     "tp2-cp2": (4, ("parallel.tensor_parallel=2", *CP2)),
     "pp2-cp2": (4, ("parallel.pipeline_parallel=2", *CP2)),
     # ZeRO-3 and recompute in one job, as the 32K preset runs them (a recomputed layer gathers its shards again)
-    "dp2-cp2-zero3-recompute": (4, ("parallel.data_parallel=2", "parallel.context_parallel=2", "parallel.micro_batches=2",
-                                    "parallel.zero_stage=3", "recompute.mode=all")),
+    "dp2-cp2-zero3-recompute": (4, ("parallel.data_parallel=2", "parallel.context_parallel=2",
+                                    "parallel.micro_batches=2", "parallel.zero_stage=3", "recompute.mode=all")),
 }
 EXTENDED_JOBS = ("pp2-cp2",)  # cp composed with another layout runs by default as tp2 x cp2 and dp2 x cp2
-TWO_WORKER_JOBS.update({name: (*CP_RUN, *job[1]) for name, job in JOBS.items() if job[0] == 2 and name not in EXTENDED_JOBS})
-FOUR_WORKER_JOBS.update({name: (*CP_RUN, *job[1]) for name, job in JOBS.items() if job[0] == 4 and name not in EXTENDED_JOBS})
+for name, (workers, overrides) in JOBS.items():
+    if name not in EXTENDED_JOBS:
+        (TWO_WORKER_JOBS if workers == 2 else FOUR_WORKER_JOBS)[name] = (*CP_RUN, *overrides)
 
 
 @pytest.mark.slow
