@@ -25,7 +25,7 @@ SHARED_LAUNCHES = ("two_worker_jobs", "four_worker_jobs", "single_process")
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (README's `-n 2`; `--dist loadgroup` in pyproject), put each test module in one group,
     so that its module fixtures (a pretrained model, a Ray cluster) are made once, and every module that reads the
-    shared msrun launches in one group together. A worker takes a whole group and the next when it is nearly
+    shared msrun launches or the single-process reference in one group together. A worker takes a whole group and the next when it is nearly
     done, so the groups go out longest first: the shared launches, then modules by their count of slow tests."""
     if not hasattr(config, "workerinput"):
         return
