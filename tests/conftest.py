@@ -16,16 +16,16 @@ import pytest
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
-# Fixtures whose one launch several test files read: under pytest-xdist those files must run in one worker, or each
-# worker would launch the jobs again.
-SHARED_LAUNCHES = ("two_worker_jobs", "four_worker_jobs")
+# Fixtures whose one launch or run several test files read: under pytest-xdist those files must run in one worker, or
+# each worker would launch the jobs (or train the reference) again.
+SHARED_LAUNCHES = ("two_worker_jobs", "four_worker_jobs", "single_process")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Under pytest-xdist (README's `-n 2`; `--dist loadgroup` in pyproject), put each test module in one group,
     so that its module fixtures (a pretrained model, a Ray cluster) are made once, and every module that reads the
-    shared msrun launches in one group together. A worker takes a whole group and the next when it is nearly
+    shared msrun launches or the single-process reference in one group together. A worker takes a whole group and the next when it is nearly
     done, so the groups go out longest first: the shared launches, then modules by their count of slow tests."""
     if not hasattr(config, "workerinput"):
         return
@@ -177,12 +177,30 @@ TWO_WORKER_JOBS: dict[str, tuple[str, ...]] = {}
 FOUR_WORKER_JOBS: dict[str, tuple[str, ...]] = {}
 
 
+@contextmanager
+def workers_temp_dir(directory: Path) -> Iterator[Path]:
+    """TMPDIR for the processes started in the block: `directory`, where a test finds what they left there."""
+    directory.mkdir()
+    before = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"] = str(directory)
+    try:
+        yield directory
+    finally:
+        if before is None:
+            del os.environ["TMPDIR"]
+        else:
+            os.environ["TMPDIR"] = before
+
+
 @pytest.fixture(scope="session")
 def two_worker_jobs(dataset_dir, tmp_path_factory) -> dict[str, tuple[Path, list[dict]]]:
-    """name -> (the job's directory, each rank's report) for every job in TWO_WORKER_JOBS."""
+    """name -> (the job's directory, each rank's report) for every job in TWO_WORKER_JOBS. The workers' temporary
+    directory is `tmp` beside the jobs' directories (what the offload test reads)."""
     from test_parallel_msrun import train_jobs
 
-    return train_jobs(tmp_path_factory.mktemp("two-worker-jobs"), dataset_dir, dict(TWO_WORKER_JOBS))
+    root = tmp_path_factory.mktemp("two-worker-jobs")
+    with workers_temp_dir(root / "tmp"):
+        return train_jobs(root, dataset_dir, dict(TWO_WORKER_JOBS))
 
 
 @pytest.fixture(scope="session")

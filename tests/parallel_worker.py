@@ -239,17 +239,24 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     (out_dir / f"rank{trainer.rank}.json").write_text(json.dumps(report))
 
 
-def jobs(_: Path, jobs_json: str) -> None:
+def jobs(log_dir: Path, jobs_json: str) -> None:
     """`train` for each job of JOBS_JSON (a list of {"out": OUT_DIR, "arguments": [DATASET_DIR, options...]}), one
-    after another: each job builds its own Trainer, as a new process would, and the workers start once."""
+    after another: each job builds its own Trainer, as a new process would, and the workers start once. Rank 0
+    writes each job's seconds (compile included) to LOG_DIR/job_seconds.json, to show where a launch's time goes."""
     import gc
+    import time
 
+    seconds = {}
     for job in json.loads(Path(jobs_json).read_text()):
         out = Path(job["out"])
         out.mkdir(parents=True, exist_ok=True)
+        started = time.monotonic()
         train(out, *job["arguments"])
+        seconds[job["out"]] = round(time.monotonic() - started, 1)
         gc.collect()
         ms.ms_memory_recycle()  # the finished job's cached runtime memory, which MindSpore keeps per model
+    if comm.rank() == 0:
+        (log_dir / "job_seconds.json").write_text(json.dumps(seconds, indent=1))
 
 
 if __name__ == "__main__":

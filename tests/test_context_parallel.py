@@ -1,7 +1,8 @@
 """Context parallelism: the chunking and mask arithmetic in one process; the layout's cp groups; the rules that
-refuse what cannot run; the planner's cp arithmetic; and under msrun, cp2 alone, with dp2 (and recompute), tp2,
-pp2, ZeRO-3 and LoRA equal to one process in loss and gradient norm over 10 steps on packed rows with document
-resets (attention and positions restart at each document), and a cp2 checkpoint resumed in one process."""
+refuse what cannot run; the planner's cp arithmetic; and under msrun, cp2 alone, with tp2, and with dp2 under ZeRO-3
+and recompute (with pp2 and under LoRA with -m extended) equal to one process in loss and gradient norm over 10
+steps on packed rows with document resets (attention and positions restart at each document), and a cp2 checkpoint
+resumed in one process."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 from conftest import FOUR_WORKER_JOBS, SMALL_MODEL, TWO_WORKER_JOBS
 from mindspore import Tensor, nn, ops
-from test_parallel_msrun import RUN, assert_same_metrics, resume_from_step, train_job
+from test_parallel_msrun import RUN, assert_same_metrics, resume_from_step, shared_or_own_job, train_job
 
 from model_core.data import open_split
 from model_core.model.attention import Attention, CausalMask
@@ -255,16 +256,16 @@ def documents_reference(dataset_dir, tmp_path_factory):
 CP2 = ("parallel.context_parallel=2", "parallel.micro_batches=4")
 JOBS = {
     "cp2": (2, CP2),
-    "cp2-lora": (2, (*CP2, *LORA)),
-    "dp2-cp2-recompute": (4, ("parallel.data_parallel=2", "parallel.context_parallel=2", "parallel.micro_batches=2",
-                              "recompute.mode=all")),
     "tp2-cp2": (4, ("parallel.tensor_parallel=2", *CP2)),
     "pp2-cp2": (4, ("parallel.pipeline_parallel=2", *CP2)),
-    "dp2-cp2-zero3": (4, ("parallel.data_parallel=2", "parallel.context_parallel=2", "parallel.micro_batches=2",
-                          "parallel.zero_stage=3")),
+    # ZeRO-3 and recompute in one job, as the 32K preset runs them (a recomputed layer gathers its shards again)
+    "dp2-cp2-zero3-recompute": (4, ("parallel.data_parallel=2", "parallel.context_parallel=2",
+                                    "parallel.micro_batches=2", "parallel.zero_stage=3", "recompute.mode=all")),
 }
-TWO_WORKER_JOBS.update({name: (*CP_RUN, *overrides) for name, (workers, overrides) in JOBS.items() if workers == 2})
-FOUR_WORKER_JOBS.update({name: (*CP_RUN, *overrides) for name, (workers, overrides) in JOBS.items() if workers == 4})
+EXTENDED_JOBS = ("pp2-cp2",)  # cp composed with another layout runs by default as tp2 x cp2 and dp2 x cp2
+for name, (workers, overrides) in JOBS.items():
+    if name not in EXTENDED_JOBS:
+        (TWO_WORKER_JOBS if workers == 2 else FOUR_WORKER_JOBS)[name] = (*CP_RUN, *overrides)
 
 
 @pytest.mark.slow
@@ -278,18 +279,20 @@ def test_document_resets_change_the_run(documents_reference, dataset_dir, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [name for name in JOBS if name != "cp2-lora"])
-def test_cp_layouts_match_one_process(name, request, documents_reference):
-    jobs = request.getfixturevalue("two_worker_jobs" if JOBS[name][0] == 2 else "four_worker_jobs")
-    _, ranks = jobs[name]
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED_JOBS else [])
+                                  for name in JOBS])
+def test_cp_layouts_match_one_process(name, request, documents_reference, tmp_path):
+    workers, overrides = JOBS[name]
+    _, ranks = shared_or_own_job(request, name, tmp_path, *CP_RUN, *overrides, workers=workers)
     for rank in ranks:
         assert_same_metrics(rank["history"], documents_reference[1])
         assert [r["step"] for r in rank["history"] if "validation_loss" in r] == [5, 10]
 
 
-@pytest.mark.slow
-def test_cp2_lora_matches_one_process(two_worker_jobs, dataset_dir, tmp_path):
-    _, ranks = two_worker_jobs["cp2-lora"]
+# -m extended: LoRA is trained under a layout by default in tests/test_finetune.py (dp2 ZeRO-1), cp2 without it here
+@pytest.mark.extended
+def test_cp2_lora_matches_one_process(dataset_dir, tmp_path):
+    ranks = train_job(tmp_path / "cp2-lora", dataset_dir, *CP_RUN, *CP2, *LORA)
     expected = _one_process(dataset_dir, tmp_path, *LORA, lora=True)
     for rank in ranks:
         assert_same_metrics(rank["history"], expected)

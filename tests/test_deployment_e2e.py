@@ -79,6 +79,7 @@ def test_deployment_run_completes_and_is_tracked(corpus_jsonl, tmp_path):
         "PREFECT_API_URL": api_url,
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         "MLFLOW_TRACKING_URI": mlflow_uri,
+        "PREFECT_WORKER_QUERY_SECONDS": "1",  # the worker finds the run at once, not within 10 s
     }
     server_cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     server = _start(server_cmd, env, tmp_path / "server.log")
@@ -96,7 +97,7 @@ def test_deployment_run_completes_and_is_tracked(corpus_jsonl, tmp_path):
 
         params = load_params("tiny", small_pipeline_overrides(corpus_jsonl, tmp_path / "data", "deployed"))
         run_args = ["deployment", "run", "pretrain-flow/nightly", "--params", json.dumps({"params": params.model_dump(mode="json")})]
-        done = _prefect([*run_args, "--watch", "--watch-timeout", "600"], env, timeout=660)
+        done = _prefect([*run_args, "--watch", "--watch-interval", "1", "--watch-timeout", "600"], env, timeout=660)
         assert "Completed" in done.stdout, done.stdout + (tmp_path / "worker.log").read_text()[-3000:]
 
         client = MlflowClient(mlflow_uri)

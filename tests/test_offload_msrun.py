@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import TWO_WORKER_JOBS
-from test_parallel_msrun import assert_resumed_tail, assert_same_blocks, resume_from_step, shared_or_own_job, train_job
+from conftest import PARALLEL_STEPS, TWO_WORKER_JOBS
+from test_parallel_msrun import assert_resumed_tail, assert_same_blocks, resume_from_step, train_job, zero_job
 
 from model_core.optim.offload import FILE_PREFIX
 from model_core.train.checkpoint import Checkpoint
@@ -16,13 +16,13 @@ from model_core.train.checkpoint import Checkpoint
 pytestmark = pytest.mark.slow
 
 
-STEPS = 10
+STEPS = PARALLEL_STEPS  # the shared dp2 ZeRO jobs' steps: those jobs are the references
 KEYS = ("step", "loss", "grad_norm", "lr", "validation_loss")
 PARAM_OFFLOAD = ("parallel.optimizer_offload=true", "parallel.param_offload=true")
 
 
 def layout(zero_stage: int) -> tuple[str, ...]:
-    return ("parallel.data_parallel=2", "parallel.micro_batches=2", f"parallel.zero_stage={zero_stage}", f"train.steps={STEPS}")
+    return zero_job(zero_stage)
 
 
 def metrics(report: dict) -> list[list]:
@@ -33,20 +33,15 @@ def checkpoint(run, step: int = STEPS) -> Checkpoint:
     return Checkpoint(run / "out" / "checkpoints" / f"step-{step:08d}", step)
 
 
-TWO_WORKER_JOBS["offload-plain-zero3"] = layout(3)  # the default test's reference
-
-
-@pytest.fixture(scope="module")
-def plain_job(request, tmp_path_factory):
-    """job(zero_stage): (its directory, its reports) of the job without offload, run once for the tests that
-    compare against it."""
-    jobs = {}
+@pytest.fixture
+def plain_job(two_worker_jobs):
+    """job(zero_stage): (its directory, its reports) of the job without offload: the shared launch's dp2 ZeRO job
+    (tests/test_parallel_msrun.py registers it), which trains the same params."""
 
     def job(zero_stage: int):
-        if zero_stage not in jobs:
-            out = tmp_path_factory.mktemp(f"plain-zero{zero_stage}")
-            jobs[zero_stage] = shared_or_own_job(request, f"offload-plain-zero{zero_stage}", out, *layout(zero_stage))
-        return jobs[zero_stage]
+        name = f"dp2-zero{zero_stage}"
+        assert TWO_WORKER_JOBS[name] == layout(zero_stage), name
+        return two_worker_jobs[name]
 
     return job
 
@@ -81,17 +76,20 @@ def test_dp2_zero_with_offload_equals_the_job_without(dataset_dir, plain_job, tm
     assert_same_blocks(checkpoint(tmp_path / "offloaded"), checkpoint(plain_dir), blocks=1)
 
 
-def test_dp2_zero3_with_param_offload_equals_the_job_without(dataset_dir, plain_job, tmp_path, offload_dir):
+TWO_WORKER_JOBS["dp2-zero3-param-offload"] = (*layout(3), *PARAM_OFFLOAD)
+
+
+def test_dp2_zero3_with_param_offload_equals_the_job_without(plain_job, two_worker_jobs):
     plain_dir, plain = plain_job(3)
-    offloaded = train_job(tmp_path / "offloaded", dataset_dir, *layout(3), *PARAM_OFFLOAD)
+    offloaded_dir, offloaded = two_worker_jobs["dp2-zero3-param-offload"]
     for before, again in zip(plain, offloaded, strict=True):
         assert metrics(again) == metrics(before)
         # the moments and the shards the update reads and writes, and the shards the step's gathers fetch
         assert again["history"][-1]["offload_bytes_per_step"] > 2 * before["moment_bytes"]
         assert again["parameter_bytes"] == before["parameter_bytes"]  # in the model: the shards' gradient buffers
         assert again["offload_mappings_after_run"] == 0
-    assert_same_blocks(checkpoint(tmp_path / "offloaded"), checkpoint(plain_dir), blocks=1)
-    assert leftover_files(offload_dir) == []
+    assert_same_blocks(checkpoint(offloaded_dir), checkpoint(plain_dir), blocks=1)
+    assert leftover_files(offloaded_dir.parent / "tmp") == []  # the launch's temporary directory (tests/conftest.py)
 
 
 @pytest.mark.extended

@@ -1,9 +1,9 @@
-"""ZeRO-2 and ZeRO-3 composed with pipeline and tensor parallelism, on four msrun workers, against one process
-on the same global batch (8 rows a step, 8 steps): dp2 x pp2 with ZeRO-2 and a tied table (its gradient
-pieces cut alike on both end stages and summed over them), dp2 x pp2 with ZeRO-3, dp2 x tp2 with ZeRO-3 (each
-tp block sharded over dp). Each gives the single-process losses, gradient norms and validation losses; each
-rank holds half the gradients (ZeRO-2) or weights (ZeRO-3) of its stage or block; the checkpoints join into
-the single-process weights; a ZeRO-2 pipeline checkpoint resumes bit-exactly, and under dp2 x tp2 ZeRO-3."""
+"""ZeRO-2 and ZeRO-3 composed with pipeline and tensor parallelism, on four msrun workers, against one process on the
+same global batch (8 rows a step, 8 steps): dp2 x pp2 with ZeRO-2 and a tied table (its gradient pieces cut alike on
+both end stages and summed over them), dp2 x pp2 with ZeRO-3 (-m extended), dp2 x tp2 with ZeRO-3 (each tp block
+sharded over dp). Each gives the single-process losses, gradient norms and validation losses; each rank holds half
+the gradients (ZeRO-2) or weights (ZeRO-3) of its stage or block; the checkpoints join into the single-process
+weights; a ZeRO-2 pipeline checkpoint resumes bit-exactly, and under dp2 x tp2 ZeRO-3."""
 
 from __future__ import annotations
 
@@ -64,7 +64,11 @@ EVERY_4 = "train.checkpoint_interval=4"
 
 
 EXTENDED = "dp2_tp2_zero3"  # the resume test below trains under it against one process by default
-FOUR_WORKER_JOBS.update({name: (SHORT, NARROW, EVERY_4, *LAYOUTS[name][0]) for name in LAYOUTS if name != EXTENDED})
+# ZeRO-3 under another layout runs by default as dp2 x tp2 (below) and dp2 x cp2 (tests/test_context_parallel.py),
+# ZeRO under a pipeline as dp2 x pp2 ZeRO-2
+EXTENDED_LAYOUTS = (EXTENDED, "dp2_pp2_zero3")
+FOUR_WORKER_JOBS.update({name: (SHORT, NARROW, EVERY_4, *LAYOUTS[name][0])
+                         for name in LAYOUTS if name not in EXTENDED_LAYOUTS})
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +86,8 @@ def jobs(request, tmp_path_factory):
     return job
 
 
-@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.extended] if name == EXTENDED else []) for name in LAYOUTS])
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.extended] if name in EXTENDED_LAYOUTS else [])
+                                  for name in LAYOUTS])
 def test_zero_composes_with_pipeline_and_tensor_parallelism(name, jobs, one_process, tmp_path):
     _, layout, held = LAYOUTS[name]
     out, ranks = jobs(name)
