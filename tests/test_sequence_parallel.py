@@ -136,3 +136,20 @@ def test_the_planner_counts_the_residual_streams_slices_and_the_gathered_slice()
     assert added == tokens * hidden * 4 // 2
     one = Candidate(2, 1, 1, 0, "none")  # tp1: nothing to split
     assert activation_bytes(plain, one, 0, CPU) == activation_bytes(split, one, 0, CPU)
+
+
+def test_on_cpu_the_planner_charges_a_rank_what_its_collectives_add_to_the_step():
+    """A rank of a job of several ranks, and each layer's collectives: tp's, sequence parallelism's on top, cp's."""
+    from model_core.parallel.planner import ACCELERATOR, CPU, Candidate, collective_graph_bytes
+
+    plain, split = load_params("tiny"), load_params("tiny", list(SP))
+    layers = plain.model.num_layers
+    assert collective_graph_bytes(plain, Candidate(1, 1, 1, 0, "none"), CPU, layers) == 0  # one process
+    assert collective_graph_bytes(plain, Candidate(2, 1, 1, 0, "none"), CPU, layers) == CPU.collective_runtime_bytes
+    tp = collective_graph_bytes(plain, Candidate(1, 2, 1, 0, "none"), CPU, layers)
+    assert tp == CPU.collective_runtime_bytes + layers * CPU.tensor_parallel_bytes_per_layer
+    sp = collective_graph_bytes(split, Candidate(1, 2, 1, 0, "none"), CPU, layers)
+    assert sp - tp == layers * CPU.sequence_parallel_bytes_per_layer > 0
+    cp = collective_graph_bytes(plain, Candidate(1, 1, 1, 0, "none", cp=2), CPU, layers)
+    assert cp == CPU.collective_runtime_bytes + layers * CPU.context_parallel_bytes_per_layer
+    assert collective_graph_bytes(split, Candidate(1, 2, 1, 0, "none", cp=2), ACCELERATOR, layers) == 0
