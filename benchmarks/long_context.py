@@ -3,9 +3,9 @@
 A small model at a sequence length where activations dominate a rank (vocab 512, hidden 256, 8 layers, 4 heads
 with 2 key/value heads, FFN 512, 4.9M parameters; sequences of 2048 tokens, micro-batch 1, fp32) trains a few
 steps under each layout. Eight layers, because what a layer keeps for its backward grows with the layers while
-attention's score-sized working tensors ([heads / tp, T / cp, T] fp32, recomputed in the backward) are alive for one
-layer at a time: with two layers those would be most of a rank's activations and hide what sequence parallelism
-takes off the rest.
+most of attention's score-sized working tensors ([heads / tp, T / cp, T] fp32, recomputed in the backward) are alive
+for one layer at a time: with two layers those would be most of a rank's activations and hide what sequence
+parallelism takes off the rest.
   cp1     one process;
   cp2     two msrun workers, each holding two of the four chunks of every sequence (parallel.context_parallel=2);
   tp2     two workers, tensor parallel;
