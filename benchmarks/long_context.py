@@ -1,8 +1,11 @@
 """Long sequences: what context parallelism (and sequence parallelism inside tensor parallelism) takes off a rank.
 
-A small model at a sequence length where activations dominate a rank (vocab 512, hidden 256, 2 layers, 4 heads
-with 2 key/value heads, FFN 512, 0.6M parameters; sequences of 2048 tokens, micro-batch 1, fp32) trains a few
-steps under each layout:
+A small model at a sequence length where activations dominate a rank (vocab 512, hidden 256, 8 layers, 4 heads
+with 2 key/value heads, FFN 512, 4.9M parameters; sequences of 2048 tokens, micro-batch 1, fp32) trains a few
+steps under each layout. Eight layers, because what a layer keeps for its backward grows with the layers while
+most of attention's score-sized working tensors ([heads / tp, T / cp, T] fp32, recomputed in the backward) are alive
+for one layer at a time: with two layers those would be most of a rank's activations and hide what sequence
+parallelism takes off the rest.
   cp1     one process;
   cp2     two msrun workers, each holding two of the four chunks of every sequence (parallel.context_parallel=2);
   tp2     two workers, tensor parallel;
@@ -36,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 LONG, SHORT = 2048, 256
 MODEL = [
-    "model.vocab_size=512", "model.hidden_size=256", "model.num_layers=2", "model.num_heads=4", "model.num_kv_heads=2",
+    "model.vocab_size=512", "model.hidden_size=256", "model.num_layers=8", "model.num_heads=4", "model.num_kv_heads=2",
     "model.ffn_hidden_size=512", "model.tie_embeddings=true",
 ]
 RUN = ["train.micro_batch_size=1", "train.log_interval=1", "train.eval_interval=100000",

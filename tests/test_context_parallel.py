@@ -346,3 +346,25 @@ def test_planner_recommends_cp_only_when_no_layout_without_it_fits():
     table = format_plan_table(tight)
     assert "context parallelism: each rank receives" in table and " cp2 " in table
     assert any(e.candidate.cp > 1 for e in plan(params, 8, 64 * 2**30, context_parallel=True).estimates)
+
+
+def test_planner_counts_attention_scores_on_cpu_where_no_fused_kernel_runs():
+    """Without a fused kernel (CPU) a rank holds score-sized fp32 tensors [B, heads / tp, T / cp, T]: some while one
+    layer's attention runs, some for each layer; divided by tp and by cp. A fused kernel (accelerator) holds none."""
+    from dataclasses import replace
+
+    from model_core.parallel.planner import ACCELERATOR, CPU, Candidate, activation_bytes
+
+    def scores(candidate, *overrides):
+        params = load_params("tiny", ["model.seq_len=1024", "train.micro_batch_size=2", *overrides])
+        without = replace(CPU, attention_score_buffers=0.0, attention_score_buffers_per_layer=0.0)
+        return activation_bytes(params, candidate, 0, CPU) - activation_bytes(params, candidate, 0, without)
+
+    def expected(layers):  # micro-batch 2, 4 heads
+        return 2 * 4 * 1024 * 1024 * 4 * (CPU.attention_score_buffers + layers * CPU.attention_score_buffers_per_layer)
+
+    assert ACCELERATOR.attention_score_buffers == ACCELERATOR.attention_score_buffers_per_layer == 0
+    assert scores(Candidate(1, 1, 1, 0, "none")) == pytest.approx(expected(4), abs=1)
+    assert scores(Candidate(1, 1, 1, 0, "none"), "model.num_layers=8") == pytest.approx(expected(8), abs=1)
+    assert scores(Candidate(1, 2, 1, 0, "none")) == pytest.approx(expected(4) / 2, abs=1)
+    assert scores(Candidate(1, 1, 1, 0, "none", cp=2)) == pytest.approx(expected(4) / 2, abs=1)

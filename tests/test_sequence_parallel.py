@@ -102,18 +102,21 @@ def test_tp2_with_sequence_parallelism_trains_as_one_process_on_rows_of_several_
 
 @pytest.mark.slow
 @pytest.mark.extended  # four workers each; tp2 with sequence parallelism runs by default
-@pytest.mark.parametrize("layout", [
-    pytest.param(("parallel.pipeline_parallel=2",), id="tp2-pp2"),
-    pytest.param(("parallel.data_parallel=2", "parallel.zero_stage=3", "parallel.micro_batches=2"), id="dp2-tp2-zero3"),
+@pytest.mark.parametrize("layout, documents", [
+    pytest.param(("parallel.pipeline_parallel=2",), True, id="tp2-pp2"),
+    pytest.param(("parallel.pipeline_parallel=2",), False, id="tp2-pp2-rows-without-positions"),
+    pytest.param(("parallel.data_parallel=2", "parallel.zero_stage=3", "parallel.micro_batches=2"), True, id="dp2-tp2-zero3"),
 ])
-def test_sequence_parallelism_composes_with_pipeline_stages_and_zero3(layout, dataset_dir, documents_single_process, tmp_path):
-    """A later stage receives its slice of the sequence and builds RoPE and masks for the whole; ZeRO-3 gathers
-    each weight inside the projections that gather the sequence."""
+def test_sequence_parallelism_composes_with_pipeline_stages_and_zero3(layout, documents, dataset_dir, request, tmp_path):
+    """A later stage receives its slice of the sequence and builds RoPE and masks for the whole (from the rows'
+    positions, or without them from the positions its pipeline stage gives it); ZeRO-3 gathers each weight inside
+    the projections that gather the sequence."""
     from test_parallel_msrun import assert_same_metrics, train_job
 
-    ranks = train_job(tmp_path, dataset_dir, *SP, DOCUMENTS, *layout, workers=4)
+    ranks = train_job(tmp_path, dataset_dir, *SP, *([DOCUMENTS] if documents else []), *layout, workers=4)
+    expected = request.getfixturevalue("documents_single_process" if documents else "single_process")
     for rank in ranks:
-        assert_same_metrics(rank["history"], documents_single_process)
+        assert_same_metrics(rank["history"], expected if documents else expected["history"])
 
 
 def test_the_planner_counts_the_residual_streams_slices_and_the_gathered_slice():
@@ -133,3 +136,20 @@ def test_the_planner_counts_the_residual_streams_slices_and_the_gathered_slice()
     assert added == tokens * hidden * 4 // 2
     one = Candidate(2, 1, 1, 0, "none")  # tp1: nothing to split
     assert activation_bytes(plain, one, 0, CPU) == activation_bytes(split, one, 0, CPU)
+
+
+def test_on_cpu_the_planner_charges_a_rank_what_its_collectives_add_to_the_step():
+    """A rank of a job of several ranks, and each layer's collectives: tp's, sequence parallelism's on top, cp's."""
+    from model_core.parallel.planner import ACCELERATOR, CPU, Candidate, collective_graph_bytes
+
+    plain, split = load_params("tiny"), load_params("tiny", list(SP))
+    layers = plain.model.num_layers
+    assert collective_graph_bytes(plain, Candidate(1, 1, 1, 0, "none"), CPU, layers) == 0  # one process
+    assert collective_graph_bytes(plain, Candidate(2, 1, 1, 0, "none"), CPU, layers) == CPU.collective_runtime_bytes
+    tp = collective_graph_bytes(plain, Candidate(1, 2, 1, 0, "none"), CPU, layers)
+    assert tp == CPU.collective_runtime_bytes + layers * CPU.tensor_parallel_bytes_per_layer
+    sp = collective_graph_bytes(split, Candidate(1, 2, 1, 0, "none"), CPU, layers)
+    assert sp - tp == layers * CPU.sequence_parallel_bytes_per_layer > 0
+    cp = collective_graph_bytes(plain, Candidate(1, 1, 1, 0, "none", cp=2), CPU, layers)
+    assert cp == CPU.collective_runtime_bytes + layers * CPU.context_parallel_bytes_per_layer
+    assert collective_graph_bytes(split, Candidate(1, 2, 1, 0, "none", cp=2), ACCELERATOR, layers) == 0

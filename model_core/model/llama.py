@@ -277,9 +277,6 @@ class Llama(nn.Cell):
         # A pipeline stage is this model with the ends it does not hold removed (`parallel.pipeline`): it then
         # takes the previous stage's hidden states instead of tokens, or returns its own instead of logits.
         self.takes_tokens, self.returns_logits = True, True
-        # Under sequence parallelism (`parallel.tensor`) the hidden states a later stage receives are one of this many
-        # slices of the sequence, while RoPE and the masks are the whole sequence's.
-        self.sequence_shards = 1
         self.rope_cos, self.rope_sin = rope_tables(params.head_dim, params.seq_len, params.rope_theta)
         self.attention_mask = CausalMask(params.seq_len)
         self.rotation_basis = rotation_basis(params.head_dim)  # decoding's RoPE, see `rotation_matrices`
@@ -322,7 +319,9 @@ class Llama(nn.Cell):
     def _inputs(self, tokens: Tensor, position_ids: Tensor | None, segment_ids: Tensor | None):
         """The first block's input [B, T, hidden] (embedded tokens, or a previous stage's hidden states), RoPE's
         cos and sin and the attention mask."""
-        seq = tokens.shape[1] if self.takes_tokens else tokens.shape[1] * self.sequence_shards
+        # Attention spans the positions' sequence where they are given: under sequence parallelism a later pipeline
+        # stage receives a slice of the hidden states with the positions of the whole sequence.
+        seq = tokens.shape[1] if position_ids is None else position_ids.shape[1]
         cos, sin = self._rotary_angles(seq, position_ids)
         mask = self.attention_mask(seq, segment_ids)
         x = self.embed_tokens(tokens).astype(self.compute_dtype) if self.takes_tokens else tokens

@@ -241,6 +241,7 @@ def parallelize(
             zero2_group=dp_group if zero_stage == 2 else None, routing_coefficients=routing_coefficients,
             experts=expert_weights(model, table) if ep_group.size > 1 else (),
             expert_dp_group=expert_dp_group, bucket_bytes=bucket_bytes,
+            sequence_slices=layout.tp if table.sequence_parallel else 1,
         )
     elif zero_stage == 2 and ep_group.size > 1:  # dense gradients reduce-scattered over dp, experts' over expert-dp
         accumulate = ExpertShardedAccumulateGradients(

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import mindspore as ms
 import numpy as np
@@ -433,6 +433,10 @@ class PipelineStage:
     weighted by `routing_coefficients` (aux, z) and the micro-batch's counted tokens as in one process, and `run`
     gathers every stage's routing statistics over the pipeline, so each stage can report the whole model's
     (`routing_statistics`).
+
+    Under sequence parallelism (`sequence_slices` = tp) the hidden states between stages are this rank's slice of
+    the sequence, and a later stage, which attends over the whole sequence, is given the whole sequence's positions
+    where the batch has none (`Llama` takes the sequence's length from them).
     """
 
     def __init__(
@@ -448,8 +452,10 @@ class PipelineStage:
         experts: Collection[Parameter] = (),
         expert_dp_group: comm.Group | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        sequence_slices: int = 1,
     ) -> None:
         self.group = comm.group(layout.pp_group(rank))
+        self.sequence_slices = sequence_slices
         self.stages, self.stage = layout.pp, self.group.index
         self.first, self.last = self.stage == 0, self.stage == self.stages - 1
         self.kind = kind
@@ -514,6 +520,7 @@ class PipelineStage:
         `buffers` (the tied table's summed over its two copies). Returns the summed token loss of all of
         them, on every stage."""
         orders = schedule(self.kind, self.stages, len(micro_batches))
+        micro_batches = [self._with_positions(batch) for batch in micro_batches]
         routing = np.zeros(self.routing_rows[2], np.float32) if self.routing_rows is not None else None
         summed = self._execute(orders, micro_batches, scale, backward=True, routing=routing)
         if self.tied_sum is not None:
@@ -531,7 +538,15 @@ class PipelineStage:
 
     def loss(self, batch: MicroBatch) -> float:
         """The summed token loss of one batch, forward only, on every stage."""
-        return self._execute(forward_only(self.stages, 1), [batch], None, backward=False)
+        return self._execute(forward_only(self.stages, 1), [self._with_positions(batch)], None, backward=False)
+
+    def _with_positions(self, batch: MicroBatch) -> MicroBatch:
+        """`batch`, with the positions 0..T-1 of the whole sequence where a later stage under sequence parallelism
+        would otherwise see only the length of its slice."""
+        if self.first or self.sequence_slices == 1 or batch.position_ids is not None:
+            return batch
+        positions = np.broadcast_to(np.arange(batch.tokens.shape[1], dtype=np.int32), batch.tokens.shape)
+        return replace(batch, position_ids=Tensor(np.ascontiguousarray(positions)))
 
     def _execute(self, orders, micro_batches, scale, backward: bool, routing: np.ndarray | None = None) -> float:
         """Runs the ticks of `orders`; a routed stage adds its blocks' statistics into `routing`, in their rows."""
@@ -620,7 +635,7 @@ class PipelineStage:
     def _activation_shape(self, batch: MicroBatch) -> tuple[int, ...]:
         """[B, T, hidden], or under sequence parallelism this rank's slice of the sequence."""
         rows, seq = batch.tokens.shape
-        return (rows, seq // self.model.sequence_shards, self.hidden_size)
+        return (rows, seq // self.sequence_slices, self.hidden_size)
 
     def _share_over_stages(self, values: list[float]) -> tuple[float, list[tuple[float, float]]]:
         """(the loss summed over stages, every stage's (compute, wall) seconds) from this stage's values."""

@@ -28,7 +28,10 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    stage) and recomputes its forward in the backward, so it holds one micro-batch's set on top;
                    in flight: pp - stage under 1F1B, micro_batches under GPipe.
                    The last stage adds the head's inputs, BTH (4 + c) (sequence parallelism: / tp),
-                   and `logits_buffers` fp32 [B, T, V/tp].
+                   and `logits_buffers` fp32 [B, T, V/tp]. Without a fused attention kernel (CPU): fp32
+                   [B, heads/tp, T/cp, T] score-sized tensors, `attention_score_buffers` for the layer whose
+                   attention runs and `attention_score_buffers_per_layer` for each layer (measured; the
+                   backward recomputes the probabilities, so no layer should need to keep them).
     communication  dp > 1: two gradient buckets (the flat input and the summed output); ZeRO-3: two layers'
                    gathered parameters; tp > 1: two BTH c activations (sent and received; sequence parallelism
                    adds the BTH c / tp slice); pp > 1: a tick's
@@ -36,7 +39,8 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    ZeRO-1/2 in the update: one all-gathered bucket (parallel.gradient_bucket_mb) and the segments
                    gathered so far of the weights still incomplete, at most the largest weight meeting each shard
     runtime        the device kind's process baseline and its compiled graph's cost per layer (and per
-                   recomputed layer; a pipeline stage's forward-only graph is charged like one)
+                   recomputed layer; a pipeline stage's forward-only graph is charged like one); a rank of
+                   a job of several ranks adds what its collectives hold (`collective_graph_bytes`)
 
 Model states per parameter of a rank at its peak (the backward) against the ZeRO paper's (Rajbhandari et al.
 2020, Fig. 1: mixed precision with Adam; fp32 training keeps no separate master):
@@ -156,6 +160,17 @@ class DeviceKind:
     logits_buffers: float  # fp32 logits-sized tensors alive at the loss's backward
     recompute_saves_memory: bool  # False where recompute was measured to keep the activations anyway
     source: str  # where the numbers come from
+    # Attention without a fused kernel (`fused.SoftmaxAttentionFunction`): fp32 [B, heads / tp, T / cp, T] score-sized
+    # tensors alive while one layer's attention runs, and those each layer holds until its backward; 0 where a fused
+    # kernel keeps none.
+    attention_score_buffers: float = 0.0
+    attention_score_buffers_per_layer: float = 0.0
+    collective_runtime_bytes: int = 0  # what a rank of a job of several ranks holds over one process
+    # What a layer's collectives add to the compiled step: tensor parallelism's all-reduces, sequence parallelism's
+    # gathers and reduce-scatters (over tp's), context parallelism's key/value gathers.
+    tensor_parallel_bytes_per_layer: int = 0
+    sequence_parallel_bytes_per_layer: int = 0
+    context_parallel_bytes_per_layer: int = 0
 
 
 # Fitted (least squares on relative error) to the peak RSS of single-process training steps (model_core.optim.step
@@ -172,6 +187,13 @@ CPU = DeviceKind(
     logits_buffers=4.8,
     recompute_saves_memory=False,
     source="fitted to measured peak RSS of MindSpore 2.10 CPU training steps, docs/planner.md",
+    # Fitted to benchmarks/long_context.py (2 and 8 layers, sequences of 256 and 2048, cp1, cp2, tp2, tp2 with sp).
+    attention_score_buffers=2.66,
+    attention_score_buffers_per_layer=0.82,
+    collective_runtime_bytes=30 * 2**20,
+    tensor_parallel_bytes_per_layer=8 * 2**20,
+    sequence_parallel_bytes_per_layer=24 * 2**20,
+    context_parallel_bytes_per_layer=34 * 2**20,
 )
 # Accelerators are counted, not measured: exactly the tensors the module docstring lists, and the four
 # logits-sized fp32 tensors TokenNLLFunction's backward holds at once (logits, probabilities, one-hot, their
@@ -530,16 +552,26 @@ def activation_bytes(params: PipelineParams, candidate: Candidate, stage: int, k
     else:
         per_micro_batch = layers * per_layer
     blocks = per_micro_batch + context_mask_bytes(params, candidate.cp)
+    score_buffers = kind.attention_score_buffers + kind.attention_score_buffers_per_layer * layers
+    scores = score_buffers * attention_score_bytes(params, candidate)
     if candidate.pp > 1:
         in_flight = parallel.micro_batches if parallel.pipeline_schedule == "gpipe" else candidate.pp - stage
         stored_input = tokens * 4 if stage == 0 else tokens * model.hidden_size * c // slices
         blocks += in_flight * stored_input
     if stage < candidate.pp - 1:
-        return int(kind.activation_factor * blocks)
+        return int(kind.activation_factor * blocks + scores)
     # The final norm's fp32 input and the head's input (slices of the sequence under sequence parallelism).
     head_inputs = tokens * model.hidden_size * (4 + c) // slices
     logits = tokens * math.ceil(model.vocab_size / candidate.tp) * 4
-    return int(kind.activation_factor * (blocks + head_inputs) + kind.logits_buffers * logits)
+    return int(kind.activation_factor * (blocks + head_inputs) + scores + kind.logits_buffers * logits)
+
+
+def attention_score_bytes(params: PipelineParams, candidate: Candidate) -> int:
+    """One fp32 tensor of attention scores of a micro-batch on a rank: [B, heads / tp, T / cp, T] (the local
+    queries against every key)."""
+    model = params.model
+    heads = model.num_heads // candidate.tp
+    return params.train.micro_batch_size * heads * (model.seq_len // candidate.cp) * model.seq_len * 4
 
 
 def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind: DeviceKind, runtime: int) -> Memory:
@@ -574,7 +606,8 @@ def stage_phases(
         # (the weights stay whole), while under ZeRO-3 the shard is the weight itself.
         "optimizer": OFFLOAD_STAGING_BYTES if candidate.offload
         else 8 * shard + (4 * shard if zero in (1, 2) else 0) if zero >= 1 else 8 * held,
-        "runtime": runtime + kind.runtime_bytes_per_layer * layers + recompute_graph,
+        "runtime": runtime + kind.runtime_bytes_per_layer * layers + recompute_graph
+        + collective_graph_bytes(params, candidate, kind, layers),
     }
     backward = Memory(
         parameters=masters + compute_copies,
@@ -597,6 +630,20 @@ def stage_phases(
     update = Memory(parameters=masters, gradients=accumulated + pieces, activations=0, communication=gathered,
                     phase="update", **state)
     return backward, update
+
+
+def collective_graph_bytes(params: PipelineParams, candidate: Candidate, kind: DeviceKind, layers: int) -> int:
+    """What collectives add to a rank's runtime: the job's (several ranks), and each of its `layers`' under tp,
+    sequence parallelism and cp."""
+    if candidate.replicas * candidate.tp * candidate.pp == 1:
+        return 0
+    per_layer = 0
+    if candidate.tp > 1:
+        per_layer += kind.tensor_parallel_bytes_per_layer
+        per_layer += kind.sequence_parallel_bytes_per_layer if params.parallel.sequence_parallel else 0
+    if candidate.cp > 1:
+        per_layer += kind.context_parallel_bytes_per_layer
+    return kind.collective_runtime_bytes + per_layer * layers
 
 
 def bucket_bytes(params: PipelineParams) -> int:

@@ -285,8 +285,6 @@ def tensor_parallel(
     if hasattr(model, "embed_tokens"):
         model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, index * block, block, group, sequence_parallel)
     model.head = VocabParallelHead(group, sequence_parallel)
-    if sequence_parallel:  # a later pipeline stage receives slices, and builds RoPE and masks for the whole sequence
-        model.sequence_shards = size
     if model.vocab_mask is not None:
         model.vocab_mask = model.vocab_mask[index * block : (index + 1) * block]
     return TensorParallelism(group, index * block)
