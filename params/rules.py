@@ -358,8 +358,9 @@ def learning_rate_warning(model: ModelParams, optimizer: OptimizerParams) -> str
 
 
 def rate_far_above(setting: str, rate: float, usual: float, whose: str) -> str | None:
-    """The warning for a peak learning rate `rate` (of `setting`) above LEARNING_RATE_CEILING times the `usual` one
-    that `whose` ("LoRA fine-tunes train at"), else None; `llmflow doctor` judges fine-tunes with it too."""
+    """The warning for a peak learning rate `rate`, set by `setting`, above LEARNING_RATE_CEILING times `usual`, the
+    rate that `whose` says who trains at ("LoRA and QLoRA fine-tunes train at"); None when it is not above. `llmflow
+    doctor` judges a fine-tune's lora.lr with it."""
     ceiling = LEARNING_RATE_CEILING * usual
     if rate <= ceiling:
         return None
