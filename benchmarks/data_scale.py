@@ -30,7 +30,7 @@ data params otherwise (near dedup on), but for input shards of SHARD_BYTES:
 - tokenizer: the same `llmflow prep` of the smallest corpus, training the tokenizer there (printed on its
   own line). Its cost is that stage's seconds minus those of the prep with the trained tokenizer given.
 - raw: `processor.encode(documents, num_threads=cores, return_type="numpy")` of every document of the
-  largest corpus as it is in the JSONL, in batches of about RAW_BATCH_CHARS characters, with the same
+  largest corpus as it is in the JSONL source files prep reads (so both find them in the page cache), in batches of about RAW_BATCH_CHARS characters, with the same
   tokenizer on the same cores; only the encode calls are timed. Raw runs twice, before the prep runs and
   after them, and both are printed: its time moves 5-20% from one run to the next on a shared VM, more than
   the gap being measured, so the ratios use the mean of the two (never the faster one), which sees about
@@ -582,18 +582,21 @@ def _peak_tree_rss(process: subprocess.Popen) -> int:
 
 def raw_encode(corpus: Corpus, tokenizer: Path, cores: int) -> tuple[int, float, float]:
     """Tokens, encoding seconds and encoding CPU seconds (every thread of this process) of every document
-    of the corpus, batch by batch (reading untimed)."""
+    of the corpus, read from its source files as prep reads them, batch by batch (reading untimed)."""
     processor = spm.SentencePieceProcessor(model_file=str(tokenizer))
     totals = [0, 0.0, 0.0]
     batch, chars = [], 0
-    with corpus.path.open(encoding="utf-8") as lines:
-        for line in lines:
-            text = json.loads(line)["text"]
-            batch.append(text)
-            chars += len(text)
-            if chars >= RAW_BATCH_CHARS:
-                totals = [total + part for total, part in zip(totals, _encode(processor, batch, cores))]
-                batch, chars = [], 0
+    # The source files prep reads, not the corpus file: reading them here leaves them in the page cache for the
+    # prep after, as prep's first read of them (hashing its inputs) would otherwise come from the disk.
+    for path in _source_files(corpus):
+        with path.open(encoding="utf-8") as lines:
+            for line in lines:
+                text = json.loads(line)["text"]
+                batch.append(text)
+                chars += len(text)
+                if chars >= RAW_BATCH_CHARS:
+                    totals = [total + part for total, part in zip(totals, _encode(processor, batch, cores))]
+                    batch, chars = [], 0
     if batch:
         totals = [total + part for total, part in zip(totals, _encode(processor, batch, cores))]
     tokens, seconds, cpu_seconds = totals

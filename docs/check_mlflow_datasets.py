@@ -16,36 +16,17 @@ Not part of the test suite: it needs Chromium, which CI does not install, and a 
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "tests"))
-
-from check_mlflow_compare import free_port, serve, stop  # noqa: E402
-from conftest import docstring_documents, small_pipeline_overrides  # noqa: E402
-from mlflow.tracking import MlflowClient  # noqa: E402
+from mlflow.tracking import MlflowClient
+from mlflow_browser import arguments, chromium, pipeline_store, served
 
 EXPERIMENT = "datasets-check"
 STAGES = ("data_prep", "smoke", "pretrain", "finetune", "evaluate")
-
-
-def run_pipeline(work: Path, uri: str) -> None:
-    corpus = work / "docs.jsonl"
-    corpus.write_text("".join(json.dumps({"text": text}) + "\n" for text in docstring_documents()))
-    overrides = small_pipeline_overrides(corpus, work / "data", EXPERIMENT)
-    overrides += ["model.seq_len=128", "lora.enabled=true", "lora.steps=10"]  # rows long enough for instructions
-    environment = {**os.environ, "MLFLOW_TRACKING_URI": uri, "PYTHONPATH": str(REPO)}
-    sets = [arg for item in overrides for arg in ("--set", item)]
-    subprocess.run([sys.executable, "-m", "flows.cli", "run", "--params", "tiny", *sets], check=True,
-                   env=environment, cwd=work)
+# Rows long enough for the instruction examples, and a LoRA fine-tune so that every stage that reads data runs.
+PIPELINE = ["model.seq_len=128", "lora.enabled=true", "lora.steps=10"]
 
 
 def recorded(client: MlflowClient) -> tuple[str, dict[str, object]]:
@@ -72,7 +53,7 @@ def page_texts(base: str, experiment: str, runs: dict[str, object], screenshot: 
 
     texts = {}
     with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path="/usr/bin/chromium", args=["--no-sandbox"])
+        browser = chromium(playwright)
         page = browser.new_page(viewport={"width": 1600, "height": 1000})
         for name, run in runs.items():
             page.goto(f"{base}/#/experiments/{experiment}/runs/{run.info.run_id}")
@@ -89,26 +70,15 @@ def page_texts(base: str, experiment: str, runs: dict[str, object], screenshot: 
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--work", type=Path, help="where the run and its store go (default: a temporary directory)")
-    parser.add_argument("--screenshot", type=Path, default=REPO / "docs" / "mlflow-datasets.png")
-    args = parser.parse_args()
-    work = args.work or Path(tempfile.mkdtemp(prefix="llmflow-datasets-check-"))
-    work.mkdir(parents=True, exist_ok=True)
-    uri = f"sqlite:///{work / 'mlflow.db'}"
-    if not (work / "mlflow.db").exists():  # a --work of an earlier check keeps its run
-        run_pipeline(work, uri)
+    args = arguments(__doc__, "mlflow-datasets.png")
+    uri = pipeline_store(args.work, EXPERIMENT, [PIPELINE])
     experiment, runs = recorded(MlflowClient(uri))
     empty = [name for name, run in runs.items() if not datasets(run)]
     if empty:
         print(f"no dataset inputs recorded on the {', '.join(empty)} run(s) of experiment {EXPERIMENT!r} at {uri}")
         return 1
-    port = free_port()
-    server = serve(uri, port)
-    try:
-        texts = page_texts(f"http://127.0.0.1:{port}", experiment, runs, args.screenshot)
-    finally:
-        stop(server)
+    with served(uri) as base:
+        texts = page_texts(base, experiment, runs, args.screenshot)
     missing = [
         f"{name}: {dataset} ({digest}, {context})"
         for name, run in runs.items()

@@ -301,13 +301,11 @@ def sequence_parallel_warning(parallel: ParallelParams) -> str | None:
 
 
 def rope_warning(model: ModelParams) -> str | None:
-    """RoPE turns pair i of a head's d dimensions by theta^(-2i/d) radians a position, so the slowest pair
-    (i = d/2 - 1) comes full circle every 2 pi theta^((d-2)/d) positions. When that wavelength is shorter than
-    the sequence, every pair has wrapped around inside the context: a token that far back gets the same rotation
-    as a near one, attention cannot tell them apart, and the loss hovers high on long sequences. The least theta
-    whose slowest wavelength covers seq_len is (seq_len / 2 pi)^(d/(d-2))."""
+    """A RoPE theta whose slowest pair comes full circle inside the sequence (`slowest_rope_wavelength`): a token
+    that far back gets the same rotation as a near one, attention cannot tell them apart, and the loss hovers high
+    on long sequences. The least theta whose slowest wavelength covers seq_len is (seq_len / 2 pi)^(d/(d-2))."""
     d = model.head_dim
-    wavelength = 2 * math.pi * model.rope_theta ** ((d - 2) / d)
+    wavelength = slowest_rope_wavelength(model.rope_theta, d)
     if wavelength >= model.seq_len:
         return None
     fix = f"raise model.rope_theta to at least {(model.seq_len / (2 * math.pi)) ** (d / (d - 2)):.0f}" if d > 2 else "widen the heads"
@@ -316,6 +314,12 @@ def rope_warning(model: ModelParams) -> str | None:
         f"{wavelength:.0f} positions, fewer than model.seq_len={model.seq_len}, so attention cannot tell tokens that "
         f"far apart from near ones and loss hovers high on long sequences ({fix}; 10000 is usual)"
     )
+
+
+def slowest_rope_wavelength(theta: float, head_dim: int) -> float:
+    """Positions one turn of the most slowly rotating RoPE pair takes: pair i of a head's d dimensions turns by
+    theta^(-2i/d) radians a position, so the slowest (i = d/2 - 1) comes full circle every 2 pi theta^((d-2)/d)."""
+    return 2 * math.pi * theta ** ((head_dim - 2) / head_dim)
 
 
 def clipping_warning(optimizer: OptimizerParams) -> str | None:
@@ -347,14 +351,22 @@ def typical_learning_rate(parameters: float) -> float:
 def learning_rate_warning(model: ModelParams, optimizer: OptimizerParams) -> str | None:
     """A peak learning rate more than LEARNING_RATE_CEILING times what models of this size train at."""
     parameters = approximate_parameters(model)
-    typical = typical_learning_rate(parameters)
-    if optimizer.lr <= LEARNING_RATE_CEILING * typical:
+    return rate_far_above(
+        "optimizer.lr", optimizer.lr, typical_learning_rate(parameters),
+        f"models of ~{_count(parameters)} parameters train at (GPT-3's table, fitted)",
+    )
+
+
+def rate_far_above(setting: str, rate: float, usual: float, whose: str) -> str | None:
+    """The warning for a peak learning rate `rate`, set by `setting`, above LEARNING_RATE_CEILING times `usual`, the
+    rate that `whose` says who trains at ("LoRA and QLoRA fine-tunes train at"); None when it is not above. `llmflow
+    doctor` judges a fine-tune's lora.lr with it."""
+    ceiling = LEARNING_RATE_CEILING * usual
+    if rate <= ceiling:
         return None
     return (
-        f"optimizer.lr={optimizer.lr:g} is {optimizer.lr / typical:.0f}x the {typical:.2g} that models of ~"
-        f"{_count(parameters)} parameters train at (GPT-3's table, fitted), above the {LEARNING_RATE_CEILING:g}x "
-        f"that published recipes stay under: expect loss spikes and divergence (lower optimizer.lr to "
-        f"{LEARNING_RATE_CEILING * typical:.2g} or less)"
+        f"{setting}={rate:g} is {rate / usual:.0f}x the {usual:.2g} that {whose}, above the {LEARNING_RATE_CEILING:g}x "
+        f"that published recipes stay under: expect loss spikes and divergence (lower {setting} to {ceiling:.2g} or less)"
     )
 
 

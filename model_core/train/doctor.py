@@ -29,13 +29,20 @@ import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
-from itertools import pairwise
 from statistics import median
 
 from model_core.parallel import heartbeat
 from model_core.parallel.launch import hang_report
 from model_core.parallel.oom import ADVICE, PHASE_WORDS, explain_oom
-from model_core.train.flops import non_embedding_parameters
+from params.rules import (
+    LEARNING_RATE_CEILING,
+    approximate_parameters,
+    learning_rate_warning,
+    rate_far_above,
+    rope_warning,
+    slowest_rope_wavelength,
+    typical_learning_rate,
+)
 from params.schema import PipelineParams
 
 KINDS = {
@@ -58,13 +65,9 @@ PLATEAU_DROP = 0.02
 # Validation loss this far above its best while the training loss falls: the model memorises its training rows.
 MEMORISING_NATS = 0.1
 # The peak learning rate LoRA fine-tunes are usually run at (Hu et al. 2021 and Dettmers et al. 2023 use 1e-4 to
-# 4e-4 on their largest models).
+# 4e-4 on their largest models). A fine-tune's lora.lr is judged against it by the rule book's ceiling, as a
+# pretraining rate is against its size's.
 LORA_USUAL_LR = 2e-4
-# Learning rates published for dense decoder models trained from scratch, by non-embedding size (GPT-3, Brown et
-# al. 2020, table 2.1): the doctor calls an lr "far above" when it exceeds LR_FAR_ABOVE times the one for its size.
-PUBLISHED_LR = ((125e6, 6e-4), (350e6, 3e-4), (760e6, 2.5e-4), (1.3e9, 2e-4), (2.7e9, 1.6e-4), (6.7e9, 1.2e-4),
-                (13e9, 1e-4), (175e9, 6e-5))
-LR_FAR_ABOVE = 10.0
 # An fp16 loss scale above this overflows on the first backward of most models (fp16's largest value is 65504).
 FP16_SCALE_LIMIT = 2.0**24
 # Which causes make which kind of trouble, and how often (the weight a cause's strength is multiplied by).
@@ -345,50 +348,15 @@ def _plateau(judged: list[dict], warmup: int, failure: str | None) -> str | None
 # ------------------------------------------------------------------------------------------------ the causes
 
 
-def typical_lr(parameters: float) -> float:
-    """The published learning rate for a model of `parameters` non-embedding parameters, interpolated in log-log
-    between the table's sizes (held at its ends)."""
-    sizes = PUBLISHED_LR
-    if parameters <= sizes[0][0]:
-        return sizes[0][1]
-    for (n0, lr0), (n1, lr1) in pairwise(sizes):
-        if parameters <= n1:
-            t = math.log(parameters / n0) / math.log(n1 / n0)
-            return math.exp(math.log(lr0) + t * math.log(lr1 / lr0))
-    return sizes[-1][1]
-
-
-def slowest_rope_wavelength(theta: float, head_dim: int) -> float:
-    """Positions one turn of the most slowly rotating RoPE pair takes: 2 pi theta^((d-2)/d). Past it, positions
-    alias; a context longer than it leaves attention no pair to tell far positions apart."""
-    return 2 * math.pi * theta ** ((head_dim - 2) / head_dim)
-
-
 def _param_causes(run: RunEvidence) -> list[tuple[str, Cause]]:
     params = run.params
     if params is None:
         return []
     found = []
     optimizer, model, precision = params.optimizer, params.model, params.precision
-    size = non_embedding_parameters(model)
-    usual = typical_lr(size)
-    if run.stage == "finetune":
-        if optimizer.lr > LR_FAR_ABOVE * LORA_USUAL_LR:
-            found.append(("lr", Cause(
-                "learning rate far above what LoRA fine-tunes train at",
-                f"lora.lr={optimizer.lr:g}; LoRA and QLoRA fine-tunes use about {LORA_USUAL_LR:.0e}, and "
-                f"{LR_FAR_ABOVE:g}x that is {LR_FAR_ABOVE * LORA_USUAL_LR:.0e}",
-                f"lora.lr: try {LORA_USUAL_LR:.0e}",
-                1.0 + math.log10(optimizer.lr / (LR_FAR_ABOVE * LORA_USUAL_LR)),
-            )))
-    elif optimizer.lr > LR_FAR_ABOVE * usual:
-        found.append(("lr", Cause(
-            "learning rate far above what models of this size train at",
-            f"optimizer.lr={optimizer.lr:g} for {size / 1e6:,.1f}M non-embedding parameters; published runs of that "
-            f"size use about {usual:.1e} (GPT-3 table), and {LR_FAR_ABOVE:g}x that is {LR_FAR_ABOVE * usual:.1e}",
-            f"optimizer.lr: try {usual * 2:.1e} or less (and keep optimizer.grad_clip=1.0)",
-            1.0 + math.log10(optimizer.lr / (LR_FAR_ABOVE * usual)),
-        )))
+    lr = _learning_rate_cause(params, run.stage)
+    if lr is not None:
+        found.append(("lr", lr))
     if optimizer.grad_clip is None:
         peak = max((r["grad_norm"] for r in run.metrics if math.isfinite(r.get("grad_norm", math.nan))), default=None)
         seen = f"; the largest gradient norm logged was {peak:.3g}" if peak is not None else ""
@@ -398,15 +366,12 @@ def _param_causes(run: RunEvidence) -> list[tuple[str, Cause]]:
         )))
     if precision.compute_dtype == "float16":
         found.append(("fp16", _fp16_cause(precision.initial_loss_scale, run.metrics)))
-    wavelength = slowest_rope_wavelength(model.rope_theta, model.head_dim)
-    if wavelength < model.seq_len:
+    rope = rope_warning(model)
+    if rope is not None:
         found.append(("rope", Cause(
             "RoPE theta too small for the sequence length: far positions alias, and the loss hovers high on long "
-            "sequences",
-            f"model.rope_theta={model.rope_theta:g} with head_dim {model.head_dim}: the slowest rotary pair turns every "
-            f"{wavelength:,.0f} positions, less than model.seq_len={model.seq_len}",
-            "model.rope_theta=10000 (Llama 2) or more for longer contexts (500000 for Llama 3's 8K)",
-            1.0 + math.log10(model.seq_len / wavelength),
+            "sequences", rope, "model.rope_theta=10000 (Llama 2) or more for longer contexts (500000 for Llama 3's 8K)",
+            1.0 + math.log10(model.seq_len / slowest_rope_wavelength(model.rope_theta, model.head_dim)),
         )))
     if not params.train.reset_at_document_boundaries:
         found.append(("mask", Cause(
@@ -415,6 +380,26 @@ def _param_causes(run: RunEvidence) -> list[tuple[str, Cause]]:
             "train.reset_at_document_boundaries=true", 1.0,
         )))
     return found
+
+
+def _learning_rate_cause(params: PipelineParams, stage: str | None) -> Cause | None:
+    """The rule book's warning for a peak rate far above the usual one, as a cause: a fine-tune's against LoRA's
+    usual rate, a pretraining run's against its size's."""
+    rate = params.optimizer.lr
+    if stage == "finetune":
+        setting, usual, whose = "lora.lr", LORA_USUAL_LR, "LoRA fine-tunes"
+        evidence = rate_far_above(setting, rate, usual, "LoRA and QLoRA fine-tunes train at")
+    else:
+        setting, whose = "optimizer.lr", "models of this size"
+        usual = typical_learning_rate(approximate_parameters(params.model))
+        evidence = learning_rate_warning(params.model, params.optimizer)
+    if evidence is None:
+        return None
+    clip = "" if stage == "finetune" else " (and keep optimizer.grad_clip=1.0)"
+    return Cause(
+        f"learning rate far above what {whose} train at", evidence, f"{setting}: try {usual:.2g}{clip}",
+        1.0 + math.log10(rate / (LEARNING_RATE_CEILING * usual)),
+    )
 
 
 def _fp16_cause(initial_scale: float, metrics: list[dict]) -> Cause:
