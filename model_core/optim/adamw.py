@@ -38,7 +38,7 @@ class AdamW(nn.Cell):
     and grad_scale (the loss scale's inverse times the clip factor) are scalar Tensors, so changing them never
     recompiles. With grad_scale the grads must be Parameters (the gradient buffers): each is scaled in place just
     before its own update, after the previous parameter's update has run, and holds the scaled values afterwards,
-    so no scaled copy of the gradients is made (with `grad_slices`, only the slice is scaled, into a new tensor).
+    so no scaled copy of the gradients is made (with `grad_slices`, the whole buffer is scaled and the slice cut).
     The call returns a Tensor that exists once every update is done, to order what must come after (zeroing the
     buffers: before the update has read them would lose the gradient). step is the bias-correction count t of
     this update, 1-based like torch's state["step"]: 1 on the first update, so schedule step s (0-based) updates with
@@ -101,15 +101,14 @@ class AdamW(nn.Cell):
         done = t
         for i in range(len(self.params)):
             grad = ops.depend(grads[i], done)
+            if grad_scale is not None:
+                # Scaled in place (the caller zeroes the buffer after the update anyway): the compiled graph then
+                # keeps no scaled copy, which it would hold beside the buffer for as long as the graph lives. A
+                # sliced gradient is scaled whole and then cut, so the graph keeps the cut piece only.
+                grad = ops.assign(grads[i], grad * grad_scale)
             if self.grad_slices[i] is not None:
                 start, end = self.grad_slices[i]
                 grad = grad.reshape(-1)[start:end]
-                if grad_scale is not None:
-                    grad = grad * grad_scale
-            elif grad_scale is not None:
-                # Scaled in place (the caller zeroes the buffer after the update anyway): the compiled graph then
-                # keeps no scaled copy, which it would hold beside the buffer for as long as the graph lives.
-                grad = ops.assign(grads[i], grad * grad_scale)
             if self.decays[i]:
                 ops.assign(self.params[i], self.params[i] * keep)
             done = self._fused_update(

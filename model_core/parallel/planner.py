@@ -415,6 +415,23 @@ def stage_parameter_split(model: ModelParams, tp: int, pp: int, stage: int, ep: 
     return sum(n for expert, n in held if not expert), sum(n for expert, n in held if expert)
 
 
+def masters_apart(params: PipelineParams, candidate: Candidate) -> bool:
+    """Whether the layout keeps compute-dtype matmul weights and their fp32 masters in the optimizer
+    (`parallelize.keeps_masters_apart`, which the planner cannot call: it builds no model)."""
+    return (
+        params.precision.compute_dtype != "float32" and candidate.zero_stage < 3 and candidate.pp == 1
+        and candidate.ep == 1 and not candidate.offload and not candidate.param_offload
+    )
+
+
+def stage_matmul_parameters(model: ModelParams, tp: int, stage: int) -> int:
+    """Elements of the dense matmul weights (the attention and MLP projections, an untied LM head) on one rank of
+    a single-stage layout: the `Linear` weights `parallelize.to_compute_dtype` keeps in the compute dtype."""
+    table = placement_table(model, Layout(tp=tp))
+    return sum(math.prod(row.block_shape(tp, 1)) for row in table.on_stage(stage)
+               if not row.expert and (row.name.endswith("_proj.weight") or row.name == "lm_head.weight"))
+
+
 def expert_parameters(model: ModelParams) -> int:
     """Elements of every MoE block's expert stacks (what expert parallelism shares out)."""
     return sum(row.size for row in placement_table(model, Layout()) if row.expert)
@@ -558,8 +575,18 @@ def stage_phases(
     dense, experts = stage_parameter_split(params.model, candidate.tp, candidate.pp, stage, candidate.ep)
     held = dense + experts
     shard = math.ceil(dense / dp) + math.ceil(experts / (dp // candidate.ep))  # expert shards over expert-dp
-    masters = 0 if candidate.param_offload else 4 * (shard if zero == 3 else held)  # a fetched shard: communication
-    compute_copies = c * held if c != 4 and zero < 3 else 0
+    if masters_apart(params, candidate):
+        # The model holds its matmul weights in the compute dtype (their fresh gradients too) and the rest in fp32;
+        # the fp32 masters of the matmul weights are the optimizer's: ZeRO-0 all of them, ZeRO-1/2 the shard copy
+        # counted under "optimizer".
+        matmul = stage_matmul_parameters(params.model, candidate.tp, stage)
+        working = c * matmul + 4 * (held - matmul)
+        masters = working + (4 * matmul if zero == 0 else 0)
+        compute_copies, fresh_set = 0, working
+    else:
+        masters = 0 if candidate.param_offload else 4 * (shard if zero == 3 else held)  # a fetched shard: communication
+        compute_copies = c * held if c != 4 and zero < 3 else 0
+        fresh_set = 4 * held
     layers = params.model.num_layers // candidate.pp
     recompute_graph = kind.recompute_bytes_per_layer * layers if candidate.recompute == "all" else 0
     if candidate.pp > 1:  # a stage compiles a forward-only graph too (its backward recomputes the forward)
@@ -568,7 +595,7 @@ def stage_phases(
     # The backward's fresh gradients: the compiled backward's memory holds a whole set of them (benchmarks/README.md,
     # "Model states against the ZeRO paper"); ZeRO-2's also holds every bucket's flat input to the reduce-scatter;
     # under ZeRO-3 each is cut to its shard.
-    fresh = 4 * (shard if zero == 3 else 2 * held if zero == 2 else held)
+    fresh = 4 * shard if zero == 3 else fresh_set + 4 * held if zero == 2 else fresh_set
     state = {
         # AdamW's two moments of what this rank updates; ZeRO-1/2 also keep an fp32 copy of their shard to update
         # (the weights stay whole), while under ZeRO-3 the shard is the weight itself.
@@ -591,9 +618,9 @@ def stage_phases(
         sizes = [math.prod(row.block_shape(candidate.tp, candidate.ep)) for row in
                  placement_table(params.model, layout).on_stage(stage)]
         gathered = shard_gather_bytes(sizes, dp, bucket_bytes(params))
-    # AdamW scales each gradient buffer in place as it takes it; ZeRO-1 cuts each piece's gradient out of the full
-    # buffer and scales it, and its compiled update holds both, 8P/dp.
-    pieces = 8 * shard if dp > 1 and zero == 1 and not candidate.offload else 0
+    # AdamW scales each gradient buffer in place as it takes it; ZeRO-1 then cuts its piece out of the scaled buffer,
+    # and its compiled update holds the cut pieces, 4P/dp.
+    pieces = 4 * shard if dp > 1 and zero == 1 and not candidate.offload else 0
     update = Memory(parameters=masters, gradients=accumulated + pieces, activations=0, communication=gathered,
                     phase="update", **state)
     return backward, update
