@@ -11,14 +11,17 @@ The counts follow how llmflow's trainer holds memory. P is the parameters one ra
 first stage, the final norm and LM head on the last, where a tied head keeps a copy of the embedding when
 pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F ffn_hidden_size, V vocabulary:
 
-    parameters     4P fp32 masters, + cP compute-dtype copies the matmuls keep for the backward when c != 4;
-                   ZeRO-3: 4P/dp
-    gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward 4P fresh gradients, which the
-                   compiled backward holds (ZeRO-2: also every bucket's flat input to its reduce-scatter, 4P more;
-                   ZeRO-3: 4P/dp). The update scales each gradient in place as AdamW takes it; ZeRO-1 cuts each
-                   piece of its shard out of the buffer and scales it, both held by its compiled update: 8P/dp.
+    parameters     fp32 training: 4P. Mixed precision (c != 4) under ZeRO-0/1/2 without pipeline, expert
+                   parallelism or offload: the matmul weights Pm in the compute dtype, cPm, the rest (embedding,
+                   norms) fp32; ZeRO-0 adds the optimizer's fp32 masters of the matmul weights, 4Pm (ZeRO-1/2 keep
+                   only their shard's, counted under optimizer). Other mixed layouts: 4P fp32 + cP compute-dtype
+                   copies the matmuls keep for the backward. ZeRO-3: 4P/dp
+    gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward a set of fresh gradients, which
+                   the compiled backward holds, in the weights' dtypes (ZeRO-2: also every bucket's flat fp32 input
+                   to its reduce-scatter, 4P more; ZeRO-3: 4P/dp). The update scales each gradient buffer in place
+                   as AdamW takes it; ZeRO-1 then cuts its shard's pieces out, held by its compiled update: 4P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and ShardedAdamW's fp32
-                   copy of its shard)
+                   copy of its shard: the master weights under mixed precision)
     activations    per layer and micro-batch, what the hand-written backwards of model_core.model.fused keep:
                    2 BTH fp32 (RMSNorm inputs) + 2 BTH c (the normed inputs of q/k/v and of gate/up)
                    + (4 BTH + 3 BTF) c / tp (q, k, v at all heads, the o_proj input; gate, up, the down input);
@@ -42,15 +45,17 @@ Model states per parameter of a rank at its peak (the backward) against the ZeRO
 2020, Fig. 1: mixed precision with Adam; fp32 training keeps no separate master):
 
     stage   fp32, llmflow   fp32, paper    mixed (c = 2), llmflow   mixed, paper
-    0       20              16             22                       16
-    1       12 + 12/dp      8 + 8/dp       14 + 12/dp               4 + 12/dp
-    2       12 + 16/dp      4 + 12/dp      14 + 16/dp               2 + 14/dp
+    0       20              16             20                       16
+    1       12 + 12/dp      8 + 8/dp       8 + 12/dp                4 + 12/dp
+    2       12 + 16/dp      4 + 12/dp      8 + 16/dp                2 + 14/dp
     3       20/dp           16/dp          20/dp                    16/dp
 
-What is left over the paper: the fresh gradients the compiled backward holds beside the fp32 accumulation buffer
-(and ZeRO-2's bucket inputs), fp32 weights kept whole next to the compute-dtype copies (mixed: 4 + 2 bytes where
-the paper keeps 2 and an fp32 master only in the shard), ZeRO-1/2's fp32 copy of the shard for AdamW and ZeRO-3's
-fresh gradient shards (4/dp each). benchmarks/README.md ("Model states against the ZeRO paper") measures them.
+(mixed: every parameter a matmul weight; the fp32 embedding and norms count 4 where the table counts c.) What is
+left over the paper: the fresh gradients the compiled backward holds beside the fp32 accumulation buffer (c
+bytes under mixed precision, 4 in fp32) and ZeRO-2's fp32 bucket inputs (4), a full fp32 gradient buffer under
+ZeRO-1 where the paper reduce-scatters (mixed: the paper's 2-byte gradients are fp32 here), fp32 training's
+ZeRO-1/2 copy of the shard for AdamW and ZeRO-3's fresh gradient shards (4/dp each). benchmarks/README.md
+("Model states against the ZeRO paper") measures them.
 
 Optimizer offload (`parallel.optimizer_offload`, `model_core/optim/offload.py`) is one more candidate for
 layouts with ZeRO-2 or 3: the moments leave the device for host memory (on the CPU backend a memory-mapped
