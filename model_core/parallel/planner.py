@@ -17,8 +17,9 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    only their shard's, counted under optimizer). Other mixed layouts: 4P fp32 + cP compute-dtype
                    copies the matmuls keep for the backward. ZeRO-3: 4P/dp
     gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward a set of fresh gradients, which
-                   the compiled backward holds, in the weights' dtypes (ZeRO-2: also every bucket's flat fp32 input
-                   to its reduce-scatter, 4P more; ZeRO-3: 4P/dp). The update scales each gradient buffer in place
+                   the compiled backward holds, in the weights' dtypes, and of the compute-dtype ones their fp32
+                   casts, 4Pm (ZeRO-2: also every bucket's flat fp32 input to its reduce-scatter, 4P more;
+                   ZeRO-3: 4P/dp). The update scales each gradient buffer in place
                    as AdamW takes it; ZeRO-1 then cuts its shard's pieces out, held by its compiled update: 4P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and ShardedAdamW's fp32
                    copy of its shard: the master weights under mixed precision)
@@ -45,14 +46,14 @@ Model states per parameter of a rank at its peak (the backward) against the ZeRO
 2020, Fig. 1: mixed precision with Adam; fp32 training keeps no separate master):
 
     stage   fp32, llmflow   fp32, paper    mixed (c = 2), llmflow   mixed, paper
-    0       20              16             20                       16
-    1       12 + 12/dp      8 + 8/dp       8 + 12/dp                4 + 12/dp
-    2       12 + 16/dp      4 + 12/dp      8 + 16/dp                2 + 14/dp
+    0       20              16             24                       16
+    1       12 + 12/dp      8 + 8/dp       12 + 12/dp               4 + 12/dp
+    2       12 + 16/dp      4 + 12/dp      12 + 16/dp               2 + 14/dp
     3       20/dp           16/dp          20/dp                    16/dp
 
 (mixed: every parameter a matmul weight; the fp32 embedding and norms count 4 where the table counts c.) What is
 left over the paper: the fresh gradients the compiled backward holds beside the fp32 accumulation buffer (c
-bytes under mixed precision, 4 in fp32) and ZeRO-2's fp32 bucket inputs (4), a full fp32 gradient buffer under
+bytes and their fp32 casts, 4, under mixed precision; 4 in fp32) and ZeRO-2's fp32 bucket inputs (4), a full fp32 gradient buffer under
 ZeRO-1 where the paper reduce-scatters (mixed: the paper's 2-byte gradients are fp32 here), fp32 training's
 ZeRO-1/2 copy of the shard for AdamW and ZeRO-3's fresh gradient shards (4/dp each). benchmarks/README.md
 ("Model states against the ZeRO paper") measures them.
@@ -583,11 +584,13 @@ def stage_phases(
     if masters_apart(params, candidate):
         # The model holds its matmul weights in the compute dtype (their fresh gradients too) and the rest in fp32;
         # the fp32 masters of the matmul weights are the optimizer's: ZeRO-0 all of them, ZeRO-1/2 the shard copy
-        # counted under "optimizer".
+        # counted under "optimizer". Each compute-dtype gradient is cast to fp32 to be added into its buffer (ZeRO-2:
+        # into its bucket), and the compiled backward keeps the casts too (benchmarks/README.md, "Model states
+        # against the ZeRO paper").
         matmul = stage_matmul_parameters(params.model, candidate.tp, stage)
         working = c * matmul + 4 * (held - matmul)
         masters = working + (4 * matmul if zero == 0 else 0)
-        compute_copies, fresh_set = 0, working
+        compute_copies, fresh_set = 0, working + 4 * matmul
     else:
         masters = 0 if candidate.param_offload else 4 * (shard if zero == 3 else held)  # a fetched shard: communication
         compute_copies = c * held if c != 4 and zero < 3 else 0
