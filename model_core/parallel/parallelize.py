@@ -57,6 +57,7 @@ from model_core.parallel.pipeline import MicroBatch, PipelineStage, SummedVocabP
 from model_core.parallel.pipeline import SummedTokenLoss as StageTokenLoss
 from model_core.parallel.placement import PlacementTable, placement_table
 from model_core.parallel.tensor import (
+    RowParallelLinear,
     TensorParallelism,
     VocabParallelTokenLoss,
     tensor_parallel,
@@ -349,13 +350,13 @@ def keeps_masters_apart(params: PipelineParams, layout: Layout, zero_stage: int,
 
 
 def to_compute_dtype(model: nn.Cell, dtype) -> dict[str, Parameter]:
-    """Swap every trainable `Linear` weight of `model` for a copy in `dtype`, the one the matmul reads anyway (so
-    the forward and its gradient are the same numbers); returns the fp32 weights it replaced, by path, for the
-    optimizer to keep as masters. The embedding and the norms stay fp32: a gather's gradient adds repeated
+    """Swap every trainable `Linear` (and tensor parallelism's `RowParallelLinear`) weight of `model` for a copy in
+    `dtype`, the one the matmul reads anyway (so the forward and its gradient are the same numbers); returns the
+    fp32 weights it replaced, by path, for the optimizer to keep as masters. The embedding and the norms stay fp32: a gather's gradient adds repeated
     tokens' rows, and a norm computes in fp32."""
     replaced = {}
     for path, cell in list(model.cells_and_names()):
-        if isinstance(cell, Linear) and cell.weight.requires_grad and cell.weight.dtype != dtype:
+        if isinstance(cell, (Linear, RowParallelLinear)) and cell.weight.requires_grad and cell.weight.dtype != dtype:
             name = f"{path}.weight" if path else "weight"
             master = replaced[name] = cell.weight
             cell.weight = Parameter(master.astype(dtype), name=name)

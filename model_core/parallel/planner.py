@@ -19,8 +19,8 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
     gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward a set of fresh gradients, which
                    the compiled backward holds, in the weights' dtypes, and of the compute-dtype ones their fp32
                    casts, 4Pm (ZeRO-2: also every bucket's flat fp32 input to its reduce-scatter, 4P more;
-                   ZeRO-3: 4P/dp). The update scales each gradient buffer in place
-                   as AdamW takes it; ZeRO-1 then cuts its shard's pieces out, held by its compiled update: 4P/dp.
+                   ZeRO-3: 4P/dp). The update scales each gradient buffer in place as AdamW takes it; ZeRO-1
+                   then cuts its shard's pieces out, held by its compiled update: 4P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and ShardedAdamW's fp32
                    copy of its shard: the master weights under mixed precision)
     activations    per layer and micro-batch, what the hand-written backwards of model_core.model.fused keep:
@@ -53,8 +53,8 @@ Model states per parameter of a rank at its peak (the backward) against the ZeRO
 
 (mixed: every parameter a matmul weight; the fp32 embedding and norms count 4 where the table counts c.) What is
 left over the paper: the fresh gradients the compiled backward holds beside the fp32 accumulation buffer (c
-bytes and their fp32 casts, 4, under mixed precision; 4 in fp32) and ZeRO-2's fp32 bucket inputs (4), a full fp32 gradient buffer under
-ZeRO-1 where the paper reduce-scatters (mixed: the paper's 2-byte gradients are fp32 here), fp32 training's
+bytes and their fp32 casts, 4, under mixed precision; 4 in fp32) and ZeRO-2's fp32 bucket inputs (4), a full
+fp32 gradient buffer under ZeRO-1 where the paper reduce-scatters (mixed: the paper's 2-byte gradients are fp32 here), fp32 training's
 ZeRO-1/2 copy of the shard for AdamW and ZeRO-3's fresh gradient shards (4/dp each). benchmarks/README.md
 ("Model states against the ZeRO paper") measures them.
 
@@ -432,7 +432,7 @@ def masters_apart(params: PipelineParams, candidate: Candidate) -> bool:
 
 def stage_matmul_parameters(model: ModelParams, tp: int, stage: int) -> int:
     """Elements of the dense matmul weights (the attention and MLP projections, an untied LM head) on one rank of
-    a single-stage layout: the `Linear` weights `parallelize.to_compute_dtype` keeps in the compute dtype."""
+    a single-stage layout: the weights `parallelize.to_compute_dtype` keeps in the compute dtype."""
     table = placement_table(model, Layout(tp=tp))
     return sum(math.prod(row.block_shape(tp, 1)) for row in table.on_stage(stage)
                if not row.expert and (row.name.endswith("_proj.weight") or row.name == "lm_head.weight"))
