@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import shutil
 
 import mindspore as ms
 import numpy as np
@@ -284,3 +285,30 @@ def test_steps_outside_the_run_are_errors():
         learning_rate(10, 10, schedule_params())
     with pytest.raises(ValueError, match="step=-1"):
         learning_rate(-1, 10, schedule_params())
+
+
+def test_mixed_precision_keeps_fp32_masters_in_the_optimizer_and_resumes_bit_exactly(dataset_dir, tmp_path):
+    """float16 compute: the model's matmul weights are float16, the optimizer holds their fp32 masters, the
+    checkpoint stores the masters, and a run resumed from its step-2 checkpoint repeats its losses and weights."""
+    from model_core.model.weights import named_weights
+    from model_core.storage import read_weights
+    from model_core.train.trainer import Trainer
+    from test_trainer import small
+
+    params = small(tmp_path, "train.steps=4", "train.checkpoint_interval=2", "precision.compute_dtype=float16")
+    straight = Trainer(params, dataset_dir, tmp_path / "straight")
+    dtypes = {name: weight.dtype for name, weight in named_weights(straight.model).items()}
+    assert dtypes["layers.0.self_attn.q_proj.weight"] == ms.float16 and dtypes["embed_tokens.weight"] == ms.float32
+    expected = straight.run()
+    masters = straight.optimizer.master_weights()
+    assert masters["layers.0.self_attn.q_proj.weight"].dtype == np.float32
+    saved = read_weights(expected.checkpoint)
+    for name, master in masters.items():
+        np.testing.assert_array_equal(saved[name], master, err_msg=name)
+        np.testing.assert_array_equal(named_weights(straight.model)[name].asnumpy(), master.astype(np.float16))
+
+    shutil.copytree(tmp_path / "straight" / "step-00000002", tmp_path / "stopped" / "step-00000002")
+    resumed = Trainer(params, dataset_dir, tmp_path / "stopped").run(resume="auto")
+    assert [r["loss"] for r in resumed.history] == [r["loss"] for r in expected.history[2:]]
+    for name, value in read_weights(expected.checkpoint).items():
+        np.testing.assert_array_equal(read_weights(resumed.checkpoint)[name], value, err_msg=name)

@@ -163,13 +163,13 @@ def test_llama2_7b_on_8_devices_of_64_gib_runs_data_parallel_8_sharded_by_zero()
 def test_the_zero_update_holds_no_whole_model_buffer():
     """The update scales each gradient in place and gathers the updated shards in buckets: a 7B dp8 ZeRO-1/2 rank
     holds, beyond its weights and optimizer state, the accumulated gradients (ZeRO-1: and its pieces of them, cut
-    and scaled) and one bucket plus the parameters in progress, not a scaled copy of all the gradients and an
+    from the scaled buffer) and one bucket plus the parameters in progress, not a scaled copy of all the gradients and an
     all-gather of every parameter; its peak is the backward."""
     params = load_params("llama2_7b_dp8")
     held = stage_parameters(params.model, 1, 1, 0)
     shard = math.ceil(held / 8)
     sizes = [row.size for row in placement_table(params.model, Layout())]
-    for stage, gradients in ((1, 4 * held + 8 * shard), (2, 4 * shard)):
+    for stage, gradients in ((1, 4 * held + 4 * shard), (2, 4 * shard)):
         backward, update = stage_phases(params, Candidate(8, 1, 1, stage, "all"), 0, ACCELERATOR, 0)
         assert (update.gradients, update.communication) == (gradients, shard_gather_bytes(sizes, 8, 32 * 2**20))
         assert update.communication < 0.2 * 4 * held and backward.total > update.total

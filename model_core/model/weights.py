@@ -35,4 +35,5 @@ def load_weights(model: nn.Cell, weights: dict[str, np.ndarray]) -> None:
     for name, param in params.items():
         if weights[name].shape != param.shape:
             raise WeightMismatchError(f"{name}: stored shape {weights[name].shape} != model shape {param.shape}")
-        ops.assign(param, ms.Tensor(weights[name]))  # in place: set_data would detach compiled graphs
+        # In place (set_data would detach compiled graphs), cast to the weight's dtype (compute-dtype working weights).
+        ops.assign(param, ms.Tensor(weights[name]).astype(param.dtype))

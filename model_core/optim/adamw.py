@@ -38,7 +38,7 @@ class AdamW(nn.Cell):
     and grad_scale (the loss scale's inverse times the clip factor) are scalar Tensors, so changing them never
     recompiles. With grad_scale the grads must be Parameters (the gradient buffers): each is scaled in place just
     before its own update, after the previous parameter's update has run, and holds the scaled values afterwards,
-    so no scaled copy of the gradients is made (with `grad_slices`, only the slice is scaled, into a new tensor).
+    so no scaled copy of the gradients is made (with `grad_slices`, the whole buffer is scaled and the slice cut).
     The call returns a Tensor that exists once every update is done, to order what must come after (zeroing the
     buffers: before the update has read them would lose the gradient). step is the bias-correction count t of
     this update, 1-based like torch's state["step"]: 1 on the first update, so schedule step s (0-based) updates with
@@ -46,6 +46,10 @@ class AdamW(nn.Cell):
     `adam_v.<name>`, so saving this cell checkpoints them; `state_dict`/`load_state_dict` move them as numpy.
     Calling a graph-mode cell directly (not from inside another cell's construct) with a fresh grads tuple
     recompiles unless the tuple is wrapped in `ms.mutable`.
+
+    With `working` (mixed precision), `parameters` are the fp32 master weights and `working[i]`, where not None,
+    is the compute-dtype weight the model reads in place of parameter i: each is written, cast, right after its
+    master is updated, so the model never holds an fp32 copy of it (`master_weights` reads the masters back).
     """
 
     def __init__(
@@ -55,6 +59,7 @@ class AdamW(nn.Cell):
         eps: float = 1e-8,
         weight_decay: float = 0.1,
         names: Sequence[str] | None = None,
+        working: Sequence[Parameter | None] | None = None,
     ):
         super().__init__()
         self.params = ParameterTuple(parameters)
@@ -71,13 +76,19 @@ class AdamW(nn.Cell):
         self._beta1 = Tensor(self.beta1, ms.float32)
         self._beta2 = Tensor(self.beta2, ms.float32)
         self._fused_update = ops.Adam()
+        working = list(working) if working is not None else [None] * len(self.params)
+        self.working = ParameterTuple([w for w in working if w is not None])
+        # For parameter i, the index of its working weight in `self.working`, or -1 where the model reads the master.
+        self.writes = tuple(sum(w is not None for w in working[:i]) if working[i] is not None else -1
+                            for i in range(len(working)))
 
     @classmethod
     def from_params(
-        cls, parameters: Sequence[Parameter], optimizer: OptimizerParams, names: Sequence[str] | None = None
+        cls, parameters: Sequence[Parameter], optimizer: OptimizerParams, names: Sequence[str] | None = None,
+        working: Sequence[Parameter | None] | None = None,
     ) -> AdamW:
         """The AdamW an `OptimizerParams` describes (lr and clipping are the caller's, per step)."""
-        return cls(parameters, (optimizer.beta1, optimizer.beta2), optimizer.eps, optimizer.weight_decay, names)
+        return cls(parameters, (optimizer.beta1, optimizer.beta2), optimizer.eps, optimizer.weight_decay, names, working)
 
     def construct(
         self, grads: tuple[Tensor, ...], lr: Tensor, step: Tensor, grad_scale: Tensor | None = None
@@ -90,22 +101,35 @@ class AdamW(nn.Cell):
         done = t
         for i in range(len(self.params)):
             grad = ops.depend(grads[i], done)
+            if grad_scale is not None:
+                # Scaled in place (the caller zeroes the buffer after the update anyway): the compiled graph then
+                # keeps no scaled copy, which it would hold beside the buffer for as long as the graph lives. A
+                # sliced gradient is scaled whole and then cut, so the graph keeps the cut piece only.
+                grad = ops.assign(grads[i], grad * grad_scale)
             if self.grad_slices[i] is not None:
                 start, end = self.grad_slices[i]
                 grad = grad.reshape(-1)[start:end]
-                if grad_scale is not None:
-                    grad = grad * grad_scale
-            elif grad_scale is not None:
-                # Scaled in place (the caller zeroes the buffer after the update anyway): the compiled graph then
-                # keeps no scaled copy, which it would hold beside the buffer for as long as the graph lives.
-                grad = ops.assign(grads[i], grad * grad_scale)
             if self.decays[i]:
                 ops.assign(self.params[i], self.params[i] * keep)
             done = self._fused_update(
                 self.params[i], self.exp_avg[i], self.exp_avg_sq[i],
                 beta1_power, beta2_power, lr, self._beta1, self._beta2, eps_t, grad,
             )[0]
+            j = self.writes[i]
+            if j >= 0:
+                done = ops.assign(self.working[j], ops.depend(self.params[i], done).astype(self.working[j].dtype))
         return ops.depend(t, done)
+
+    def master_weights(self) -> dict[str, np.ndarray]:
+        """Copies of the fp32 masters of the weights the model holds in the compute dtype, by name."""
+        return {self.param_names[i]: self.params[i].asnumpy().copy() for i in range(len(self.params)) if self.writes[i] >= 0}
+
+    def load_master_weights(self, weights: Mapping[str, np.ndarray]) -> None:
+        """Set the masters of compute-dtype weights from fp32 `weights` by name (the working weights are the
+        caller's: `load_weights` casts them)."""
+        for i in range(len(self.params)):
+            if self.writes[i] >= 0:
+                ops.assign(self.params[i], Tensor(np.asarray(weights[self.param_names[i]], dtype=np.float32)))
 
     def _moments(self) -> dict[str, Parameter]:
         return {

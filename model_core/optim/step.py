@@ -86,7 +86,7 @@ class AccumulateGradients(nn.Cell):
         # Added last weight first, in the order the backward finishes the gradients: each add can then run as soon as
         # its gradient exists, which frees it, instead of the whole fresh set waiting for the embedding's, last.
         for i in range(len(grads) - 1, -1, -1):
-            ops.assign_add(self.buffers[i], grads[i])
+            ops.assign_add(self.buffers[i], grads[i].astype(self.buffers[i].dtype))  # fp16 weights' into fp32
         if self.routed:
             return outputs[1], outputs[2]
         return outputs[1]

@@ -107,12 +107,12 @@ class AccumulateAndSumGradients(nn.Cell):
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
         outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise)
         for kind, bucket in self.buckets:
-            flat = ops.cat([(self.buffers[i] + grads[i]).reshape(-1) for i in bucket])
+            flat = ops.cat([(self.buffers[i] + grads[i].astype(self.buffers[i].dtype)).reshape(-1) for i in bucket])
             for group in self.kinds[kind]:
                 flat = group.all_reduce(flat)
             write_back(self.buffers, bucket, flat, self.sizes, self.shapes)
         for i in self.accumulated_only:
-            ops.assign_add(self.buffers[i], grads[i])
+            ops.assign_add(self.buffers[i], grads[i].astype(self.buffers[i].dtype))
         if self.routed:
             return outputs[1], outputs[2]
         return outputs[1]

@@ -34,7 +34,7 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from model_core.model.init import deferred, deferred_weights, shape_of
-from model_core.model.llama import Llama
+from model_core.model.llama import Linear, Llama
 from model_core.model.lora import LoraSummary, apply_lora
 from model_core.model.weights import WeightMismatchError, load_weights, model_weights, named_weights
 from model_core.optim.adamw import AdamW
@@ -57,6 +57,7 @@ from model_core.parallel.pipeline import MicroBatch, PipelineStage, SummedVocabP
 from model_core.parallel.pipeline import SummedTokenLoss as StageTokenLoss
 from model_core.parallel.placement import PlacementTable, placement_table
 from model_core.parallel.tensor import (
+    RowParallelLinear,
     TensorParallelism,
     VocabParallelTokenLoss,
     tensor_parallel,
@@ -224,6 +225,9 @@ def parallelize(
     model, tensor_parallelism, adaptation, zero3 = shard.model, shard.tensor_parallelism, shard.adaptation, shard.zero3
     apply_recompute(model, params)
     model.set_train(True)  # training-only layers (LoRA's dropout) act in the step, not in evaluation
+    masters = {}
+    if keeps_masters_apart(params, layout, zero_stage, table):
+        masters = to_compute_dtype(model, model.compute_dtype)
 
     pipeline = None
     bucket_bytes = int(params.parallel.gradient_bucket_mb * 2**20)
@@ -273,9 +277,15 @@ def parallelize(
         optimizer = ShardedAdamW(
             accumulate.weights, params.optimizer, weight_names, dp_group, sharded_gradients=zero_stage == 2,
             shard_length=accumulate.shard_length if zero_stage == 2 else None, bucket_bytes=bucket_bytes,
+            masters=[masters.get(name, weight) for name, weight in zip(weight_names, accumulate.weights)]
+            if masters else None,
         )
     else:
-        optimizer = AdamW.from_params(accumulate.weights, params.optimizer, weight_names)
+        optimizer = AdamW.from_params(
+            [masters.get(name, weight) for name, weight in zip(weight_names, accumulate.weights)], params.optimizer,
+            weight_names, working=[weight if name in masters else None for name, weight in zip(weight_names, accumulate.weights)],
+        )
+    del masters  # ZeRO-1/2 copied their shard of them; ZeRO-0's optimizer holds them
     # The weight each gradient buffer belongs to: under ZeRO-2 the buffers are pieces of this rank's shard.
     owners = accumulate.piece_params if zero_stage == 2 else range(len(weight_names))
     counted = pipeline.counted_in_norm(accumulate.weights) if pipeline is not None else [True] * len(weight_names)
@@ -325,7 +335,34 @@ def parallelize(
         sum_partial_gradients=GradientAllReduce(ParameterTuple(partial), tp_group, bucket_bytes)
         if partial and not overlapped else None,
         micro_batches_per_pass=params.parallel.micro_batches,
+        masters_apart=keeps_masters_apart(params, layout, zero_stage, table),
     )
+
+
+def keeps_masters_apart(params: PipelineParams, layout: Layout, zero_stage: int, table: PlacementTable) -> bool:
+    """Whether the model holds its matmul weights in the compute dtype and the optimizer their fp32 masters (ZeRO-0:
+    all of them, ZeRO-1/2: its shard), as Megatron's and DeepSpeed's mixed precision do. Built for the layouts
+    whose optimizer is `AdamW` or `ShardedAdamW`; the others (ZeRO-3, pipeline, expert parallelism, offload, LoRA)
+    keep fp32 weights that every matmul casts."""
+    return (
+        params.precision.compute_dtype != "float32" and zero_stage < 3 and layout.pp == 1 and layout.ep == 1
+        and table.lora is None and not table.optimizer_offload and not table.param_offload
+    )
+
+
+def to_compute_dtype(model: nn.Cell, dtype) -> dict[str, Parameter]:
+    """Swap every trainable `Linear` (and tensor parallelism's `RowParallelLinear`) weight of `model` for a copy in
+    `dtype`, the one the matmul reads anyway (so the forward and its gradient are the same numbers); returns the
+    fp32 weights it replaced, by path, for the optimizer to keep as masters. The embedding and the norms stay fp32: a gather's gradient adds repeated
+    tokens' rows, and a norm computes in fp32."""
+    replaced = {}
+    for path, cell in list(model.cells_and_names()):
+        if isinstance(cell, (Linear, RowParallelLinear)) and cell.weight.requires_grad and cell.weight.dtype != dtype:
+            name = f"{path}.weight" if path else "weight"
+            master = replaced[name] = cell.weight
+            cell.weight = Parameter(master.astype(dtype), name=name)
+            master.name = f"master.{name}"  # a compiled graph needs its Parameters' names unique
+    return replaced
 
 
 class Parallelized:
@@ -342,7 +379,7 @@ class Parallelized:
 
     def __init__(self, *, model, table, layout, rank, dp_group, data_group, cp_group, ep_group, adaptation, pipeline,
                  zero3, accumulate, loss, optimizer, norm, accumulate_and_sum, sum_gradients, sum_expert_gradients,
-                 sum_partial_gradients, micro_batches_per_pass) -> None:
+                 sum_partial_gradients, micro_batches_per_pass, masters_apart=False) -> None:
         self.model, self.table, self.layout, self.rank = model, table, layout, rank
         self.dp_group, self.ep_group = dp_group, ep_group
         self.data_group, self.cp_group = data_group, cp_group
@@ -354,6 +391,7 @@ class Parallelized:
         self.sum_gradients, self.sum_partial_gradients = sum_gradients, sum_partial_gradients
         self.accumulate_and_sum = accumulate_and_sum  # the last micro-batch, with the sums in its backward
         self.micro_batches_per_pass = micro_batches_per_pass
+        self.masters_apart = masters_apart  # the optimizer holds fp32 masters of the compute-dtype weights
         self.stage = layout.coordinates(rank).pp
         self.offload = optimizer if isinstance(optimizer, OffloadedOptimizer) else None
         self._apply = ApplyGradients(accumulate.buffers, optimizer) if self.offload is None else None
@@ -448,7 +486,10 @@ class Parallelized:
         and expert parallelism."""
         if self.zero3 is not None:
             return self.zero3.full_weights()
-        return gather_experts(model_weights(self.model), self.experts, self.ep_group)
+        weights = model_weights(self.model)
+        if self.masters_apart:  # checkpoints hold the fp32 masters, not their compute-dtype casts
+            weights.update(self.optimizer.master_weights())
+        return gather_experts(weights, self.experts, self.ep_group)
 
     def load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
         """Take this rank's weights from tp blocks of whole tensors by path (extra stages' tensors ignored)."""
@@ -458,6 +499,8 @@ class Parallelized:
             self.zero3.load_full_weights(owned)
         else:
             load_weights(self.model, owned)
+            if self.masters_apart:
+                self.optimizer.load_master_weights(owned)
 
 
 def expert_positions(model: nn.Cell, table: PlacementTable) -> set[int]:

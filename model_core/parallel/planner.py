@@ -11,14 +11,18 @@ The counts follow how llmflow's trainer holds memory. P is the parameters one ra
 first stage, the final norm and LM head on the last, where a tied head keeps a copy of the embedding when
 pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F ffn_hidden_size, V vocabulary:
 
-    parameters     4P fp32 masters, + cP compute-dtype copies the matmuls keep for the backward when c != 4;
-                   ZeRO-3: 4P/dp
-    gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward 4P fresh gradients, which the
-                   compiled backward holds (ZeRO-2: also every bucket's flat input to its reduce-scatter, 4P more;
-                   ZeRO-3: 4P/dp). The update scales each gradient in place as AdamW takes it; ZeRO-1 cuts each
-                   piece of its shard out of the buffer and scales it, both held by its compiled update: 8P/dp.
+    parameters     fp32 training: 4P. Mixed precision (c != 4) under ZeRO-0/1/2 without pipeline, expert
+                   parallelism or offload: the matmul weights Pm in the compute dtype, cPm, the rest (embedding,
+                   norms) fp32; ZeRO-0 adds the optimizer's fp32 masters of the matmul weights, 4Pm (ZeRO-1/2 keep
+                   only their shard's, counted under optimizer). Other mixed layouts: 4P fp32 + cP compute-dtype
+                   copies the matmuls keep for the backward. ZeRO-3: 4P/dp
+    gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward a set of fresh gradients, which
+                   the compiled backward holds, in the weights' dtypes, and of the compute-dtype ones their fp32
+                   casts, 4Pm (ZeRO-2: also every bucket's flat fp32 input to its reduce-scatter, 4P more;
+                   ZeRO-3: 4P/dp). The update scales each gradient buffer in place as AdamW takes it; ZeRO-1
+                   then cuts its shard's pieces out, held by its compiled update: 4P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and ShardedAdamW's fp32
-                   copy of its shard)
+                   copy of its shard: the master weights under mixed precision)
     activations    per layer and micro-batch, what the hand-written backwards of model_core.model.fused keep:
                    2 BTH fp32 (RMSNorm inputs) + 2 BTH c (the normed inputs of q/k/v and of gate/up)
                    + (4 BTH + 3 BTF) c / tp (q, k, v at all heads, the o_proj input; gate, up, the down input);
@@ -46,15 +50,17 @@ Model states per parameter of a rank at its peak (the backward) against the ZeRO
 2020, Fig. 1: mixed precision with Adam; fp32 training keeps no separate master):
 
     stage   fp32, llmflow   fp32, paper    mixed (c = 2), llmflow   mixed, paper
-    0       20              16             22                       16
-    1       12 + 12/dp      8 + 8/dp       14 + 12/dp               4 + 12/dp
-    2       12 + 16/dp      4 + 12/dp      14 + 16/dp               2 + 14/dp
+    0       20              16             24                       16
+    1       12 + 12/dp      8 + 8/dp       12 + 12/dp               4 + 12/dp
+    2       12 + 16/dp      4 + 12/dp      12 + 16/dp               2 + 14/dp
     3       20/dp           16/dp          20/dp                    16/dp
 
-What is left over the paper: the fresh gradients the compiled backward holds beside the fp32 accumulation buffer
-(and ZeRO-2's bucket inputs), fp32 weights kept whole next to the compute-dtype copies (mixed: 4 + 2 bytes where
-the paper keeps 2 and an fp32 master only in the shard), ZeRO-1/2's fp32 copy of the shard for AdamW and ZeRO-3's
-fresh gradient shards (4/dp each). benchmarks/README.md ("Model states against the ZeRO paper") measures them.
+(mixed: every parameter a matmul weight; the fp32 embedding and norms count 4 where the table counts c.) What is
+left over the paper: the fresh gradients the compiled backward holds beside the fp32 accumulation buffer (c
+bytes and their fp32 casts, 4, under mixed precision; 4 in fp32) and ZeRO-2's fp32 bucket inputs (4), a full
+fp32 gradient buffer under ZeRO-1 where the paper reduce-scatters (mixed: the paper's 2-byte gradients are fp32 here), fp32 training's
+ZeRO-1/2 copy of the shard for AdamW and ZeRO-3's fresh gradient shards (4/dp each). benchmarks/README.md
+("Model states against the ZeRO paper") measures them.
 
 Optimizer offload (`parallel.optimizer_offload`, `model_core/optim/offload.py`) is one more candidate for
 layouts with ZeRO-2 or 3: the moments leave the device for host memory (on the CPU backend a memory-mapped
@@ -437,6 +443,23 @@ def stage_parameter_split(model: ModelParams, tp: int, pp: int, stage: int, ep: 
     return sum(n for expert, n in held if not expert), sum(n for expert, n in held if expert)
 
 
+def masters_apart(params: PipelineParams, candidate: Candidate) -> bool:
+    """Whether the layout keeps compute-dtype matmul weights and their fp32 masters in the optimizer
+    (`parallelize.keeps_masters_apart`, which the planner cannot call: it builds no model)."""
+    return (
+        params.precision.compute_dtype != "float32" and candidate.zero_stage < 3 and candidate.pp == 1
+        and candidate.ep == 1 and not candidate.offload and not candidate.param_offload
+    )
+
+
+def stage_matmul_parameters(model: ModelParams, tp: int, stage: int) -> int:
+    """Elements of the dense matmul weights (the attention and MLP projections, an untied LM head) on one rank of
+    a single-stage layout: the weights `parallelize.to_compute_dtype` keeps in the compute dtype."""
+    table = placement_table(model, Layout(tp=tp))
+    return sum(math.prod(row.block_shape(tp, 1)) for row in table.on_stage(stage)
+               if not row.expert and (row.name.endswith("_proj.weight") or row.name == "lm_head.weight"))
+
+
 def expert_parameters(model: ModelParams) -> int:
     """Elements of every MoE block's expert stacks (what expert parallelism shares out)."""
     return sum(row.size for row in placement_table(model, Layout()) if row.expert)
@@ -590,8 +613,20 @@ def stage_phases(
     dense, experts = stage_parameter_split(params.model, candidate.tp, candidate.pp, stage, candidate.ep)
     held = dense + experts
     shard = math.ceil(dense / dp) + math.ceil(experts / (dp // candidate.ep))  # expert shards over expert-dp
-    masters = 0 if candidate.param_offload else 4 * (shard if zero == 3 else held)  # a fetched shard: communication
-    compute_copies = c * held if c != 4 and zero < 3 else 0
+    if masters_apart(params, candidate):
+        # The model holds its matmul weights in the compute dtype (their fresh gradients too) and the rest in fp32;
+        # the fp32 masters of the matmul weights are the optimizer's: ZeRO-0 all of them, ZeRO-1/2 the shard copy
+        # counted under "optimizer". Each compute-dtype gradient is cast to fp32 to be added into its buffer (ZeRO-2:
+        # into its bucket), and the compiled backward keeps the casts too (benchmarks/README.md, "Model states
+        # against the ZeRO paper").
+        matmul = stage_matmul_parameters(params.model, candidate.tp, stage)
+        working = c * matmul + 4 * (held - matmul)
+        masters = working + (4 * matmul if zero == 0 else 0)
+        compute_copies, fresh_set = 0, working + 4 * matmul
+    else:
+        masters = 0 if candidate.param_offload else 4 * (shard if zero == 3 else held)  # a fetched shard: communication
+        compute_copies = c * held if c != 4 and zero < 3 else 0
+        fresh_set = 4 * held
     layers = params.model.num_layers // candidate.pp
     recompute_graph = kind.recompute_bytes_per_layer * layers if candidate.recompute == "all" else 0
     if candidate.pp > 1:  # a stage compiles a forward-only graph too (its backward recomputes the forward)
@@ -600,7 +635,7 @@ def stage_phases(
     # The backward's fresh gradients: the compiled backward's memory holds a whole set of them (benchmarks/README.md,
     # "Model states against the ZeRO paper"); ZeRO-2's also holds every bucket's flat input to the reduce-scatter;
     # under ZeRO-3 each is cut to its shard.
-    fresh = 4 * (shard if zero == 3 else 2 * held if zero == 2 else held)
+    fresh = 4 * shard if zero == 3 else fresh_set + 4 * held if zero == 2 else fresh_set
     state = {
         # AdamW's two moments of what this rank updates; ZeRO-1/2 also keep an fp32 copy of their shard to update
         # (the weights stay whole), while under ZeRO-3 the shard is the weight itself.
@@ -624,9 +659,9 @@ def stage_phases(
         sizes = [math.prod(row.block_shape(candidate.tp, candidate.ep)) for row in
                  placement_table(params.model, layout).on_stage(stage)]
         gathered = shard_gather_bytes(sizes, dp, bucket_bytes(params))
-    # AdamW scales each gradient buffer in place as it takes it; ZeRO-1 cuts each piece's gradient out of the full
-    # buffer and scales it, and its compiled update holds both, 8P/dp.
-    pieces = 8 * shard if dp > 1 and zero == 1 and not candidate.offload else 0
+    # AdamW scales each gradient buffer in place as it takes it; ZeRO-1 then cuts its piece out of the scaled buffer,
+    # and its compiled update holds the cut pieces, 4P/dp.
+    pieces = 4 * shard if dp > 1 and zero == 1 and not candidate.offload else 0
     update = Memory(parameters=masters, gradients=accumulated + pieces, activations=0, communication=gathered,
                     phase="update", **state)
     return backward, update

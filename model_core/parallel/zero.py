@@ -133,7 +133,7 @@ class ShardGather(nn.Cell):
             for i, numbers in self.writes[k]:
                 values = [segments[n] for n in numbers]
                 value = ops.cat(values) if len(values) > 1 else values[0]
-                done = ops.assign(self.parameters[i], value.reshape(self.shapes[i]))
+                done = ops.assign(self.parameters[i], value.reshape(self.shapes[i]).astype(self.parameters[i].dtype))
         return done
 
 
@@ -160,7 +160,11 @@ class ShardedAdamW(nn.Cell):
     (grads, lr, step[, grad_scale]).
 
     grads are one full gradient per parameter, or with `sharded_gradients` (ZeRO-2) one per piece of this
-    rank's shard, in the order of `ShardedAccumulateGradients.buffers`."""
+    rank's shard, in the order of `ShardedAccumulateGradients.buffers`.
+
+    With `masters` (mixed precision: the fp32 values of `parameters`, which the model holds in the compute dtype)
+    the shard's fp32 pieces are its master weights, kept from step to step and taken from `masters` once; without,
+    they are copied from the fp32 parameters at every step, which are then the only masters."""
 
     def __init__(
         self,
@@ -171,6 +175,7 @@ class ShardedAdamW(nn.Cell):
         sharded_gradients: bool = False,
         shard_length: int | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        masters: Sequence[Parameter] | None = None,
     ) -> None:
         """`shard_length` as for `shard_pieces` (ZeRO-2 passes its gradient shards' length); `bucket_bytes`: the
         most one all-gathered bucket of updated parameters holds (`parallel.gradient_bucket_mb`)."""
@@ -186,8 +191,13 @@ class ShardedAdamW(nn.Cell):
             raise ValueError(f"{sum(self.sizes)} parameters are too few to shard over {group.size} ranks")
         self.pieces = tuple((p.index, p.start, p.end) for p in pieces)
         self.padding = self.shard_length - sum(end - start for _, start, end in self.pieces)
+        self.kept_masters = masters is not None
         copies = [
-            Parameter(ops.zeros((end - start,), ms.float32), name=f"zero1.{names[i]}.{start}", requires_grad=False)
+            Parameter(
+                Tensor(masters[i].asnumpy().reshape(-1)[start:end].copy()) if masters is not None
+                else ops.zeros((end - start,), ms.float32),
+                name=f"zero1.{names[i]}.{start}", requires_grad=False,
+            )
             for i, start, end in self.pieces
         ]
         self.inner = AdamW.from_params(copies, optimizer, [f"{names[i]}[{start}:{end}]" for i, start, end in self.pieces])
@@ -198,8 +208,9 @@ class ShardedAdamW(nn.Cell):
         self.gather = ShardGather(parameters, self.pieces, self.shard_length, group, bucket_bytes)
 
     def construct(self, grads, lr, step, grad_scale=None):
-        for k, (i, start, end) in enumerate(self.pieces):
-            ops.assign(self.inner.params[k], self.params[i].reshape(-1)[start:end])
+        if not self.kept_masters:
+            for k, (i, start, end) in enumerate(self.pieces):
+                ops.assign(self.inner.params[k], self.params[i].reshape(-1)[start:end])
         if not self.sharded_gradients:
             grads = tuple(grads[i] for i, _, _ in self.pieces)
         updated = self.inner(grads, lr, step, grad_scale)
@@ -213,16 +224,34 @@ class ShardedAdamW(nn.Cell):
     def moment_bytes(self) -> int:
         return moment_bytes(self.inner)
 
+    def _gathered(self, pieces) -> dict[str, np.ndarray]:
+        """Whole tensors by parameter name from every rank's `pieces` (one per piece of its shard). Collective."""
+        full = self.group.all_gather(self._padded(list(pieces))).asnumpy()
+        whole, offset = {}, 0
+        for name, size, shape in zip(self.param_names, self.sizes, self.shapes):
+            whole[name] = full[offset : offset + size].reshape(shape).copy()
+            offset += size
+        return whole
+
     def state_dict(self) -> dict[str, np.ndarray]:
         """Full moments keyed `adam_m.<name>` / `adam_v.<name>`, as unsharded AdamW writes them. Collective."""
         state = {}
         for prefix, moments in (("adam_m", self.inner.exp_avg), ("adam_v", self.inner.exp_avg_sq)):
-            full = self.group.all_gather(self._padded(list(moments))).asnumpy()
-            offset = 0
-            for name, size, shape in zip(self.param_names, self.sizes, self.shapes):
-                state[f"{prefix}.{name}"] = full[offset : offset + size].reshape(shape).copy()
-                offset += size
+            state.update({f"{prefix}.{name}": value for name, value in self._gathered(moments).items()})
         return state
+
+    def master_weights(self) -> dict[str, np.ndarray]:
+        """The whole fp32 masters by name, gathered from the ranks' shards, when they are kept apart from the
+        compute-dtype weights (`masters`); empty otherwise. Collective."""
+        return self._gathered(self.inner.params) if self.kept_masters else {}
+
+    def load_master_weights(self, weights: Mapping[str, np.ndarray]) -> None:
+        """Take this rank's pieces of the whole fp32 `weights` (by name) as its masters, when it keeps them."""
+        if not self.kept_masters:
+            return
+        for master, (i, start, end) in zip(self.inner.params, self.pieces):
+            value = np.asarray(weights[self.param_names[i]], dtype=np.float32).reshape(-1)
+            ops.assign(master, Tensor(value[start:end].copy()))
 
     def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
         """Take this rank's pieces of full (unsharded) moments."""
