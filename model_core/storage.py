@@ -186,6 +186,20 @@ def write_file(path: str | Path, content: str | bytes) -> Path:
     return build_file(path, lambda temporary: temporary.write_bytes(data))
 
 
+def replace_file(path: str | Path, content: str) -> Path:
+    """Replace the file `path` with `content` atomically (a reader sees the old file or the new one, never a
+    part) but not durably: no fsync. For a file rewritten every second that matters only while its writer runs
+    (a rank's heartbeat), where an fsync a write would load a shared file system for nothing."""
+    final = Path(path)
+    temporary = _sibling(final)
+    try:
+        temporary.write_text(content, encoding="utf-8")
+        os.replace(temporary, final)
+    finally:
+        temporary.unlink(missing_ok=True)
+    return final
+
+
 def build_file(final: str | Path, write: Callable[[Path], None]) -> Path:
     """Run `write(path)` to create a temporary file beside `final`, fsync it, rename it to `final` and fsync
     the parent. When `write` fails, the temporary is removed and an existing `final` is left as it was."""

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from model_core.data import prepare_instructions
 from model_core.data.identity import split_identities
 from model_core.model.lora import CONFIG, base_sha256
-from model_core.parallel.launch import launch
+from model_core.parallel.launch import hang_watch, launch
 from model_core.storage import write_file
 from model_core.train.callbacks import MetricsCallback, fan_out, follow_jsonl
 from model_core.train.checkpoint import latest_valid
@@ -126,7 +126,10 @@ def _finetune_on_ranks(
     arguments = ["--params", str(run_params), "--base", str(base_checkpoint), "--checkpoint-dir", str(directory)]
     arguments += ["--resume", "auto", "--metrics-jsonl", str(metrics_file)]
     with follow_jsonl(metrics_file, on_metrics) as history:
-        launch(["-m", "flows.cli", "finetune", *arguments], params.parallel.world_size, directory / "logs")
+        launch(
+            ["-m", "flows.cli", "finetune", *arguments], params.parallel.world_size, directory / "logs",
+            **hang_watch(params),
+        )
     found = latest_valid(directory)
     if found is None:
         raise RuntimeError(f"the fine-tuning ranks finished but left no valid checkpoint in {directory}")

@@ -196,3 +196,20 @@ def test_adapter_dropout_acts_in_training_steps_and_not_in_evaluation(pretrained
     assert dropped.evaluate() == dropped.evaluate()  # B is no longer zero: random masks would show here
     changed = [not np.array_equal(a, b) for a, b in zip(adapter_weights(plain.model).values(), adapter_weights(dropped.model).values())]
     assert all(changed)
+
+
+def test_fine_tuning_ranks_are_launched_under_the_same_hang_watch_as_pretraining(monkeypatch, tmp_path):
+    import tasks.finetune
+    from model_core.parallel.launch import LaunchError
+
+    params = load_params("tiny", ["parallel.data_parallel=2", "parallel.hang_step_multiple=7", "parallel.hang_min_seconds=90"])
+    seen: dict = {}
+
+    def launch(python_args, world_size, log_dir, **watch):
+        seen.update(world_size=world_size, **watch)
+        raise LaunchError("stopped here: only the launch's arguments matter")
+
+    monkeypatch.setattr(tasks.finetune, "launch", launch)
+    with pytest.raises(LaunchError):
+        tasks.finetune._finetune_on_ranks(params, tmp_path / "base", tmp_path / "finetune", lambda metrics: None)
+    assert seen == {"world_size": 2, "hang_step_multiple": 7.0, "hang_min_s": 90.0}

@@ -42,6 +42,17 @@ def test_write_file_fsyncs_the_file_renames_it_then_fsyncs_the_parent(tmp_path, 
     assert sorted(os.listdir(final.parent)) == ["report.md"]
 
 
+def test_replace_file_renames_into_place_without_an_fsync(tmp_path, disk_events):
+    """A heartbeat's write: atomic for a reader, but no fsync of a file rewritten every second."""
+    final = tmp_path / "heartbeat-rank0.json"
+    final.write_text("old")
+    storage.replace_file(final, '{"step": 3}')
+    assert final.read_text() == '{"step": 3}'
+    [(kind, temporary, target)] = disk_events
+    assert kind == "rename" and target == final and temporary.parent == final.parent
+    assert os.listdir(tmp_path) == [final.name]
+
+
 def test_a_failed_file_write_leaves_the_old_file_and_no_temporary(tmp_path):
     final = tmp_path / "record.json"
     final.write_text("old\n")

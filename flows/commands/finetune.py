@@ -36,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
     from model_core.data import prepare_instructions
     from model_core.model.lora import CONFIG
     from model_core.parallel import comm
-    from model_core.parallel.launch import launch
+    from model_core.parallel.launch import hang_watch, launch
     from model_core.train.callbacks import fan_out, jsonl_writer
     from model_core.train.finetune import ADAPTERS_DIR, finetune
     from model_core.train.runs import TrainingRun, finetune_directory
@@ -64,7 +64,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"adapters: {checkpoints / ADAPTERS_DIR}")
             return 0
     if params.parallel.world_size > 1 and not comm.launched_by_msrun():
-        launch(["-m", "flows.cli", *args.raw_args, "--resume", resume], params.parallel.world_size, checkpoints / "logs")
+        launch(
+            ["-m", "flows.cli", *args.raw_args, "--resume", resume], params.parallel.world_size, checkpoints / "logs",
+            **hang_watch(params),
+        )
         return 0
     bar = TrainingProgress(params.lora.steps, description="finetune")
     jsonl = jsonl_writer(args.metrics_jsonl) if args.metrics_jsonl else None

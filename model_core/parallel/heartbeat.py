@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from model_core.storage import write_file
+from model_core.storage import replace_file
 
 HEARTBEAT_ENV = "LLMFLOW_HEARTBEAT_DIR"
 INTERVAL_S = 1.0
@@ -57,7 +57,7 @@ class _Recorder:
                 text = json.dumps({**self.state, "written_at": time.time()})
                 self.changed.clear()
             try:
-                write_file(self.path, text)
+                replace_file(self.path, text)
             except OSError:
                 pass  # a full or vanished log directory must not stop training; the launcher sees the file age
             time.sleep(CHANGE_INTERVAL_S)

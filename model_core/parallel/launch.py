@@ -83,8 +83,13 @@ def launch_training(params: PipelineParams, cli_args: Sequence[str], log_dir: st
     collective_timeout_s."""
     world_size = params.parallel.world_size
     Layout.from_params(params, world_size)
-    hang = {"hang_step_multiple": params.parallel.hang_step_multiple, "hang_min_s": params.parallel.hang_min_seconds}
-    launch(["-m", "flows.cli", "train", *cli_args], world_size, log_dir, **hang, **cluster)
+    launch(["-m", "flows.cli", "train", *cli_args], world_size, log_dir, **hang_watch(params), **cluster)
+
+
+def hang_watch(params: PipelineParams) -> dict[str, float]:
+    """`launch`'s hang-watch arguments from params.parallel: every launch of training ranks (pretraining and
+    fine-tuning alike) is watched the same way."""
+    return {"hang_step_multiple": params.parallel.hang_step_multiple, "hang_min_s": params.parallel.hang_min_seconds}
 
 
 @dataclass
