@@ -61,18 +61,40 @@ def row_sum(x):
 
 
 class LinearFunction(nn.Cell):
-    """y = x W^T for x [..., in], W [out, in]; the backward uses transposed-operand matmuls, no copies."""
+    """y = x W^T for x [..., in], W [out, in]; the backward uses transposed-operand matmuls, no copies.
+
+    A low-precision matmul on CPU is computed as the fp32 matmul of its operands cast to fp32, its result cast back,
+    which is what the CPU's float16 kernel computes (the same bits), but in casts the graph frees after the matmul:
+    the kernel itself keeps its fp32 copy of every weight it reads for the life of the compiled graph, a fp32 copy
+    of every matmul weight in the forward and another in the backward. Each cast of the weight waits for the matmul's
+    other operand (x, dout): a compiled graph runs an op as soon as its inputs exist, so a cast of a Parameter
+    alone would run at the start of the graph, all of them at once, and the backward's would be merged with the
+    forward's and kept from one pass to the other (benchmarks/README.md, "Model states against the ZeRO paper")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.upcast = ms.get_context("device_target") == "CPU"  # elsewhere low-precision matmuls run natively
 
     def construct(self, x, weight):
         out_features, in_features = weight.shape
-        y = _matmul_nt(x.reshape(-1, in_features), weight)
+        x_2d = x.reshape(-1, in_features)
+        if self.upcast and x.dtype != ms.float32:
+            y = _matmul_nt(x_2d.astype(ms.float32), ops.depend(weight, x).astype(ms.float32)).astype(x.dtype)
+        else:
+            y = _matmul_nt(x_2d, weight)
         return y.reshape(x.shape[:-1] + (out_features,))
 
     def bprop(self, x, weight, out, dout):
         out_features, in_features = weight.shape
         dout_2d = dout.reshape(-1, out_features)
+        x_2d = x.reshape(-1, in_features)
+        if self.upcast and dout.dtype != ms.float32:
+            dout_32 = dout_2d.astype(ms.float32)
+            dx = ops.matmul(dout_32, ops.depend(weight, dout).astype(ms.float32)).astype(x.dtype).reshape(x.shape)
+            dweight = _matmul_tn(dout_32, x_2d.astype(ms.float32)).astype(weight.dtype)
+            return dx, dweight
         dx = ops.matmul(dout_2d, weight).reshape(x.shape)
-        dweight = _matmul_tn(dout_2d, x.reshape(-1, in_features))
+        dweight = _matmul_tn(dout_2d, x_2d)
         return dx, dweight
 
 
