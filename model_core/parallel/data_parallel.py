@@ -7,8 +7,9 @@ gradient of the mean loss over the global batch, as one process training on all 
 The sum runs over a few flat buckets (`bucket_bytes` each, parameters in model order) rather than one
 all-reduce per parameter: each collective has a fixed latency, whatever its size.
 
-With `parallel.overlap_gradient_reduction` the sum of a step's last micro-batch is part of its backward graph
-(`AccumulateAndSumGradients`): each bucket, taken in the order the backward finishes gradients (last layers
+With `parallel.overlap_gradient_reduction`, in a step of one micro-batch, the sum is part of its backward graph
+(`AccumulateAndSumGradients`; with several micro-batches the sum runs after them, since a second compiled
+backward beside the plain accumulation's would keep as much memory again): each bucket, taken in the order the backward finishes gradients (last layers
 first), is summed as soon as its own gradients exist, so the graph runtime can run the collective while the
 backward of the earlier layers still computes, as Megatron's and PyTorch DDP's bucketed reducers do with
 backward hooks. The arithmetic is the same: (accumulated + last micro-batch's gradient), summed over the group.

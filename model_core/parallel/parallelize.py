@@ -309,7 +309,8 @@ def parallelize(
         + ([expert_dp_group] * (expert_dp_group.size > 1) if i in experts else [dp_group] * summed_once_per_step)
         for i in owners
     ]
-    # ZeRO-2 reduce-scatters every micro-batch inside its own graph already; a pipeline sums after its schedule.
+    # ZeRO-2 reduce-scatters every micro-batch inside its own graph already; a pipeline sums after its schedule. The
+    # sums after the backward are kept beside the overlapped one for steps of several micro-batches (`gradients`).
     overlapped = params.parallel.overlap_gradient_reduction and pipeline is None and zero_stage != 2 and any(sums)
     return Parallelized(
         model=model,
@@ -329,11 +330,11 @@ def parallelize(
         norm=norm,
         accumulate_and_sum=AccumulateAndSumGradients(accumulate, sums, bucket_bytes) if overlapped else None,
         sum_gradients=GradientAllReduce(dense_buffers, dp_group, bucket_bytes)
-        if summed_once_per_step and not overlapped else None,
+        if summed_once_per_step else None,
         sum_expert_gradients=GradientAllReduce(expert_buffers, expert_dp_group, bucket_bytes)
-        if expert_buffers and expert_dp_group.size > 1 and zero_stage < 2 and not overlapped else None,
+        if expert_buffers and expert_dp_group.size > 1 and zero_stage < 2 else None,
         sum_partial_gradients=GradientAllReduce(ParameterTuple(partial), tp_group, bucket_bytes)
-        if partial and not overlapped else None,
+        if partial else None,
         micro_batches_per_pass=params.parallel.micro_batches,
         masters_apart=keeps_masters_apart(params, layout, zero_stage, table),
     )
@@ -389,7 +390,7 @@ class Parallelized:
         self.pipeline, self.zero3 = pipeline, zero3
         self.accumulate, self.loss, self.optimizer, self.norm = accumulate, loss, optimizer, norm
         self.sum_gradients, self.sum_partial_gradients = sum_gradients, sum_partial_gradients
-        self.accumulate_and_sum = accumulate_and_sum  # the last micro-batch, with the sums in its backward
+        self.accumulate_and_sum = accumulate_and_sum  # a step of one micro-batch, with the sums in its backward
         self.micro_batches_per_pass = micro_batches_per_pass
         self.masters_apart = masters_apart  # the optimizer holds fp32 masters of the compute-dtype weights
         self.stage = layout.coordinates(rank).pp
@@ -414,9 +415,11 @@ class Parallelized:
             passes = [micro_batches[i : i + per_pass] for i in range(0, len(micro_batches), per_pass)]
             summed = sum(self.pipeline.run(one, scale) for one in passes)
         else:
-            steps = [self.accumulate] * len(micro_batches)
-            if self.accumulate_and_sum is not None:
-                steps[-1] = self.accumulate_and_sum
+            # The sums go inside the backward only where it is the step's one backward graph: beside the plain
+            # accumulation's, a second compiled backward would keep memory of its own, as large as the first's
+            # (benchmarks/README.md, "Model states against the ZeRO paper"). Either way gives the same bits.
+            overlapped = self.accumulate_and_sum is not None and len(micro_batches) == 1
+            steps = [self.accumulate_and_sum if overlapped else self.accumulate] * len(micro_batches)
             losses = []
             for step, batch in zip(steps, micro_batches):
                 out = step(*batch.inputs(), scale, batch.router_noise)
@@ -428,6 +431,8 @@ class Parallelized:
             summed = 0.0
             for loss in ops.stack(losses).asnumpy().tolist():
                 summed += loss
+            if overlapped:
+                return summed
         if self.sum_partial_gradients is not None:
             self.sum_partial_gradients()
         if self.sum_gradients is not None:
