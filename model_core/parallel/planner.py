@@ -18,8 +18,8 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    copies the matmuls keep for the backward. ZeRO-3: 4P/dp
     gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward a set of fresh gradients, which
                    the compiled backward holds, in the weights' dtypes, and of the compute-dtype ones their fp32
-                   casts, 4Pm (ZeRO-2: also every bucket's flat fp32 input to its reduce-scatter, 4P more;
-                   ZeRO-3: 4P/dp). The update scales each gradient buffer in place as AdamW takes it; ZeRO-1
+                   casts, 4Pm (ZeRO-2: instead of the casts, every bucket's flat fp32 input to its reduce-scatter,
+                   4P; ZeRO-3: 4P/dp). The update scales each gradient buffer in place as AdamW takes it; ZeRO-1
                    then cuts its shard's pieces out, held by its compiled update: 4P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and ShardedAdamW's fp32
                    copy of its shard: the master weights under mixed precision)
@@ -52,12 +52,13 @@ Model states per parameter of a rank at its peak (the backward) against the ZeRO
     stage   fp32, llmflow   fp32, paper    mixed (c = 2), llmflow   mixed, paper
     0       20              16             24                       16
     1       12 + 12/dp      8 + 8/dp       12 + 12/dp               4 + 12/dp
-    2       12 + 16/dp      4 + 12/dp      12 + 16/dp               2 + 14/dp
+    2       12 + 16/dp      4 + 12/dp      8 + 16/dp                2 + 14/dp
     3       20/dp           16/dp          20/dp                    16/dp
 
 (mixed: every parameter a matmul weight; the fp32 embedding and norms count 4 where the table counts c.) What is
 left over the paper: the fresh gradients the compiled backward holds beside the fp32 accumulation buffer (c
-bytes and their fp32 casts, 4, under mixed precision; 4 in fp32) and ZeRO-2's fp32 bucket inputs (4), a full
+bytes and their fp32 casts, 4, under mixed precision; 4 in fp32) and ZeRO-2's fp32 bucket inputs (4; under mixed
+precision these are the casts), a full
 fp32 gradient buffer under ZeRO-1 where the paper reduce-scatters (mixed: the paper's 2-byte gradients are fp32 here), fp32 training's
 ZeRO-1/2 copy of the shard for AdamW and ZeRO-3's fresh gradient shards (4/dp each). benchmarks/README.md
 ("Model states against the ZeRO paper") measures them.
@@ -633,9 +634,15 @@ def stage_phases(
         recompute_graph += kind.recompute_bytes_per_layer * layers
     accumulated = 4 * (shard if zero >= 2 else held)  # the fp32 buffers the micro-batches add into
     # The backward's fresh gradients: the compiled backward's memory holds a whole set of them (benchmarks/README.md,
-    # "Model states against the ZeRO paper"); ZeRO-2's also holds every bucket's flat input to the reduce-scatter;
-    # under ZeRO-3 each is cut to its shard.
-    fresh = 4 * shard if zero == 3 else fresh_set + 4 * held if zero == 2 else fresh_set
+    # "Model states against the ZeRO paper"); ZeRO-2's also holds the flat fp32 inputs to the reduce-scatter, which
+    # are the fp32 casts of the compute-dtype gradients there (cut a bucket at a time from the fresh gradients, they
+    # are not a set of casts beside them); under ZeRO-3 each is cut to its shard.
+    if zero == 3:
+        fresh = 4 * shard
+    elif zero == 2:
+        fresh = fresh_set - (4 * matmul if masters_apart(params, candidate) else 0) + 4 * held
+    else:
+        fresh = fresh_set
     state = {
         # AdamW's two moments of what this rank updates; ZeRO-1/2 also keep an fp32 copy of their shard to update
         # (the weights stay whole), while under ZeRO-3 the shard is the weight itself.
