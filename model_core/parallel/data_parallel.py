@@ -9,10 +9,11 @@ all-reduce per parameter: each collective has a fixed latency, whatever its size
 
 With `parallel.overlap_gradient_reduction`, in a step of one micro-batch, the sum is part of its backward graph
 (`AccumulateAndSumGradients`; with several micro-batches the sum runs after them, since a second compiled
-backward beside the plain accumulation's would keep as much memory again): each bucket, taken in the order the backward finishes gradients (last layers
-first), is summed as soon as its own gradients exist, so the graph runtime can run the collective while the
-backward of the earlier layers still computes, as Megatron's and PyTorch DDP's bucketed reducers do with
-backward hooks. The arithmetic is the same: (accumulated + last micro-batch's gradient), summed over the group.
+backward beside the plain accumulation's would keep as much memory again): each bucket, taken in the order the
+backward finishes gradients (last layers first), is summed as soon as its own gradients exist, so the graph
+runtime can run the collective while the backward of the earlier layers still computes, as Megatron's and
+PyTorch DDP's bucketed reducers do with backward hooks. The arithmetic is the same: (buffer + the micro-batch's
+gradient), summed over the group.
 A communication thread has no such place to start from: the backward is one compiled graph, so its gradients
 reach Python together when it ends; a thread could only sum the earlier micro-batches' gradients while the
 last one computes, moving twice the bytes in another summation order.
