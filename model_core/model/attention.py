@@ -73,8 +73,7 @@ class Attention(nn.Cell):
                 q, k, v, head_num=q.shape[1], attn_mask=ops.logical_not(mask), scalar_value=self.scale,
                 input_layout="BNSD",
             )
-        bias = ops.logical_not(mask).astype(ms.float32) * _MASKED_SCORE
-        return self.softmax_attention(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]), bias)
+        return self.softmax_attention(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]), mask)
 
 
 def cached_attention(q: ms.Tensor, keys: ms.Tensor, values: ms.Tensor, visible: ms.Tensor) -> ms.Tensor:
