@@ -251,7 +251,10 @@ class SoftmaxAttentionFunction(nn.Cell):
     def construct(self, q, k, v, mask):
         outputs = []
         for start, stop in self._blocks(q, k):
-            probs = self._probabilities(q[:, :, start:stop], k, _query_rows(mask, start, stop))
+            q_block, mask_block = q[:, :, start:stop], _query_rows(mask, start, stop)
+            if outputs:  # one block's scores at a time: each starts once the previous one's output exists
+                q_block, mask_block = ops.depend(q_block, outputs[-1]), ops.depend(mask_block, outputs[-1])
+            probs = self._probabilities(q_block, k, mask_block)
             outputs.append(ops.matmul(probs.astype(v.dtype), v))
         return outputs[0] if len(outputs) == 1 else mint.cat(outputs, dim=2)
 
@@ -268,8 +271,11 @@ class SoftmaxAttentionFunction(nn.Cell):
         q, mask = ops.depend(q, dout), ops.depend(mask, dout)
         dq_blocks, dk, dv = [], None, None
         for start, stop in self._blocks(q, k):
-            q_block, dout_block = q[:, :, start:stop], dout[:, :, start:stop]
-            probs = self._probabilities(q_block, k, _query_rows(mask, start, stop))
+            q_block, dout_block, mask_block = q[:, :, start:stop], dout[:, :, start:stop], _query_rows(mask, start, stop)
+            if dq_blocks:  # the blocks are independent: without these edges the compiler may run them side by side
+                done = (dq_blocks[-1], dk, dv)
+                q_block, mask_block = ops.depend(q_block, done), ops.depend(mask_block, done)
+            probs = self._probabilities(q_block, k, mask_block)
             row = row_sum(dout_block.astype(ms.float32) * out[:, :, start:stop].astype(ms.float32))
             shifted = _bmm_nt(mint.cat((dout_block * self.scale, -(row.astype(dout.dtype) * self.scale)), dim=-1), values)
             dscores = (probs * shifted.astype(ms.float32)).astype(q.dtype)

@@ -117,6 +117,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+from model_core.model.fused import query_block_rows
 from model_core.parallel.layout import Layout
 from model_core.parallel.placement import placement_table
 from params import rules
@@ -575,8 +576,8 @@ def activation_bytes(params: PipelineParams, candidate: Candidate, stage: int, k
     else:
         per_micro_batch = layers * per_layer
     blocks = per_micro_batch + context_mask_bytes(params, candidate.cp)
-    score_buffers = kind.attention_score_buffers + kind.attention_score_buffers_per_layer * layers
-    scores = score_buffers * attention_score_bytes(params, candidate)
+    scores = (kind.attention_score_buffers * attention_block_score_bytes(params, candidate)
+              + kind.attention_score_buffers_per_layer * layers * attention_score_bytes(params, candidate))
     if candidate.pp > 1:
         in_flight = parallel.micro_batches if parallel.pipeline_schedule == "gpipe" else candidate.pp - stage
         stored_input = tokens * 4 if stage == 0 else tokens * model.hidden_size * c // slices
@@ -595,6 +596,15 @@ def attention_score_bytes(params: PipelineParams, candidate: Candidate) -> int:
     model = params.model
     heads = model.num_heads // candidate.tp
     return params.train.micro_batch_size * heads * (model.seq_len // candidate.cp) * model.seq_len * 4
+
+
+def attention_block_score_bytes(params: PipelineParams, candidate: Candidate) -> int:
+    """The fp32 scores of one query block of `fused.SoftmaxAttentionFunction` on a rank: [B, heads / tp, rows, T],
+    rows as `fused.query_block_rows` picks them (all T / cp where they fit its budget)."""
+    model, batch = params.model, params.train.micro_batch_size
+    heads = model.num_heads // candidate.tp
+    rows = query_block_rows(batch, heads, model.seq_len, model.seq_len // candidate.cp)
+    return batch * heads * rows * model.seq_len * 4
 
 
 def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind: DeviceKind, runtime: int) -> Memory:
