@@ -32,10 +32,11 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    stage) and recomputes its forward in the backward, so it holds one micro-batch's set on top;
                    in flight: pp - stage under 1F1B, micro_batches under GPipe.
                    The last stage adds the head's inputs, BTH (4 + c) (sequence parallelism: / tp),
-                   and `logits_buffers` fp32 [B, T, V/tp]. Without a fused attention kernel (CPU): fp32
-                   [B, heads/tp, T/cp, T] score-sized tensors, `attention_score_buffers` for the layer whose
-                   attention runs and `attention_score_buffers_per_layer` for each layer (measured; the
-                   backward recomputes the probabilities, so no layer should need to keep them).
+                   and `logits_buffers` fp32 [B, T, V/tp]. Without a fused attention kernel (CPU):
+                   `attention_score_buffers` fp32 tensors of one query block's scores [B, heads/tp, rows, T]
+                   (`fused.query_block_rows`) for the layer whose attention runs, and
+                   `attention_score_buffers_per_layer` [B, heads/tp, T/cp, T] ones for each layer (measured;
+                   the backward recomputes the probabilities, so no layer should need to keep them).
     communication  dp > 1: two gradient buckets (the flat input and the summed output); ZeRO-3: two layers'
                    gathered parameters; tp > 1: two BTH c activations (sent and received; sequence parallelism
                    adds the BTH c / tp slice); pp > 1: a tick's
@@ -167,9 +168,10 @@ class DeviceKind:
     logits_buffers: float  # fp32 logits-sized tensors alive at the loss's backward
     recompute_saves_memory: bool  # False where recompute was measured to keep the activations anyway
     source: str  # where the numbers come from
-    # Attention without a fused kernel (`fused.SoftmaxAttentionFunction`): fp32 [B, heads / tp, T / cp, T] score-sized
-    # tensors alive while one layer's attention runs, and those each layer holds until its backward; 0 where a fused
-    # kernel keeps none.
+    # Attention without a fused kernel (`fused.SoftmaxAttentionFunction`): fp32 tensors of one query block's scores
+    # ([B, heads / tp, rows, T]) alive while one layer's attention runs, and fp32 [B, heads / tp, T / cp, T] score-sized
+    # ones each layer holds until its backward (measured, not explained: see docs/planner.md); 0 where a fused kernel
+    # keeps none.
     attention_score_buffers: float = 0.0
     attention_score_buffers_per_layer: float = 0.0
     collective_runtime_bytes: int = 0  # what a rank of a job of several ranks holds over one process
@@ -194,9 +196,10 @@ CPU = DeviceKind(
     logits_buffers=4.8,
     recompute_saves_memory=False,
     source="fitted to measured peak RSS of MindSpore 2.10 CPU training steps, docs/planner.md",
-    # Fitted to benchmarks/long_context.py (2 and 8 layers, sequences of 256 and 2048, cp1, cp2, tp2, tp2 with sp).
-    attention_score_buffers=2.66,
-    attention_score_buffers_per_layer=0.82,
+    # Fitted to benchmarks/long_context.py (8 layers, sequences of 256 and 2048, cp1, cp2, tp2, tp2 with sp) with
+    # attention computed in query blocks; the collective terms below to its earlier runs (also 2 layers).
+    attention_score_buffers=1.5,
+    attention_score_buffers_per_layer=0.30,
     collective_runtime_bytes=30 * 2**20,
     tensor_parallel_bytes_per_layer=8 * 2**20,
     sequence_parallel_bytes_per_layer=24 * 2**20,
