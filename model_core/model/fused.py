@@ -251,7 +251,7 @@ class SoftmaxAttentionFunction(nn.Cell):
     def construct(self, q, k, v, mask):
         outputs = []
         for start, stop in self._blocks(q, k):
-            q_block, mask_block = q[:, :, start:stop], _query_rows(mask, start, stop)
+            q_block, mask_block = _query_rows(q, start, stop), _query_rows(mask, start, stop)
             if outputs:  # one block's scores at a time: each starts once the previous one's output exists
                 q_block, mask_block = ops.depend(q_block, outputs[-1]), ops.depend(mask_block, outputs[-1])
             probs = self._probabilities(q_block, k, mask_block)
@@ -271,12 +271,12 @@ class SoftmaxAttentionFunction(nn.Cell):
         q, mask = ops.depend(q, dout), ops.depend(mask, dout)
         dq_blocks, dk, dv = [], None, None
         for start, stop in self._blocks(q, k):
-            q_block, dout_block, mask_block = q[:, :, start:stop], dout[:, :, start:stop], _query_rows(mask, start, stop)
+            q_block, dout_block, mask_block = _query_rows(q, start, stop), _query_rows(dout, start, stop), _query_rows(mask, start, stop)
             if dq_blocks:  # the blocks are independent: without these edges the compiler may run them side by side
                 done = (dq_blocks[-1], dk, dv)
                 q_block, mask_block = ops.depend(q_block, done), ops.depend(mask_block, done)
             probs = self._probabilities(q_block, k, mask_block)
-            row = row_sum(dout_block.astype(ms.float32) * out[:, :, start:stop].astype(ms.float32))
+            row = row_sum(dout_block.astype(ms.float32) * _query_rows(out, start, stop).astype(ms.float32))
             shifted = _bmm_nt(mint.cat((dout_block * self.scale, -(row.astype(dout.dtype) * self.scale)), dim=-1), values)
             dscores = (probs * shifted.astype(ms.float32)).astype(q.dtype)
             dv_block, dk_block = _bmm_tn(probs.astype(v.dtype), dout_block), _bmm_tn(dscores, q_block)
@@ -301,11 +301,14 @@ class SoftmaxAttentionFunction(nn.Cell):
         return mint.softmax(scores + expand(bias, scores), dim=-1)
 
 
-def _query_rows(mask, start, stop):
-    """Rows start:stop of a [T, S] or [B, 1, T, S] mask: those of a block of queries."""
-    if mask.ndim == 2:
-        return mask[start:stop]
-    return mask[:, :, start:stop]
+def _query_rows(x, start, stop):
+    """Rows start:stop of the query axis (the second last) of q, out, dout [B, H, T, D] or a mask [T, S] or
+    [B, 1, T, S]; x itself when they are all of them (a slice would copy it)."""
+    if start == 0 and stop == x.shape[-2]:
+        return x
+    if x.ndim == 2:
+        return x[start:stop]
+    return x[:, :, start:stop]
 
 
 class TokenNLLFunction(nn.Cell):
