@@ -2,9 +2,10 @@
 
 Every attention layer owns an `Attention` cell, so a faster kernel is swapped in here and nowhere else, and the
 model owns one `CausalMask`, so parallelism that changes which keys a rank's queries see (context parallelism,
-`model_core.parallel.context`) swaps both from outside. The mask is boolean, True where a query may attend to a key; the plain path turns it into an additive bias,
-computes scores and softmax in fp32 whatever the compute dtype, and repeats key/value heads for
-grouped-query attention. Its backward is hand-written (`fused.SoftmaxAttentionFunction`).
+`model_core.parallel.context`) swaps both from outside. The mask is boolean, True where a query may attend to a key.
+The plain path repeats key/value heads for grouped-query attention and hands the mask as it is to
+`fused.SoftmaxAttentionFunction`, which computes scores and softmax in fp32 whatever the compute dtype, in blocks of
+queries, with a hand-written backward.
 """
 
 from __future__ import annotations

@@ -239,9 +239,9 @@ class SoftmaxAttentionFunction(nn.Cell):
     queries are taken in blocks of `query_block_rows`: each block's softmax runs over all keys, so it is exact (no
     online softmax), and only one block's [B, H, rows, S] scores exist at a time instead of the whole [B, H, T, S].
     The backward recomputes each block's probabilities from q and k (nothing score-sized is kept between the
-    passes), writes that block's dq and adds its share to dk and dv. The mask goes in as the boolean it is and
-    each block turns its rows into the additive bias: a bias built outside would be a [T, S] fp32 input that the
-    backward keeps alive, per layer. The scale is applied to the [B, H, rows, D] queries, never to the scores.
+    passes), writes that block's dq and adds its share to dk and dv. The mask goes in as the boolean it is (a
+    quarter of an fp32 bias's bytes, one tensor shared by every layer) and each block turns its rows into the
+    additive bias. The scale is applied to the [B, H, rows, D] queries, never to the scores.
     """
 
     def __init__(self, scale: float):
@@ -271,13 +271,14 @@ class SoftmaxAttentionFunction(nn.Cell):
         q, mask = ops.depend(q, dout), ops.depend(mask, dout)
         dq_blocks, dk, dv = [], None, None
         for start, stop in self._blocks(q, k):
-            q_block, dout_block, mask_block = _query_rows(q, start, stop), _query_rows(dout, start, stop), _query_rows(mask, start, stop)
+            q_block, mask_block = _query_rows(q, start, stop), _query_rows(mask, start, stop)
+            dout_block, out_block = _query_rows(dout, start, stop), _query_rows(out, start, stop)
             if dq_blocks:  # the blocks are independent: without these edges the compiler may run them side by side
                 done = (dq_blocks[-1], dk, dv)
                 q_block, mask_block = ops.depend(q_block, done), ops.depend(mask_block, done)
             probs = self._probabilities(q_block, k, mask_block)
-            row = row_sum(dout_block.astype(ms.float32) * _query_rows(out, start, stop).astype(ms.float32))
-            shifted = _bmm_nt(mint.cat((dout_block * self.scale, -(row.astype(dout.dtype) * self.scale)), dim=-1), values)
+            row = row_sum(dout_block.astype(ms.float32) * out_block.astype(ms.float32)).astype(dout.dtype) * self.scale
+            shifted = _bmm_nt(mint.cat((dout_block * self.scale, -row), dim=-1), values)
             dscores = (probs * shifted.astype(ms.float32)).astype(q.dtype)
             dv_block, dk_block = _bmm_tn(probs.astype(v.dtype), dout_block), _bmm_tn(dscores, q_block)
             dv = dv_block if dv is None else dv + dv_block
