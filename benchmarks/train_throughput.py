@@ -114,7 +114,7 @@ def run_ours(dtype: str, recompute: bool, warmup: int, steps: int, threads: int 
     import mindspore as ms
 
     from model_core.model import Llama
-    from model_core.optim.adamw import AdamW
+    from model_core.parallel.optimizer import AdamW
     from model_core.optim.step import AccumulateGradients, ApplyGradients, GradientNorm, scalar
     from model_core.train.precision import PrecisionError, check_precision
     from params.schema import ModelParams, PrecisionParams

@@ -100,6 +100,30 @@ class Placement:
         return tuple(-(-n // tp) if axis == self.tp_axis else n for axis, n in enumerate(self.shape))  # padded if tp does not divide
 
 
+# What a rank keeps of a trainable weight's fp32 master and AdamW moments (`StatePlacement.kept`).
+WHOLE, FLAT_SHARD, PARAMETER_SHARD = "whole", "flat shard", "parameter shard"
+
+
+@dataclass(frozen=True)
+class StatePlacement:
+    """What one rank keeps of a trainable weight's optimizer state, and where (`PlacementTable.optimizer_state`).
+
+    `kept`: WHOLE (all of the weight as the rank holds it: its tp or ep block), FLAT_SHARD (this rank's piece of the
+    flat, concatenated weights of its `group` cut into equal shards: ZeRO-1/2) or PARAMETER_SHARD (ZeRO-3: the
+    parameter is the shard). `group`: the group a shard spans, "dp" or "expert_dp" (None for WHOLE).
+    `gradient_sharded`: the rank's gradient of a FLAT_SHARD weight arrives as its shard's pieces (ZeRO-2), not whole.
+    `master_apart`: the model holds the weight in the compute dtype and the optimizer its fp32 master. `moments`:
+    "memory" or "file" (the rank's optimizer offload file). `decays`: AdamW decays it (two or more dimensions)."""
+
+    name: str
+    kept: str
+    group: str | None
+    gradient_sharded: bool
+    master_apart: bool
+    moments: str
+    decays: bool
+
+
 @dataclass(frozen=True)
 class PlacementTable:
     """Every parameter's `Placement` under one layout; see the module docstring."""
@@ -127,6 +151,27 @@ class PlacementTable:
 
     def __iter__(self) -> Iterator[Placement]:
         return iter(self.rows)
+
+    def optimizer_state(self, name: str, master_apart: bool = False) -> StatePlacement:
+        """Where a trainable weight's master and moments live on a rank: sharded as its row's ZeRO sharding says,
+        over dp, or an expert stack's over expert-dp (a group of one keeps all of it), in memory or the offload file.
+        `master_apart`: whether the model holds this weight in the compute dtype (the caller's swap decides)."""
+        row = self[name]
+        if not row.trainable:
+            raise ValueError(f"{name} is frozen: it has no optimizer state")
+        layout = self.layout
+        expert = row.expert and layout.ep > 1
+        group, size = ("expert_dp", layout.dp // layout.ep) if expert else ("dp", layout.dp)
+        if self.zero_stage == 3 and row.zero_sharded:  # ZeRO-3 cuts every weight over dp, experts' blocks too
+            kept, group = PARAMETER_SHARD, "dp"
+        elif self.zero_stage in (1, 2) and row.zero_sharded and size > 1:
+            kept = FLAT_SHARD
+        else:
+            kept, group = WHOLE, None
+        return StatePlacement(
+            name, kept, group, kept == FLAT_SHARD and self.zero_stage == 2, master_apart,
+            "file" if self.optimizer_offload else "memory", len(row.shape) >= 2,
+        )
 
     def on_stage(self, stage: int) -> list[Placement]:
         """What pipeline stage `stage` holds, in model order."""
