@@ -10,16 +10,19 @@ parallelism takes off the rest.
   cp2     two msrun workers, each holding two of the four chunks of every sequence (parallel.context_parallel=2);
   tp2     two workers, tensor parallel;
   tp2-sp  two workers, tensor parallel with parallel.sequence_parallel=true (skipped, with a message, where the
-          params have no such field).
+          params have no such field);
+  tp4, tp4-sp  only when --layouts names them: four workers, the same with 4 key/value heads (tp4 must divide
+          them), where sequence parallelism's bound is lower than at tp2.
 Each layout runs twice, at 2048 tokens and at 256 (same model, same steps): a rank's activation bytes are its peak
 RSS at 2048 minus its peak RSS at 256, which cancels the runtime, the compiled graph's fixed part, the weights and
 the optimizer (the same in both runs). Every rank's peak RSS and tokens/s (median over the steps after the first,
 which compiles) are printed, with `llmflow plan`'s CPU estimate of the busiest rank's peak.
 
-    flock /tmp/cpu.lock python benchmarks/long_context.py [--layouts cp1,cp2,tp2,tp2-sp] [--steps 4]
+    flock /tmp/cpu.lock python benchmarks/long_context.py [--layouts cp1,cp2,tp2,tp2-sp,tp4,tp4-sp] [--steps 4]
 
 The last line is one JSON object: `cp2_activation_ratio` (a cp2 rank's activation bytes over cp1's; issue 35's
-target <= 0.6), `sp_activation_ratio` (tp2-sp over tp2; target <= 0.75; null when tp2-sp was skipped),
+target <= 0.6), `sp_activation_ratio` (tp2-sp over tp2; target <= 0.75; null when tp2-sp was skipped), `sp_activation_ratio_tp4`
+(tp4-sp over tp4; null unless both ran),
 `planner_error` (the largest relative error of the planner's peak against the measured peak RSS over the layouts
 at 2048 tokens; target <= 0.10), and the per-layout figures.
 """
@@ -49,7 +52,11 @@ LAYOUTS: dict[str, tuple[int, list[str]]] = {  # name -> (workers, params overri
     "cp2": (2, ["parallel.context_parallel=2"]),
     "tp2": (2, ["parallel.tensor_parallel=2"]),
     "tp2-sp": (2, ["parallel.tensor_parallel=2", "parallel.sequence_parallel=true"]),
+    # Optional (--layouts): tp4 needs 4 key/value heads, so this pair's model has 4 (everything else the same).
+    "tp4": (4, ["parallel.tensor_parallel=4", "model.num_kv_heads=4"]),
+    "tp4-sp": (4, ["parallel.tensor_parallel=4", "model.num_kv_heads=4", "parallel.sequence_parallel=true"]),
 }
+DEFAULT_LAYOUTS = ("cp1", "cp2", "tp2", "tp2-sp")
 # Stdlib modules whose docstrings make the corpus (a few hundred KB of real text): enough rows of 2048 tokens.
 CORPUS_MODULES = ("argparse", "textwrap", "json", "pathlib", "functools", "collections", "csv", "string", "typing",
                   "dataclasses", "inspect", "logging", "subprocess", "unittest", "email", "http.client")
@@ -58,7 +65,7 @@ CORPUS_MODULES = ("argparse", "textwrap", "json", "pathlib", "functools", "colle
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run")
-    parser.add_argument("--layouts", default=",".join(LAYOUTS), help="comma-separated subset of " + ", ".join(LAYOUTS))
+    parser.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help="comma-separated subset of " + ", ".join(LAYOUTS))
     # internal: one process of one run; a name msrun's own parser does not match by prefix
     parser.add_argument("--long-context-worker", help=argparse.SUPPRESS)
     parser.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
@@ -79,6 +86,7 @@ def main() -> None:
     summary = {
         "cp2_activation_ratio": ratio(figures, "cp2", "cp1"),
         "sp_activation_ratio": ratio(figures, "tp2-sp", "tp2"),
+        "sp_activation_ratio_tp4": ratio(figures, "tp4-sp", "tp4"),
         "planner_error": round(max(abs(r["planned_peak_bytes"] / max(r["peak_bytes"]) - 1) for r in figures.values()), 3),
         "layouts": {name: {"activation_bytes": r["activation_bytes"], "peak_bytes": r["peak_bytes"],
                            "tokens_per_second": round(r["tokens_per_second"], 1)} for name, r in figures.items()},
@@ -90,7 +98,7 @@ def runnable(name: str) -> bool:
     """Whether this checkout's params have the layout's fields; says why not on stderr."""
     from params.schema import ParallelParams
 
-    if name == "tp2-sp" and "sequence_parallel" not in ParallelParams.model_fields:
+    if name.endswith("-sp") and "sequence_parallel" not in ParallelParams.model_fields:
         print("tp2-sp skipped: params have no parallel.sequence_parallel (sequence parallelism is not in this "
               "checkout)", file=sys.stderr)
         return False

@@ -471,10 +471,12 @@ class ParallelParams(StrictModel):
     )
     overlap_gradient_reduction: bool = Field(
         True,
-        description="Sum the last micro-batch's gradients over dp (and tp, expert-dp where the layout sums them) "
-        "inside its backward graph, bucket by bucket as the backward finishes them, so the collectives can run "
-        "while earlier layers' gradients still compute; false sums after the backward. Same result either way. "
-        "Applies where gradients are summed once per step (ZeRO 0/1, no pipeline).",
+        description="In a step of one micro-batch per rank, sum its gradients over dp (and tp, expert-dp where the "
+        "layout sums them) inside its backward graph, bucket by bucket as the backward finishes them, so the "
+        "collectives can run while earlier layers' gradients still compute; false sums after the backward. Same "
+        "result either way. Steps of several micro-batches always sum after the backward: a second compiled "
+        "backward graph would hold as much memory again. Applies where gradients are summed once per step "
+        "(ZeRO 0/1, no pipeline).",
     )
     gradient_bucket_mb: float = Field(
         32,

@@ -349,8 +349,9 @@ def test_planner_recommends_cp_only_when_no_layout_without_it_fits():
 
 
 def test_planner_counts_attention_scores_on_cpu_where_no_fused_kernel_runs():
-    """Without a fused kernel (CPU) a rank holds score-sized fp32 tensors [B, heads / tp, T / cp, T]: some while one
-    layer's attention runs, some for each layer; divided by tp and by cp. A fused kernel (accelerator) holds none."""
+    """Without a fused kernel (CPU) a rank holds fp32 scores: one query block's [B, heads / tp, rows, T] while one
+    layer's attention runs (rows as `fused.query_block_rows` picks them) and some [B, heads / tp, T / cp, T] for each
+    layer; divided by tp and by cp. A fused kernel (accelerator) holds none."""
     from dataclasses import replace
 
     from model_core.parallel.planner import ACCELERATOR, CPU, Candidate, activation_bytes
@@ -360,11 +361,12 @@ def test_planner_counts_attention_scores_on_cpu_where_no_fused_kernel_runs():
         without = replace(CPU, attention_score_buffers=0.0, attention_score_buffers_per_layer=0.0)
         return activation_bytes(params, candidate, 0, CPU) - activation_bytes(params, candidate, 0, without)
 
-    def expected(layers):  # micro-batch 2, 4 heads
-        return 2 * 4 * 1024 * 1024 * 4 * (CPU.attention_score_buffers + layers * CPU.attention_score_buffers_per_layer)
+    def expected(layers, heads, queries, rows):  # micro-batch 2, 1024 keys
+        block, whole = 2 * heads * rows * 1024 * 4, 2 * heads * queries * 1024 * 4
+        return CPU.attention_score_buffers * block + layers * CPU.attention_score_buffers_per_layer * whole
 
     assert ACCELERATOR.attention_score_buffers == ACCELERATOR.attention_score_buffers_per_layer == 0
-    assert scores(Candidate(1, 1, 1, 0, "none")) == pytest.approx(expected(4), abs=1)
-    assert scores(Candidate(1, 1, 1, 0, "none"), "model.num_layers=8") == pytest.approx(expected(8), abs=1)
-    assert scores(Candidate(1, 2, 1, 0, "none")) == pytest.approx(expected(4) / 2, abs=1)
-    assert scores(Candidate(1, 1, 1, 0, "none", cp=2)) == pytest.approx(expected(4) / 2, abs=1)
+    assert scores(Candidate(1, 1, 1, 0, "none")) == pytest.approx(expected(4, 4, 1024, 512), abs=1)
+    assert scores(Candidate(1, 1, 1, 0, "none"), "model.num_layers=8") == pytest.approx(expected(8, 4, 1024, 512), abs=1)
+    assert scores(Candidate(1, 2, 1, 0, "none")) == pytest.approx(expected(4, 2, 1024, 1024), abs=1)
+    assert scores(Candidate(1, 1, 1, 0, "none", cp=2)) == pytest.approx(expected(4, 4, 512, 512), abs=1)

@@ -303,7 +303,8 @@ def _plain_rms_norm(x, weight):
     return x * ms.mint.rsqrt(ms.mint.mean(x * x, dim=-1, keepdim=True) + 1e-5) * weight
 
 
-def _plain_attention(q, k, v, bias):
+def _plain_attention(q, k, v, mask):
+    bias = ms.ops.logical_not(mask).astype(ms.float32) * float(np.finfo(np.float32).min)
     scores = ms.mint.matmul(q, k.swapaxes(-1, -2)) / math.sqrt(q.shape[-1]) + bias
     return ms.mint.matmul(ms.mint.softmax(scores, dim=-1), v)
 
@@ -325,8 +326,7 @@ def _fused_cases():
     def tensor(*shape):
         return ms.Tensor(rng.standard_normal(shape).astype(np.float32))
 
-    causal = np.tril(np.ones((6, 6), dtype=bool))
-    bias = ms.Tensor(np.where(causal, 0.0, np.finfo(np.float32).min).astype(np.float32))
+    causal = ms.Tensor(np.tril(np.ones((6, 6), dtype=bool)))
     cos, sin = (t[:6] for t in rope_tables(8, 16, theta=10_000.0))
     labels = ms.Tensor(rng.integers(0, 11, 10).astype(np.int32))
     return [
@@ -334,7 +334,7 @@ def _fused_cases():
         (fused.RMSNormFunction(1e-5), _plain_rms_norm, (tensor(2, 5, 8), tensor(8)), 2),
         (_rms_norm_off_cpu(), _plain_rms_norm, (tensor(2, 5, 8), tensor(8)), 2),
         (fused.RotaryFunction(), lambda x, c, s: x * c + ms.mint.cat((-x[..., 4:], x[..., :4]), dim=-1) * s, (tensor(2, 3, 6, 8), cos, sin), 1),
-        (fused.SoftmaxAttentionFunction(1 / math.sqrt(8)), _plain_attention, (tensor(2, 3, 6, 8), tensor(2, 3, 6, 8), tensor(2, 3, 6, 8), bias), 3),
+        (fused.SoftmaxAttentionFunction(1 / math.sqrt(8)), _plain_attention, (tensor(2, 3, 6, 8), tensor(2, 3, 6, 8), tensor(2, 3, 6, 8), causal), 3),
         (fused.TokenNLLFunction(), _plain_nll, (tensor(10, 11), labels), 1),
         (fused.SwiGLUFunction(), lambda g, u: ms.mint.nn.functional.silu(g) * u, (tensor(2, 5, 7), tensor(2, 5, 7)), 2),
         (fused.HeadsFirst(), lambda x: x.swapaxes(1, 2), (tensor(2, 5, 3, 4),), 1),
@@ -359,6 +359,31 @@ def test_hand_written_backward_matches_automatic_differentiation(case):
     ours = ms.grad(objective(function), positions)(*inputs)
     reference = ms.grad(objective(plain), positions)(*inputs)
     for mine, expected in zip(ours if differentiable > 1 else (ours,), reference if differentiable > 1 else (reference,)):
+        np.testing.assert_allclose(mine.asnumpy(), expected.asnumpy(), atol=1e-5)
+
+
+def test_attention_in_query_blocks_matches_one_block(monkeypatch):
+    """Blocks of 4 query rows over 6 queries (the last block short) against 10 keys under a [B, 1, T, S] mask of
+    documents: the output and dq, dk, dv of the plain formulation."""
+    monkeypatch.setattr(fused, "QUERY_BLOCK_SCORES", 2 * 3 * 4 * 10)
+    monkeypatch.setattr(fused, "MIN_QUERY_BLOCK_ROWS", 1)
+    assert fused.query_block_rows(2, 3, 10, 6) == 4
+    rng = np.random.default_rng(12)
+    q, k, v = (ms.Tensor(rng.standard_normal(shape).astype(np.float32)) for shape in ((2, 3, 6, 8), (2, 3, 10, 8), (2, 3, 10, 8)))
+    segments = np.array([[0] * 5 + [1] * 5, [0] * 2 + [1] * 8])
+    query_tokens = np.arange(4, 10)
+    mask = (segments[:, query_tokens, None] == segments[:, None, :]) & (np.arange(10)[None, :] <= query_tokens[:, None])
+    mask = ms.Tensor(mask[:, None])  # [2, 1, 6, 10]
+    blocked = fused.SoftmaxAttentionFunction(1 / math.sqrt(8))
+    weights = ms.Tensor(rng.standard_normal((2, 3, 6, 8)).astype(np.float32))
+
+    def objective(f):
+        return lambda *args: (f(*args) * weights).sum()
+
+    np.testing.assert_allclose(blocked(q, k, v, mask).asnumpy(), _plain_attention(q, k, v, mask).asnumpy(), atol=1e-6)
+    ours = ms.grad(objective(blocked), (0, 1, 2))(q, k, v, mask)
+    reference = ms.grad(objective(_plain_attention), (0, 1, 2))(q, k, v, mask)
+    for mine, expected in zip(ours, reference):
         np.testing.assert_allclose(mine.asnumpy(), expected.asnumpy(), atol=1e-5)
 
 

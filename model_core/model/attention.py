@@ -2,9 +2,10 @@
 
 Every attention layer owns an `Attention` cell, so a faster kernel is swapped in here and nowhere else, and the
 model owns one `CausalMask`, so parallelism that changes which keys a rank's queries see (context parallelism,
-`model_core.parallel.context`) swaps both from outside. The mask is boolean, True where a query may attend to a key; the plain path turns it into an additive bias,
-computes scores and softmax in fp32 whatever the compute dtype, and repeats key/value heads for
-grouped-query attention. Its backward is hand-written (`fused.SoftmaxAttentionFunction`).
+`model_core.parallel.context`) swaps both from outside. The mask is boolean, True where a query may attend to a key.
+The plain path repeats key/value heads for grouped-query attention and hands the mask as it is to
+`fused.SoftmaxAttentionFunction`, which computes scores and softmax in fp32 whatever the compute dtype, in blocks of
+queries, with a hand-written backward.
 """
 
 from __future__ import annotations
@@ -73,8 +74,7 @@ class Attention(nn.Cell):
                 q, k, v, head_num=q.shape[1], attn_mask=ops.logical_not(mask), scalar_value=self.scale,
                 input_layout="BNSD",
             )
-        bias = ops.logical_not(mask).astype(ms.float32) * _MASKED_SCORE
-        return self.softmax_attention(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]), bias)
+        return self.softmax_attention(q, repeat_kv(k, q.shape[1]), repeat_kv(v, q.shape[1]), mask)
 
 
 def cached_attention(q: ms.Tensor, keys: ms.Tensor, values: ms.Tensor, visible: ms.Tensor) -> ms.Tensor:

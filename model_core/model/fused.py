@@ -61,18 +61,40 @@ def row_sum(x):
 
 
 class LinearFunction(nn.Cell):
-    """y = x W^T for x [..., in], W [out, in]; the backward uses transposed-operand matmuls, no copies."""
+    """y = x W^T for x [..., in], W [out, in]; the backward uses transposed-operand matmuls, no copies.
+
+    A low-precision matmul on CPU is computed as the fp32 matmul of its operands cast to fp32, its result cast back,
+    which is what the CPU's float16 kernel computes (the same bits), but in casts the graph frees after the matmul:
+    the kernel itself keeps its fp32 copy of every weight it reads for the life of the compiled graph, a fp32 copy
+    of every matmul weight in the forward and another in the backward. Each cast of the weight waits for the matmul's
+    other operand (x, dout): a compiled graph runs an op as soon as its inputs exist, so a cast of a Parameter
+    alone would run at the start of the graph, all of them at once, and the backward's would be merged with the
+    forward's and kept from one pass to the other (benchmarks/README.md, "Model states against the ZeRO paper")."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.upcast = ms.get_context("device_target") == "CPU"  # elsewhere low-precision matmuls run natively
 
     def construct(self, x, weight):
         out_features, in_features = weight.shape
-        y = _matmul_nt(x.reshape(-1, in_features), weight)
+        x_2d = x.reshape(-1, in_features)
+        if self.upcast and x.dtype != ms.float32:
+            y = _matmul_nt(x_2d.astype(ms.float32), ops.depend(weight, x).astype(ms.float32)).astype(x.dtype)
+        else:
+            y = _matmul_nt(x_2d, weight)
         return y.reshape(x.shape[:-1] + (out_features,))
 
     def bprop(self, x, weight, out, dout):
         out_features, in_features = weight.shape
         dout_2d = dout.reshape(-1, out_features)
+        x_2d = x.reshape(-1, in_features)
+        if self.upcast and dout.dtype != ms.float32:
+            dout_32 = dout_2d.astype(ms.float32)
+            dx = ops.matmul(dout_32, ops.depend(weight, dout).astype(ms.float32)).astype(x.dtype).reshape(x.shape)
+            dweight = _matmul_tn(dout_32, x_2d.astype(ms.float32)).astype(weight.dtype)
+            return dx, dweight
         dx = ops.matmul(dout_2d, weight).reshape(x.shape)
-        dweight = _matmul_tn(dout_2d, x.reshape(-1, in_features))
+        dweight = _matmul_tn(dout_2d, x_2d)
         return dx, dweight
 
 
@@ -212,41 +234,104 @@ class SwiGLUFunction(nn.Cell):
         return dgate, dout * silu
 
 
-class SoftmaxAttentionFunction(nn.Cell):
-    """softmax(q k^T * scale + bias) v, the probabilities in fp32. q, k, v: [B, H, T, D]; bias: additive
-    fp32, broadcastable to [B, H, T, T] (0 where allowed, a huge negative number where masked).
+# The most fp32 score elements ([B, H, rows, S]) one query block of `SoftmaxAttentionFunction` computes at once,
+# and the fewest query rows a block has (which bounds how many blocks a long sequence unrolls into).
+QUERY_BLOCK_SCORES = 2**22
+MIN_QUERY_BLOCK_ROWS = 64
+_MASKED_SCORE = float(np.finfo(np.float32).min)
 
-    The backward recomputes the probabilities from q and k rather than keeping the [B, H, T, T] tensor
-    alive between the two passes (what flash attention does, minus the tiling). The scale is applied to the
-    [B, H, T, D] operands, never to the four-times-larger [B, H, T, T] scores.
+
+def query_block_rows(batch: int, heads: int, keys: int, queries: int) -> int:
+    """Query rows per block of `SoftmaxAttentionFunction`: as many as keep a block's scores within
+    QUERY_BLOCK_SCORES elements, at least MIN_QUERY_BLOCK_ROWS, at most all `queries`. (Conditionals rather than
+    min/max: the graph compiler parses this.)"""
+    rows = QUERY_BLOCK_SCORES // (batch * heads * keys)
+    if rows < MIN_QUERY_BLOCK_ROWS:
+        rows = MIN_QUERY_BLOCK_ROWS
+    if rows > queries:
+        rows = queries
+    return rows
+
+
+class SoftmaxAttentionFunction(nn.Cell):
+    """softmax(q k^T * scale where mask, else -inf) v, the probabilities in fp32. q: [B, H, T, D]; k, v:
+    [B, H, S, D]; mask: bool, True where a query may attend to a key, [T, S] or [B, 1, T, S].
+
+    Memory-efficient attention for backends without a fused kernel, as flash attention is where one exists. The
+    queries are taken in blocks of `query_block_rows`: each block's softmax runs over all keys, so it is exact (no
+    online softmax), and only one block's [B, H, rows, S] scores exist at a time instead of the whole [B, H, T, S].
+    The backward recomputes each block's probabilities from q and k (nothing score-sized is kept between the
+    passes), writes that block's dq and adds its share to dk and dv. The mask goes in as the boolean it is (a
+    quarter of an fp32 bias's bytes, one tensor shared by every layer) and each block turns its rows into the
+    additive bias. The scale is applied to the [B, H, rows, D] queries, never to the scores.
     """
 
     def __init__(self, scale: float):
         super().__init__()
         self.scale = scale
 
-    def construct(self, q, k, v, bias):
-        return ops.matmul(self._probabilities(q, k, bias).astype(v.dtype), v)
+    def construct(self, q, k, v, mask):
+        outputs = []
+        for start, stop in self._blocks(q, k):
+            q_block, mask_block = _query_rows(q, start, stop), _query_rows(mask, start, stop)
+            if outputs:  # one block's scores at a time: each starts once the previous one's output exists
+                q_block, mask_block = ops.depend(q_block, outputs[-1]), ops.depend(mask_block, outputs[-1])
+            probs = self._probabilities(q_block, k, mask_block)
+            outputs.append(ops.matmul(probs.astype(v.dtype), v))
+        return outputs[0] if len(outputs) == 1 else mint.cat(outputs, dim=2)
 
-    def bprop(self, q, k, v, bias, out, dout):
-        probs = self._probabilities(q, k, bias)
-        dv = _bmm_tn(probs.astype(v.dtype), dout)
+    def bprop(self, q, k, v, mask, out, dout):
         # Softmax backward: dscores = probs * (dprobs - rowsum(dprobs * probs)) with dprobs = dout v^T. The row
-        # sum equals rowsum(dout * out) (out = probs v), a sum over D instead of T; and appending it as one more
+        # sum equals rowsum(dout * out) (out = probs v), a sum over D instead of S; and appending it as one more
         # column ([dout, -sum] [v, 1]^T = dprobs - sum) subtracts it inside the matmul instead of broadcasting
-        # it over the scores.
-        row = row_sum(dout.astype(ms.float32) * out.astype(ms.float32)).astype(dout.dtype) * self.scale
-        # The column of ones has the keys' length, which is not the queries' under context parallelism.
-        ones = ops.ones_like(v[:, :, :, :1])
-        shifted = _bmm_nt(mint.cat((dout * self.scale, -row), dim=-1), mint.cat((v, ones), dim=-1))
-        dscores = (probs * shifted.astype(ms.float32)).astype(q.dtype)
-        dq = ops.matmul(dscores, k)
-        dk = _bmm_tn(dscores, q)
-        return dq, dk, dv, ops.zeros_like(bias)
+        # it over the scores. The column of ones has the keys' length, which is not the queries' under context
+        # parallelism.
+        values = mint.cat((v, ops.ones_like(v[:, :, :, :1])), dim=-1)
+        # Tied to dout, the recomputation is no longer the forward's own arithmetic on the same inputs, which the
+        # graph compiler would otherwise merge with it (common subexpressions), keeping the forward's
+        # probabilities and bias alive until here.
+        q, mask = ops.depend(q, dout), ops.depend(mask, dout)
+        dq_blocks, dk, dv = [], None, None
+        for start, stop in self._blocks(q, k):
+            q_block, mask_block = _query_rows(q, start, stop), _query_rows(mask, start, stop)
+            dout_block, out_block = _query_rows(dout, start, stop), _query_rows(out, start, stop)
+            if dq_blocks:  # the blocks are independent: without these edges the compiler may run them side by side
+                done = (dq_blocks[-1], dk, dv)
+                q_block, mask_block = ops.depend(q_block, done), ops.depend(mask_block, done)
+            probs = self._probabilities(q_block, k, mask_block)
+            row = row_sum(dout_block.astype(ms.float32) * out_block.astype(ms.float32)).astype(dout.dtype) * self.scale
+            shifted = _bmm_nt(mint.cat((dout_block * self.scale, -row), dim=-1), values)
+            dscores = (probs * shifted.astype(ms.float32)).astype(q.dtype)
+            dv_block, dk_block = _bmm_tn(probs.astype(v.dtype), dout_block), _bmm_tn(dscores, q_block)
+            dv = dv_block if dv is None else dv + dv_block
+            dk = dk_block if dk is None else dk + dk_block
+            dq_blocks.append(ops.matmul(dscores, k))
+        dq = dq_blocks[0] if len(dq_blocks) == 1 else mint.cat(dq_blocks, dim=2)
+        return dq, dk, dv, ops.zeros_like(mask)
 
-    def _probabilities(self, q, k, bias):
+    def _blocks(self, q, k):
+        batch, heads, queries, _ = q.shape
+        rows = query_block_rows(batch, heads, k.shape[2], queries)
+        blocks = []
+        for start in range(0, queries, rows):
+            stop = start + rows
+            blocks.append((start, stop if stop < queries else queries))
+        return blocks
+
+    def _probabilities(self, q, k, mask):
         scores = _bmm_nt(q * self.scale, k).astype(ms.float32)
+        bias = ops.logical_not(mask).astype(ms.float32) * _MASKED_SCORE
         return mint.softmax(scores + expand(bias, scores), dim=-1)
+
+
+def _query_rows(x, start, stop):
+    """Rows start:stop of the query axis (the second last) of q, out, dout [B, H, T, D] or a mask [T, S] or
+    [B, 1, T, S]; x itself when they are all of them (a slice would copy it)."""
+    if start == 0 and stop == x.shape[-2]:
+        return x
+    if x.ndim == 2:
+        return x[start:stop]
+    return x[:, :, start:stop]
 
 
 class TokenNLLFunction(nn.Cell):

@@ -7,11 +7,13 @@ gradient of the mean loss over the global batch, as one process training on all 
 The sum runs over a few flat buckets (`bucket_bytes` each, parameters in model order) rather than one
 all-reduce per parameter: each collective has a fixed latency, whatever its size.
 
-With `parallel.overlap_gradient_reduction` the sum of a step's last micro-batch is part of its backward graph
-(`AccumulateAndSumGradients`): each bucket, taken in the order the backward finishes gradients (last layers
-first), is summed as soon as its own gradients exist, so the graph runtime can run the collective while the
-backward of the earlier layers still computes, as Megatron's and PyTorch DDP's bucketed reducers do with
-backward hooks. The arithmetic is the same: (accumulated + last micro-batch's gradient), summed over the group.
+With `parallel.overlap_gradient_reduction`, in a step of one micro-batch, the sum is part of its backward graph
+(`AccumulateAndSumGradients`; with several micro-batches the sum runs after them, since a second compiled
+backward beside the plain accumulation's would keep as much memory again): each bucket, taken in the order the
+backward finishes gradients (last layers first), is summed as soon as its own gradients exist, so the graph
+runtime can run the collective while the backward of the earlier layers still computes, as Megatron's and
+PyTorch DDP's bucketed reducers do with backward hooks. The arithmetic is the same: (buffer + the micro-batch's
+gradient), summed over the group.
 A communication thread has no such place to start from: the backward is one compiled graph, so its gradients
 reach Python together when it ends; a thread could only sum the earlier micro-batches' gradients while the
 last one computes, moving twice the bytes in another summation order.
@@ -59,18 +61,22 @@ class GradientAllReduce(nn.Cell):
 
     @ms.jit
     def construct(self):
+        # Each bucket is flattened only once the previous one is written back: the concatenations read Parameters
+        # alone, so the compiled graph would otherwise make every bucket's flat copy at its start, all at once.
+        done = ops.zeros((), ms.float32)
         for bucket in self.buckets:
-            flat = ops.cat([self.buffers[i].reshape(-1) for i in bucket])
-            write_back(self.buffers, bucket, self.group.all_reduce(flat), self.sizes, self.shapes)
+            flat = ops.cat([ops.depend(self.buffers[i], done).reshape(-1) for i in bucket])
+            done = write_back(self.buffers, bucket, self.group.all_reduce(flat), self.sizes, self.shapes)
         return True
 
 
-def write_back(buffers, bucket, flat, sizes, shapes) -> None:
-    """Buffers `bucket` (indices) take their consecutive pieces of the flat summed bucket."""
-    offset = 0
+def write_back(buffers, bucket, flat, sizes, shapes):
+    """Buffers `bucket` (indices) take their consecutive pieces of the flat summed bucket; returns the last write."""
+    offset, done = 0, None
     for i in bucket:
-        ops.assign(buffers[i], flat[offset : offset + sizes[i]].reshape(shapes[i]))
+        done = ops.assign(buffers[i], flat[offset : offset + sizes[i]].reshape(shapes[i]))
         offset += sizes[i]
+    return done
 
 
 class AccumulateAndSumGradients(nn.Cell):
@@ -106,11 +112,13 @@ class AccumulateAndSumGradients(nn.Cell):
     @ms.jit
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
         outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise)
-        for kind, bucket in self.buckets:
-            flat = ops.cat([(self.buffers[i] + grads[i].astype(self.buffers[i].dtype)).reshape(-1) for i in bucket])
+        done = ops.zeros((), ms.float32)
+        for kind, bucket in self.buckets:  # each flattened once the previous is written back (`GradientAllReduce`)
+            flat = ops.cat([(ops.depend(self.buffers[i], done) + grads[i].astype(self.buffers[i].dtype)).reshape(-1)
+                            for i in bucket])
             for group in self.kinds[kind]:
                 flat = group.all_reduce(flat)
-            write_back(self.buffers, bucket, flat, self.sizes, self.shapes)
+            done = write_back(self.buffers, bucket, flat, self.sizes, self.shapes)
         for i in self.accumulated_only:
             ops.assign_add(self.buffers[i], grads[i].astype(self.buffers[i].dtype))
         if self.routed:

@@ -283,7 +283,8 @@ def parallelize(
         + ([expert_dp_group] * (expert_dp_group.size > 1) if i in experts else [dp_group] * summed_once_per_step)
         for i in owners
     ]
-    # ZeRO-2 reduce-scatters every micro-batch inside its own graph already; a pipeline sums after its schedule.
+    # ZeRO-2 reduce-scatters every micro-batch inside its own graph already; a pipeline sums after its schedule. The
+    # sums after the backward are kept beside the overlapped one for steps of several micro-batches (`gradients`).
     overlapped = params.parallel.overlap_gradient_reduction and pipeline is None and zero_stage != 2 and any(sums)
     return Parallelized(
         shard=shard,
@@ -297,12 +298,10 @@ def parallelize(
         norm=norm,
         sums=GradientSums(
             accumulate_and_sum=AccumulateAndSumGradients(accumulate, sums, bucket_bytes) if overlapped else None,
-            dense=GradientAllReduce(dense_buffers, dp_group, bucket_bytes)
-            if summed_once_per_step and not overlapped else None,
+            dense=GradientAllReduce(dense_buffers, dp_group, bucket_bytes) if summed_once_per_step else None,
             experts=GradientAllReduce(expert_buffers, expert_dp_group, bucket_bytes)
-            if expert_buffers and expert_dp_group.size > 1 and zero_stage < 2 and not overlapped else None,
-            partial=GradientAllReduce(ParameterTuple(partial), tp_group, bucket_bytes)
-            if partial and not overlapped else None,
+            if expert_buffers and expert_dp_group.size > 1 and zero_stage < 2 else None,
+            partial=GradientAllReduce(ParameterTuple(partial), tp_group, bucket_bytes) if partial else None,
         ),
         micro_batches_per_pass=params.parallel.micro_batches,
     )
@@ -370,8 +369,8 @@ class RankGroups:
 @dataclass(frozen=True)
 class GradientSums:
     """How a step's gradients are summed once the micro-batches are done (None: not needed by the layout):
-    `accumulate_and_sum` runs the last micro-batch with the sums in its backward (overlapped), else `dense` sums over
-    dp, `experts` the expert shards' over expert-dp and `partial` the tp shares (`tp_partial`) over tp."""
+    `accumulate_and_sum` runs a step of one micro-batch with the sums in its backward (overlapped); otherwise `dense`
+    sums over dp, `experts` the expert shards' over expert-dp and `partial` the tp shares (`tp_partial`) over tp."""
 
     accumulate_and_sum: nn.Cell | None = None
     dense: nn.Cell | None = None
@@ -422,9 +421,11 @@ class Parallelized:
             passes = [micro_batches[i : i + per_pass] for i in range(0, len(micro_batches), per_pass)]
             summed = sum(self.pipeline.run(one, scale) for one in passes)
         else:
-            steps = [self.accumulate] * len(micro_batches)
-            if self.sums.accumulate_and_sum is not None:
-                steps[-1] = self.sums.accumulate_and_sum
+            # The sums go inside the backward only where it is the step's one backward graph: beside the plain
+            # accumulation's, a second compiled backward would keep memory of its own, as large as the first's
+            # (benchmarks/README.md, "Model states against the ZeRO paper"). Either way gives the same bits.
+            overlapped = self.sums.accumulate_and_sum is not None and len(micro_batches) == 1
+            steps = [self.sums.accumulate_and_sum if overlapped else self.accumulate] * len(micro_batches)
             losses = []
             for step, batch in zip(steps, micro_batches):
                 out = step(*batch.inputs(), scale, batch.router_noise)
@@ -436,6 +437,8 @@ class Parallelized:
             summed = 0.0
             for loss in ops.stack(losses).asnumpy().tolist():
                 summed += loss
+            if overlapped:
+                return summed
         for summed_over in (self.sums.partial, self.sums.dense, self.sums.experts):
             if summed_over is not None:
                 summed_over()

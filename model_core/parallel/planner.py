@@ -18,8 +18,8 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    copies the matmuls keep for the backward. ZeRO-3: 4P/dp
     gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward a set of fresh gradients, which
                    the compiled backward holds, in the weights' dtypes, and of the compute-dtype ones their fp32
-                   casts, 4Pm (ZeRO-2: also every bucket's flat fp32 input to its reduce-scatter, 4P more;
-                   ZeRO-3: 4P/dp). The update scales each gradient buffer in place as AdamW takes it; ZeRO-1
+                   casts, 4Pm (ZeRO-2: instead of the casts, every bucket's flat fp32 input to its reduce-scatter,
+                   4P; ZeRO-3: 4P/dp). The update scales each gradient buffer in place as AdamW takes it; ZeRO-1
                    then cuts its shard's pieces out, held by its compiled update: 4P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and ShardedAdamW's fp32
                    copy of its shard: the master weights under mixed precision)
@@ -32,10 +32,11 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    stage) and recomputes its forward in the backward, so it holds one micro-batch's set on top;
                    in flight: pp - stage under 1F1B, micro_batches under GPipe.
                    The last stage adds the head's inputs, BTH (4 + c) (sequence parallelism: / tp),
-                   and `logits_buffers` fp32 [B, T, V/tp]. Without a fused attention kernel (CPU): fp32
-                   [B, heads/tp, T/cp, T] score-sized tensors, `attention_score_buffers` for the layer whose
-                   attention runs and `attention_score_buffers_per_layer` for each layer (measured; the
-                   backward recomputes the probabilities, so no layer should need to keep them).
+                   and `logits_buffers` fp32 [B, T, V/tp]. Without a fused attention kernel (CPU):
+                   `attention_score_buffers` fp32 tensors of one query block's scores [B, heads/tp, rows, T]
+                   (`fused.query_block_rows`) for the layer whose attention runs, and
+                   `attention_score_buffers_per_layer` [B, heads/tp, T/cp, T] ones for each layer (measured;
+                   the backward recomputes the probabilities, so no layer should need to keep them).
     communication  dp > 1: two gradient buckets (the flat input and the summed output); ZeRO-3: two layers'
                    gathered parameters; tp > 1: two BTH c activations (sent and received; sequence parallelism
                    adds the BTH c / tp slice); pp > 1: a tick's
@@ -52,12 +53,13 @@ Model states per parameter of a rank at its peak (the backward) against the ZeRO
     stage   fp32, llmflow   fp32, paper    mixed (c = 2), llmflow   mixed, paper
     0       20              16             24                       16
     1       12 + 12/dp      8 + 8/dp       12 + 12/dp               4 + 12/dp
-    2       12 + 16/dp      4 + 12/dp      12 + 16/dp               2 + 14/dp
+    2       12 + 16/dp      4 + 12/dp      8 + 16/dp                2 + 14/dp
     3       20/dp           16/dp          20/dp                    16/dp
 
 (mixed: every parameter a matmul weight; the fp32 embedding and norms count 4 where the table counts c.) What is
 left over the paper: the fresh gradients the compiled backward holds beside the fp32 accumulation buffer (c
-bytes and their fp32 casts, 4, under mixed precision; 4 in fp32) and ZeRO-2's fp32 bucket inputs (4), a full
+bytes and their fp32 casts, 4, under mixed precision; 4 in fp32) and ZeRO-2's fp32 bucket inputs (4; under mixed
+precision these are the casts), a full
 fp32 gradient buffer under ZeRO-1 where the paper reduce-scatters (mixed: the paper's 2-byte gradients are fp32 here), fp32 training's
 ZeRO-1/2 copy of the shard for AdamW and ZeRO-3's fresh gradient shards (4/dp each). benchmarks/README.md
 ("Model states against the ZeRO paper") measures them.
@@ -117,6 +119,7 @@ import math
 import re
 from dataclasses import dataclass, replace
 
+from model_core.model.fused import query_block_rows
 from model_core.parallel.layout import Layout
 from model_core.parallel.placement import placement_table
 from params import rules
@@ -166,9 +169,10 @@ class DeviceKind:
     logits_buffers: float  # fp32 logits-sized tensors alive at the loss's backward
     recompute_saves_memory: bool  # False where recompute was measured to keep the activations anyway
     source: str  # where the numbers come from
-    # Attention without a fused kernel (`fused.SoftmaxAttentionFunction`): fp32 [B, heads / tp, T / cp, T] score-sized
-    # tensors alive while one layer's attention runs, and those each layer holds until its backward; 0 where a fused
-    # kernel keeps none.
+    # Attention without a fused kernel (`fused.SoftmaxAttentionFunction`): fp32 tensors of one query block's scores
+    # ([B, heads / tp, rows, T]) alive while one layer's attention runs, and fp32 [B, heads / tp, T / cp, T] score-sized
+    # ones each layer holds until its backward (measured, not explained: see docs/planner.md); 0 where a fused kernel
+    # keeps none.
     attention_score_buffers: float = 0.0
     attention_score_buffers_per_layer: float = 0.0
     collective_runtime_bytes: int = 0  # what a rank of a job of several ranks holds over one process
@@ -193,9 +197,10 @@ CPU = DeviceKind(
     logits_buffers=4.8,
     recompute_saves_memory=False,
     source="fitted to measured peak RSS of MindSpore 2.10 CPU training steps, docs/planner.md",
-    # Fitted to benchmarks/long_context.py (2 and 8 layers, sequences of 256 and 2048, cp1, cp2, tp2, tp2 with sp).
-    attention_score_buffers=2.66,
-    attention_score_buffers_per_layer=0.82,
+    # Fitted to benchmarks/long_context.py (8 layers, sequences of 256 and 2048, cp1, cp2, tp2, tp2 with sp) with
+    # attention computed in query blocks; the collective terms below to its earlier runs (also 2 layers).
+    attention_score_buffers=1.5,
+    attention_score_buffers_per_layer=0.30,
     collective_runtime_bytes=30 * 2**20,
     tensor_parallel_bytes_per_layer=8 * 2**20,
     sequence_parallel_bytes_per_layer=24 * 2**20,
@@ -575,8 +580,8 @@ def activation_bytes(params: PipelineParams, candidate: Candidate, stage: int, k
     else:
         per_micro_batch = layers * per_layer
     blocks = per_micro_batch + context_mask_bytes(params, candidate.cp)
-    score_buffers = kind.attention_score_buffers + kind.attention_score_buffers_per_layer * layers
-    scores = score_buffers * attention_score_bytes(params, candidate)
+    scores = (kind.attention_score_buffers * attention_block_score_bytes(params, candidate)
+              + kind.attention_score_buffers_per_layer * layers * attention_score_bytes(params, candidate))
     if candidate.pp > 1:
         in_flight = parallel.micro_batches if parallel.pipeline_schedule == "gpipe" else candidate.pp - stage
         stored_input = tokens * 4 if stage == 0 else tokens * model.hidden_size * c // slices
@@ -595,6 +600,15 @@ def attention_score_bytes(params: PipelineParams, candidate: Candidate) -> int:
     model = params.model
     heads = model.num_heads // candidate.tp
     return params.train.micro_batch_size * heads * (model.seq_len // candidate.cp) * model.seq_len * 4
+
+
+def attention_block_score_bytes(params: PipelineParams, candidate: Candidate) -> int:
+    """The fp32 scores of one query block of `fused.SoftmaxAttentionFunction` on a rank: [B, heads / tp, rows, T],
+    rows as `fused.query_block_rows` picks them (all T / cp where they fit its budget)."""
+    model, batch = params.model, params.train.micro_batch_size
+    heads = model.num_heads // candidate.tp
+    rows = query_block_rows(batch, heads, model.seq_len, model.seq_len // candidate.cp)
+    return batch * heads * rows * model.seq_len * 4
 
 
 def stage_memory(params: PipelineParams, candidate: Candidate, stage: int, kind: DeviceKind, runtime: int) -> Memory:
@@ -633,9 +647,15 @@ def stage_phases(
         recompute_graph += kind.recompute_bytes_per_layer * layers
     accumulated = 4 * (shard if zero >= 2 else held)  # the fp32 buffers the micro-batches add into
     # The backward's fresh gradients: the compiled backward's memory holds a whole set of them (benchmarks/README.md,
-    # "Model states against the ZeRO paper"); ZeRO-2's also holds every bucket's flat input to the reduce-scatter;
-    # under ZeRO-3 each is cut to its shard.
-    fresh = 4 * shard if zero == 3 else fresh_set + 4 * held if zero == 2 else fresh_set
+    # "Model states against the ZeRO paper"); ZeRO-2's also holds the flat fp32 inputs to the reduce-scatter, which
+    # are the fp32 casts of the compute-dtype gradients there (cut a bucket at a time from the fresh gradients, they
+    # are not a set of casts beside them); under ZeRO-3 each is cut to its shard.
+    if zero == 3:
+        fresh = 4 * shard
+    elif zero == 2:
+        fresh = fresh_set - (4 * matmul if masters_apart(params, candidate) else 0) + 4 * held
+    else:
+        fresh = fresh_set
     state = {
         # AdamW's two moments of what this rank updates; ZeRO-1/2 also keep an fp32 copy of their shard to update
         # (the weights stay whole), while under ZeRO-3 the shard is the weight itself.

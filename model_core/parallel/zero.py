@@ -187,16 +187,18 @@ class GradientShards(nn.Cell):
         reduced = [None] * len(self.buckets)
         done = ops.zeros((), ms.float32)
         # The last bucket first: the backward finishes the last weights' gradients first, so each bucket can be
-        # reduced, and its gradients freed, while the earlier layers' backward still runs.
+        # reduced, and its gradients freed, while the earlier layers' backward still runs. A bucket's flat fp32
+        # input is cut from the gradients only once the previous bucket is reduced: made as soon as the gradients
+        # exist, every bucket's would be alive at once, waiting for its turn.
         for k in range(len(self.buckets) - 1, -1, -1):
             parts = []
             for i, start, end in self.inputs[k]:
                 if i < 0:
-                    parts.append(ops.zeros((end - start,), ms.float32))
+                    parts.append(ops.depend(ops.zeros((end - start,), ms.float32), done))
                 else:
-                    parts.append(grads[i].reshape(-1)[start:end].astype(ms.float32))
+                    parts.append(ops.depend(grads[i], done).reshape(-1)[start:end].astype(ms.float32))
             flat = ops.cat(parts) if len(parts) > 1 else parts[0]
-            done = self.group.reduce_scatter(ops.depend(flat, done))  # this rank's [lo, hi), summed over the group
+            done = self.group.reduce_scatter(flat)  # this rank's [lo, hi), summed over the group
             reduced[k] = done
             for j, segments in self.completions[k]:
                 values = [reduced[b][start:end] for b, start, end in segments]
