@@ -1,7 +1,7 @@
 """Train-step throughput and peak memory: our MindSpore step against PyTorch eager, same model, side by side.
 
 One full optimizer step is forward, backward and AdamW on one micro-batch. Ours runs the compiled pieces of
-model_core.optim.step (AccumulateGradients, GradientNorm, ApplyGradients with model_core.optim.adamw.AdamW),
+model_core.optim.step (AccumulateGradients, GradientNorm, ApplyGradients with model_core.parallel.optimizer.AdamW),
 as the trainer does; PyTorch runs a compact Llama of the same architecture and init with torch.optim.AdamW.
 Every variant runs in its own subprocess, so its peak RSS (VmHWM of that child, see model_core.train.system.peak_rss_bytes) is its own.
 

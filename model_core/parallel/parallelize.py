@@ -190,11 +190,11 @@ def parallelize(
            holds of every weight made (drawn from the seed or read from `initial_weights`);
       7.   recompute marked on the chosen blocks this rank holds;
       8.   the step: the loss for this rank's logits, gradient accumulation (through the pipeline schedule
-           under pp; reduce-scattered per micro-batch under ZeRO-2, expert shards' over expert-dp), AdamW
-           (moments sharded under ZeRO-1/2/3, in a memory-mapped file with `parallel.optimizer_offload`, reading
-           the weights from theirs with `parallel.param_offload`; under ep the expert shards' own AdamW, ZeRO-1/2
-           over expert-dp), the dp gradient sum (expert shards': over expert-dp) and the global gradient norm,
-           each read from the placement table.
+           under pp; reduce-scattered per micro-batch under ZeRO-2, expert shards' over expert-dp), the one AdamW
+           of every layout reading each weight's `StatePlacement` (whole, a flat ZeRO-1/2 shard over dp or, for
+           the expert stacks, over expert-dp, or ZeRO-3's parameter shard; in memory or in the optimizer offload
+           file; its fp32 master apart or not), the dp gradient sum (expert shards': over expert-dp) and the
+           global gradient norm, each read from the placement table.
     Not every feature runs under every layout: params/rules.py says which combinations are refused, and the
     entry points have asked it before anything was prepared or launched.
 
@@ -329,8 +329,8 @@ def rank_state(table: PlacementTable, names: Sequence[str], groups: RankGroups, 
 def keeps_masters_apart(params: PipelineParams, layout: Layout, zero_stage: int, table: PlacementTable) -> bool:
     """Whether the model holds its matmul weights in the compute dtype and the optimizer their fp32 masters (ZeRO-0:
     all of them, ZeRO-1/2: its shard), as Megatron's and DeepSpeed's mixed precision do. Built for the layouts
-    whose optimizer is `AdamW` or `ShardedAdamW`; the others (ZeRO-3, pipeline, expert parallelism, offload, LoRA)
-    keep fp32 weights that every matmul casts."""
+    whose weights' state is whole or a flat ZeRO-1/2 shard in memory; the others (ZeRO-3, pipeline, expert
+    parallelism, offload, LoRA) keep fp32 weights that every matmul casts."""
     return (
         params.precision.compute_dtype != "float32" and zero_stage < 3 and layout.pp == 1 and layout.ep == 1
         and table.lora is None and not table.optimizer_offload and not table.param_offload

@@ -154,7 +154,7 @@ def shard_fill(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, int, i
 
 class GradientShards(nn.Cell):
     """ZeRO-2's gradient store: fp32 `buffers`, one per piece of this rank's shard of the weights' flattened,
-    concatenated gradients (the pieces `ShardedAdamW` updates). Called inside a compiled step with one
+    concatenated gradients (the pieces the optimizer updates where a weight's state is a flat shard). Called inside a compiled step with one
     micro-batch's full gradients, it reduce-scatters them over the group bucket by bucket (the buckets of
     `gather_plan`, each of at most `bucket_bytes` before the reduction) and adds this rank's shard in: no flat copy
     of all the gradients is made, only one bucket's at a time.
@@ -250,7 +250,7 @@ def piece_completions(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int,
 
 class ShardedAccumulateGradients(AccumulateGradients):
     """ZeRO-2 accumulation: forward + backward of one micro-batch, its gradients reduce-scattered over the
-    group and this rank's shard added into fp32 buffers, one per piece (the pieces `ShardedAdamW` updates)."""
+    group and this rank's shard added into fp32 buffers, one per piece (the pieces the optimizer updates)."""
 
     def __init__(self, model: nn.Cell, group: Group, loss: nn.Cell | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
