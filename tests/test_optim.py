@@ -109,26 +109,29 @@ def test_twenty_steps_match_torch_adamw(mode, request):
         assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), parameter.name
 
 
-def apply_three_steps(make, values, grads, grad_scale: float) -> list[np.ndarray]:
-    """Three `ApplyGradients` updates (lr 1e-2) of `make(parameters)`'s optimizer from buffers holding `grads`;
-    the parameters after them."""
+def apply_three_steps(make, values, grads, grad_scale: float, flat: bool = False) -> list[np.ndarray]:
+    """Three `ApplyGradients` updates (lr 1e-2) of `make(parameters)`'s optimizer from buffers holding `grads`
+    (`flat`: flattened, as ZeRO-2's gradient shards over a group of one hold them); the parameters after them."""
     parameters = [Parameter(Tensor(value), name=name) for name, value in values.items()]
     buffers = ParameterTuple(
-        Parameter(Tensor(np.zeros(shape, np.float32)), name=f"grad.{name}", requires_grad=False)
+        Parameter(Tensor(np.zeros((int(np.prod(shape)),) if flat else shape, np.float32)), name=f"grad.{name}",
+                  requires_grad=False)
         for name, shape in SHAPES.items()
     )
     apply = ApplyGradients(buffers, make(parameters))
     for step, step_grads in enumerate(grads, start=1):
         for buffer, grad in zip(buffers, step_grads):
-            ops.assign(buffer, Tensor(grad))
+            ops.assign(buffer, Tensor(grad.reshape(-1) if flat else grad))
         apply(Tensor(1e-2, ms.float32), Tensor(step, ms.int32), Tensor(grad_scale, ms.float32))
         assert all(not buffer.asnumpy().any() for buffer in buffers), "the buffers are zeroed after the update"
     return [parameter.asnumpy() for parameter in parameters]
 
 
-def placed(kinds: dict[str, tuple[str, str | None]], master_apart: bool = False) -> list[StatePlacement]:
+def placed(kinds: dict[str, tuple[str, str | None]], master_apart: bool = False,
+           gradient_sharded: bool = False) -> list[StatePlacement]:
     """The placements of SHAPES' weights: name -> (kept, group)."""
-    return [StatePlacement(name, kept, group, False, master_apart and kept == FLAT_SHARD, "memory", len(SHAPES[name]) >= 2)
+    return [StatePlacement(name, kept, group, gradient_sharded and kept == FLAT_SHARD,
+                           master_apart and kept == FLAT_SHARD, "memory", len(SHAPES[name]) >= 2)
             for name, (kept, group) in kinds.items()]
 
 
@@ -136,7 +139,8 @@ def test_the_gradient_scale_applied_inside_the_update_equals_scaled_gradients_wh
     """The update scales each gradient as it uses it: bit for bit AdamW over gradients scaled beforehand, also for
     a flat ZeRO-1 shard over a group of one (its pieces cut from the full buffers, its updated shard gathered back in
     buckets of 64 bytes, so every weight but the smallest from several), for dense shards over dp beside expert
-    shards over expert-dp, and for kept fp32 masters of that shard."""
+    shards over expert-dp, for kept fp32 masters of that shard, and for ZeRO-2's flat gradient pieces beside whole
+    weights that read theirs flat."""
     values, grads = initial_values(), gradient_steps(3)
     scaled = [[g * np.float32(0.25) for g in step] for step in grads]
     names = list(SHAPES)
@@ -145,18 +149,27 @@ def test_the_gradient_scale_applied_inside_the_update_equals_scaled_gradients_wh
     groups = {"dp": one, "expert_dp": one, "ep": one}
     owners = tuple(range(len(names)))
     sharded = placed({name: (FLAT_SHARD, "dp") for name in names})
-    beside = placed({name: (FLAT_SHARD, "dp") if k % 2 == 0 else (FLAT_SHARD, "expert_dp") for k, name in enumerate(names)})
+    beside = placed({name: (FLAT_SHARD, "dp" if k % 2 == 0 else "expert_dp") for k, name in enumerate(names)})
     mixed = placed({name: (FLAT_SHARD, "dp") if k < 3 else (WHOLE, None) for k, name in enumerate(names)}, True)
+
+    def over(placements):
+        return lambda p: AdamW(p, BETAS, EPS, WEIGHT_DECAY, names, RankState(tuple(placements), groups, owners,
+                                                                             bucket_bytes=64))
+
     makers = {
         "whole": lambda p: AdamW(p, BETAS, EPS, WEIGHT_DECAY),
-        "flat shard": lambda p: AdamW(p, BETAS, EPS, WEIGHT_DECAY, names, RankState(tuple(sharded), groups, owners, bucket_bytes=64)),
-        "dense and expert shards": lambda p: AdamW(
-            p, BETAS, EPS, WEIGHT_DECAY, names, RankState(tuple(beside), groups, owners, bucket_bytes=64)),
-        "kept masters": lambda p: AdamW(p, BETAS, EPS, WEIGHT_DECAY, names, RankState(tuple(mixed), groups, owners, bucket_bytes=64)),
+        "flat shard": over(sharded),
+        "dense and expert shards": over(beside),
+        "kept masters": over(mixed),
     }
     for kind, make in makers.items():
         for name, want, got in zip(names, expected, apply_three_steps(make, values, grads, 0.25)):
             np.testing.assert_array_equal(got, want, err_msg=f"{kind}: {name}")
+    # ZeRO-2's gradients arrive flat: a shard's pieces over dp, and whole expert stacks beside them (expert-dp of one).
+    zero2 = placed({name: (FLAT_SHARD, "dp") if k % 2 == 0 else (WHOLE, None) for k, name in enumerate(names)},
+                   gradient_sharded=True)
+    for name, want, got in zip(names, expected, apply_three_steps(over(zero2), values, grads, 0.25, flat=True)):
+        np.testing.assert_array_equal(got, want, err_msg=f"flat gradients: {name}")
 
 
 def test_weight_decay_skips_norms_and_biases():

@@ -280,7 +280,8 @@ def test_zero3_over_one_rank_keeps_paths_gradients_decay_and_whole_checkpoint_te
 
     names = list(sharded.shards)
     unsharded = AdamW.from_params([named_weights(full)[n] for n in names], params.optimizer, names)
-    placements = tuple(StatePlacement(n, PARAMETER_SHARD, "dp", False, False, "memory", sharded.decays[n]) for n in names)
+    placements = tuple(StatePlacement(n, PARAMETER_SHARD, "dp", False, False, "memory", sharded.decays[n])
+                       for n in names)
     state = RankState(placements, {"dp": sharded.group}, tuple(range(len(names))), full_shapes=sharded.shapes)
     optimizer = AdamW.from_params([sharded.shards[n] for n in names], params.optimizer, names, state)
     assert optimizer.decays == unsharded.decays and any(unsharded.decays) and not all(unsharded.decays)

@@ -112,7 +112,8 @@ class GatherUpdatedShards(nn.Cell):
     def construct(self):
         done = ops.zeros((), ms.float32)
         for g in range(len(self.gathers)):
-            done = self.gathers[g](tuple(self.weights[i].reshape(-1)[start:end] for i, start, end in self.local[g]), done)
+            pieces = tuple(self.weights[i].reshape(-1)[start:end] for i, start, end in self.local[g])
+            done = self.gathers[g](pieces, done)
         return done
 
 
@@ -355,7 +356,8 @@ class AdamW(nn.Cell):
         for k, piece in enumerate(self.pieces):
             if values[k] is not None and self.placements[piece.weight].kept == WHOLE:
                 whole[self.param_names[piece.weight]] = values[k].reshape(self.shapes[piece.weight]).copy()
-        shards = [k for k, p in enumerate(self.pieces) if values[k] is not None and self.placements[p.weight].kept == PARAMETER_SHARD]
+        shards = [k for k, p in enumerate(self.pieces)
+                  if values[k] is not None and self.placements[p.weight].kept == PARAMETER_SHARD]
         if shards:
             names = [self.param_names[self.pieces[k].weight] for k in shards]
             full = gather_full([Tensor(values[k]) for k in shards], [self.state.full_shapes[n] for n in names],
@@ -374,7 +376,9 @@ class AdamW(nn.Cell):
                 whole[self.param_names[i]] = gathered[offset : offset + size].reshape(self.shapes[i]).copy()
                 offset += size
         ordered = {name: whole[name] for name in self.param_names if name in whole}
-        return gather_experts(ordered, set(self.state.experts), self.state.groups["ep"]) if self.state.experts else ordered
+        if not self.state.experts:
+            return ordered
+        return gather_experts(ordered, set(self.state.experts), self.state.groups["ep"])
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Whole moments keyed `adam_m.<name>` / `adam_v.<name>`, whatever the layout. Collective."""

@@ -154,8 +154,8 @@ def shard_fill(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, int, i
 
 class GradientShards(nn.Cell):
     """ZeRO-2's gradient store: fp32 `buffers`, one per piece of this rank's shard of the weights' flattened,
-    concatenated gradients (the pieces the optimizer updates where a weight's state is a flat shard). Called inside a compiled step with one
-    micro-batch's full gradients, it reduce-scatters them over the group bucket by bucket (the buckets of
+    concatenated gradients (the pieces the optimizer updates where a weight's state is a flat shard). Called inside
+    a compiled step with one micro-batch's full gradients, it reduce-scatters them over the group bucket by bucket (the buckets of
     `gather_plan`, each of at most `bucket_bytes` before the reduction) and adds this rank's shard in: no flat copy
     of all the gradients is made, only one bucket's at a time.
 

@@ -26,8 +26,9 @@ buffers, `ParallelGradientNorm` sums their squares over dp, and the optimizer
 (`model_core.parallel.optimizer.AdamW`, where the placement says the parameter is the shard) updates the shards
 with weight decay decided by each full parameter's ndim. Checkpoints stay layout-independent: `full_weights` and
 the optimizer's `state_dict` gather whole tensors under the usual names (collectives: every rank calls them), and
-`load_full_weights` and its `load_state_dict` take this rank's shards of whole tensors, whatever layout wrote them. Parameter offload (`model_core.parallel.param_offload`) keeps the shards' values in a file instead and
-has each gather fetch its shard from there.
+`load_full_weights` and its `load_state_dict` take this rank's shards of whole tensors, whatever layout wrote them.
+Parameter offload (`model_core.parallel.param_offload`) keeps the shards' values in a file instead and has each
+gather fetch its shard from there.
 """
 
 from __future__ import annotations
