@@ -1,6 +1,7 @@
 """The placement table: its rows are the model's parameters (LoRA adapters included) with their shapes, in the
 model's order; each tp rank's blocks tile a split weight; the stages and the per-rank bytes follow the layout;
-each weight's optimizer state (whole, a flat shard over dp or expert-dp, ZeRO-3's shard; in memory or the file).
+each weight's optimizer state (whole, a flat shard over dp or expert-dp, ZeRO-3's shard; in memory or the file)
+and gradient reduction (summed over tp and dp or expert-dp, or reduce-scattered).
 A rank's shard built from it: each block of the seeded initialisation, or of a weights file read block by block,
 is the same block of the whole; a ZeRO-3 rank makes its shard of each weight and adapter and nothing more."""
 
@@ -193,3 +194,26 @@ def test_each_weights_optimizer_state_is_read_off_its_placement():
     frozen = next(row.name for row in adapted if not row.trainable)
     with pytest.raises(ValueError, match=f"{frozen} is frozen"):
         adapted.optimizer_state(frozen)
+
+
+def test_each_weights_gradient_reduction_is_read_off_its_placement():
+    """A gradient is summed over tp where a rank's is a share, then over dp (an expert stack's over expert-dp, a
+    group of one left out); from ZeRO-2 on it is reduce-scattered over that group instead of summed."""
+    table = placement_table(PARAMS.model, Layout(dp=2, tp=2), zero_stage=1, sequence_parallel=True)
+    for row in table:
+        reduction = table.gradient_reduction(row.name)
+        assert reduction.all_reduced == (("tp", "dp") if row.tp_partial else ("dp",)), row.name
+        assert reduction.scattered is None
+    assert any(row.tp_partial for row in table)
+    alone = placement_table(PARAMS.model, Layout())
+    assert {alone.gradient_reduction(row.name).all_reduced for row in alone} == {()}
+    zero2 = placement_table(PARAMS.model, Layout(dp=2), zero_stage=2)
+    assert {(r.all_reduced, r.scattered) for r in map(zero2.gradient_reduction, (row.name for row in zero2))} == {
+        ((), "dp")}
+    moe = load_params("tiny", [*SMALL_MODEL, "model.moe={num_experts: 4, experts_per_token: 2, every: 1}"]).model
+    for dp, stage, expert in ((2, 1, ((), None)), (4, 1, (("expert_dp",), None)), (2, 2, ((), "expert_dp"))):
+        table = placement_table(moe, Layout(dp=dp, ep=2), zero_stage=stage)
+        for row in table:
+            reduction = table.gradient_reduction(row.name)
+            dense = ((), "dp") if stage == 2 else (("dp",), None)
+            assert (reduction.all_reduced, reduction.scattered) == (expert if row.expert else dense), (dp, row.name)

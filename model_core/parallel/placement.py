@@ -29,6 +29,11 @@ A row's AdamW moments live where the row's ZeRO sharding puts them (every rank, 
 or, with `optimizer_offload`, in the rank's offload file on local disk (`model_core/optim/offload.py`), which
 holds all of them or none. Under ZeRO-3 with `param_offload` the rows' parameter shards live in a second file of
 the rank (`model_core/parallel/param_offload.py`), all of them.
+
+Two questions about a trainable weight are answered here for the step to read, as torchtitan reads sharding off the
+parameter: `optimizer_state` (what of its fp32 master and moments a rank keeps, and where: the one
+`model_core.parallel.optimizer.AdamW` of every layout reads it) and `gradient_reduction` (which groups its
+gradient is summed over, or reduce-scattered over). A new way to place a weight is a new answer here, not a class.
 """
 
 from __future__ import annotations
@@ -125,6 +130,20 @@ class StatePlacement:
 
 
 @dataclass(frozen=True)
+class GradientReduction:
+    """How a trainable weight's gradient is reduced on a rank (`PlacementTable.gradient_reduction`).
+
+    `all_reduced`: the groups its buffer is summed over once a step's micro-batches are done (or inside a step's one
+    backward, overlapped), in this order: "tp" where a rank's gradient is a share (`tp_partial`), then "dp" or, for
+    an expert stack under ep, "expert_dp" (a group of one is left out). `scattered`: the group its gradient is
+    reduce-scattered over inside every backward (ZeRO-2 into the rank's flat shard, ZeRO-3 by the parameter's
+    gather), else None."""
+
+    all_reduced: tuple[str, ...]
+    scattered: str | None
+
+
+@dataclass(frozen=True)
 class PlacementTable:
     """Every parameter's `Placement` under one layout; see the module docstring."""
 
@@ -152,6 +171,12 @@ class PlacementTable:
     def __iter__(self) -> Iterator[Placement]:
         return iter(self.rows)
 
+    def _replicas(self, row: Placement) -> tuple[str, int]:
+        """The group of ranks holding the same values of `row` and its size: dp, or an expert stack's expert-dp."""
+        if row.expert and self.layout.ep > 1:
+            return "expert_dp", self.layout.dp // self.layout.ep
+        return "dp", self.layout.dp
+
     def optimizer_state(self, name: str, master_apart: bool = False) -> StatePlacement:
         """Where a trainable weight's master and moments live on a rank: sharded as its row's ZeRO sharding says,
         over dp, or an expert stack's over expert-dp (a group of one keeps all of it), in memory or the offload file.
@@ -159,9 +184,7 @@ class PlacementTable:
         row = self[name]
         if not row.trainable:
             raise ValueError(f"{name} is frozen: it has no optimizer state")
-        layout = self.layout
-        expert = row.expert and layout.ep > 1
-        group, size = ("expert_dp", layout.dp // layout.ep) if expert else ("dp", layout.dp)
+        group, size = self._replicas(row)
         if self.zero_stage == 3 and row.zero_sharded:  # ZeRO-3 cuts every weight over dp, experts' blocks too
             kept, group = PARAMETER_SHARD, "dp"
         elif self.zero_stage in (1, 2) and row.zero_sharded and size > 1:
@@ -172,6 +195,18 @@ class PlacementTable:
             name, kept, group, kept == FLAT_SHARD and self.zero_stage == 2, master_apart,
             "file" if self.optimizer_offload else "memory", len(row.shape) >= 2,
         )
+
+    def gradient_reduction(self, name: str) -> GradientReduction:
+        """How a trainable weight's gradient is reduced: over tp where it is a share, and over the ranks holding the
+        same weight (dp, or an expert stack's expert-dp), summed once a step or, from ZeRO-2 on, reduce-scattered."""
+        row = self[name]
+        if not row.trainable:
+            raise ValueError(f"{name} is frozen: it has no gradient")
+        group, size = self._replicas(row)
+        shares = ("tp",) if row.tp_partial else ()
+        if self.zero_stage >= 2 and row.zero_sharded:
+            return GradientReduction(shares, group)
+        return GradientReduction(shares + ((group,) if size > 1 else ()), None)
 
     def on_stage(self, stage: int) -> list[Placement]:
         """What pipeline stage `stage` holds, in model order."""
