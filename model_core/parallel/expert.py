@@ -22,7 +22,7 @@ The optimizer (`model_core.parallel.optimizer.AdamW`) shards the expert stacks' 
 placements say, and speaks whole tensors in its state dict, so checkpoints stay layout-independent: expert moments
 are gathered over ep when saved (`gather_experts`) and cut to the rank's block when loaded (`expert_block`).
 Under ZeRO-2 `ExpertGradientShards` keeps the dense and the expert gradient stores apart, for the whole model
-(`ExpertShardedAccumulateGradients`) or a pipeline stage: each micro-batch's dense gradients are
+(`zero.ShardedAccumulateGradients`) or a pipeline stage: each micro-batch's dense gradients are
 reduce-scattered over dp, the expert shards' over expert-dp (with expert-dp of one rank, dp = ep, a rank keeps
 its experts' whole gradients, which no other rank shares).
 """
@@ -31,12 +31,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
+from mindspore import Parameter, ParameterTuple, Tensor, mint, nn
 
 from model_core.model.moe import Experts, swiglu_experts
-from model_core.optim.step import AccumulateGradients
 from model_core.parallel.comm import AllToAll, Group
 from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from model_core.parallel.zero import GradientShards
@@ -119,23 +117,3 @@ class ExpertGradientShards(nn.Cell):
         self.dense(tuple(grads[i] for i in self.dense_positions))
         self.experts(tuple(grads[i] for i in self.expert_positions))
         return True
-
-
-class ExpertShardedAccumulateGradients(AccumulateGradients):
-    """ZeRO-2 accumulation under expert parallelism: forward + backward of one micro-batch, its gradients added
-    into `shards` (`ExpertGradientShards`: dense over `dp_group`, the expert shards at positions `experts` over
-    `expert_dp_group`), whose `buffers`, `piece_params` and dense `shard_length` it shares."""
-
-    def __init__(self, model: nn.Cell, experts: set[int], dp_group: Group, expert_dp_group: Group,
-                 loss: nn.Cell | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        shards = ExpertGradientShards(model.trainable_params(), experts, dp_group, expert_dp_group, None, bucket_bytes)
-        super().__init__(model, shards.buffers, loss)
-        self.shards = shards
-        self.piece_params = shards.piece_params
-        self.shard_length = shards.shard_length
-
-    @ms.jit
-    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
-        outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise)
-        self.shards(grads)
-        return outputs[1], outputs[2]  # an ep model has MoE blocks: its routing statistics ride along

@@ -41,7 +41,7 @@ from model_core.optim.step import AccumulateGradients, ApplyGradients, SummedTok
 from model_core.parallel import comm
 from model_core.parallel.context import context_parallel
 from model_core.parallel.data_parallel import AccumulateAndSumGradients, GradientAllReduce
-from model_core.parallel.expert import ExpertShardedAccumulateGradients, expert_block, expert_parallel, gather_experts
+from model_core.parallel.expert import ExpertGradientShards, expert_block, expert_parallel, gather_experts
 from model_core.parallel.gradient_norm import ParallelGradientNorm
 from model_core.parallel.layout import Layout
 from model_core.parallel.optimizer import AdamW, RankState
@@ -56,7 +56,7 @@ from model_core.parallel.tensor import (
     tensor_parallel,
     tensor_parallel_adapter,
 )
-from model_core.parallel.zero import ShardedAccumulateGradients
+from model_core.parallel.zero import GradientShards, ShardedAccumulateGradients
 from model_core.parallel.zero3 import ShardedParameters, shard_parameters, take_shard
 from model_core.storage import WEIGHTS, read_block, tensor_shapes
 from params.rules import check_run
@@ -240,12 +240,14 @@ def parallelize(
             expert_dp_group=expert_dp_group, bucket_bytes=bucket_bytes,
             sequence_slices=layout.tp if table.sequence_parallel else 1,
         )
-    elif zero_stage == 2 and ep_group.size > 1:  # dense gradients reduce-scattered over dp, experts' over expert-dp
-        accumulate = ExpertShardedAccumulateGradients(
-            model, expert_positions(model, table), dp_group, expert_dp_group, loss, bucket_bytes
-        )
-    elif zero_stage == 2:  # gradients reduce-scattered per micro-batch into this rank's shard
-        accumulate = ShardedAccumulateGradients(model, dp_group, loss=loss, bucket_bytes=bucket_bytes)
+    elif zero_stage == 2:  # each gradient reduce-scattered per micro-batch over the group its placement names
+        weights = model.trainable_params()
+        paths = {id(param): name for name, param in named_weights(model).items()}
+        over_experts = {i for i, weight in enumerate(weights)
+                        if table.gradient_reduction(paths[id(weight)]).scattered == "expert_dp"}
+        shards = (ExpertGradientShards(weights, over_experts, dp_group, expert_dp_group, bucket_bytes=bucket_bytes)
+                  if over_experts else GradientShards(weights, dp_group, bucket_bytes=bucket_bytes))
+        accumulate = ShardedAccumulateGradients(model, shards, loss)
     elif table.param_offload:  # the model's shard Parameters are the gradient buffers (`param_offload`)
         accumulate = AccumulateGradients(model, ParameterTuple(model.trainable_params()), loss)
     else:
@@ -274,15 +276,15 @@ def parallelize(
         ep_group=ep_group,
         expert_shard_group=expert_dp_group if zero_stage >= 2 else None,
     )
-    summed_once_per_step = dp_group.size > 1 and zero_stage < 2
-    partial = [buffer for buffer, i in zip(accumulate.buffers, owners) if table[weight_names[i]].tp_partial]
-    dense_buffers = ParameterTuple([buffer for buffer, i in zip(accumulate.buffers, owners) if i not in experts])
-    expert_buffers = ParameterTuple([buffer for buffer, i in zip(accumulate.buffers, owners) if i in experts])
-    sums = [
-        [tp_group] * table[weight_names[i]].tp_partial
-        + ([expert_dp_group] * (expert_dp_group.size > 1) if i in experts else [dp_group] * summed_once_per_step)
-        for i in owners
-    ]
+    # Each buffer is summed over the groups its weight's placement names, after the backward or inside it.
+    over = {"tp": tp_group, "dp": dp_group, "expert_dp": expert_dp_group}
+    reductions = [table.gradient_reduction(weight_names[i]).all_reduced for i in owners]
+    sums = [[over[name] for name in groups] for groups in reductions]
+
+    def summed_over(name: str) -> GradientAllReduce | None:
+        buffers = [buffer for buffer, groups in zip(accumulate.buffers, reductions) if name in groups]
+        return GradientAllReduce(ParameterTuple(buffers), over[name], bucket_bytes) if buffers else None
+
     # ZeRO-2 reduce-scatters every micro-batch inside its own graph already; a pipeline sums after its schedule. The
     # sums after the backward are kept beside the overlapped one for steps of several micro-batches (`gradients`).
     overlapped = params.parallel.overlap_gradient_reduction and pipeline is None and zero_stage != 2 and any(sums)
@@ -298,10 +300,9 @@ def parallelize(
         norm=norm,
         sums=GradientSums(
             accumulate_and_sum=AccumulateAndSumGradients(accumulate, sums, bucket_bytes) if overlapped else None,
-            dense=GradientAllReduce(dense_buffers, dp_group, bucket_bytes) if summed_once_per_step else None,
-            experts=GradientAllReduce(expert_buffers, expert_dp_group, bucket_bytes)
-            if expert_buffers and expert_dp_group.size > 1 and zero_stage < 2 else None,
-            partial=GradientAllReduce(ParameterTuple(partial), tp_group, bucket_bytes) if partial else None,
+            dense=summed_over("dp"),
+            experts=summed_over("expert_dp"),
+            partial=summed_over("tp"),
         ),
         micro_batches_per_pass=params.parallel.micro_batches,
     )

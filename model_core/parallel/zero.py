@@ -22,12 +22,11 @@ from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore import Parameter, ParameterTuple, nn, ops
 
 from model_core.optim.step import AccumulateGradients
 from model_core.parallel.comm import Group
 from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
-from params.schema import OptimizerParams
 
 
 @dataclass(frozen=True)
@@ -249,14 +248,13 @@ def piece_completions(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int,
 
 
 class ShardedAccumulateGradients(AccumulateGradients):
-    """ZeRO-2 accumulation: forward + backward of one micro-batch, its gradients reduce-scattered over the
-    group and this rank's shard added into fp32 buffers, one per piece (the pieces the optimizer updates)."""
+    """ZeRO-2 accumulation: forward + backward of one micro-batch, its gradients reduce-scattered into `shards`, a
+    store over `model`'s trainable weights: `GradientShards` over dp, or under expert parallelism
+    `expert.ExpertGradientShards` (the expert stacks' over expert-dp). Its fp32 buffers, one per piece of this
+    rank's shard, are the ones the optimizer updates; `buffers`, `piece_params` and the (dense) `shard_length` are
+    the store's. `loss` as for `AccumulateGradients` (tensor parallelism passes its vocab-parallel one)."""
 
-    def __init__(self, model: nn.Cell, group: Group, loss: nn.Cell | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        """`loss` as for `AccumulateGradients` (tensor parallelism passes its vocab-parallel one); `bucket_bytes` as
-        for `GradientShards`."""
-        shards = GradientShards(model.trainable_params(), group, bucket_bytes=bucket_bytes)
+    def __init__(self, model: nn.Cell, shards: nn.Cell, loss: nn.Cell | None = None) -> None:
         super().__init__(model, shards.buffers, loss)
         self.shards = shards
         self.piece_params = shards.piece_params
