@@ -40,7 +40,7 @@ def run_variant(name: str, warmup: int, steps: int) -> dict:
     import mindspore as ms
 
     from model_core.model import Llama, apply_lora, count_parameters
-    from model_core.optim.adamw import AdamW
+    from model_core.parallel.optimizer import AdamW
     from model_core.optim.step import AccumulateGradients, ApplyGradients, GradientNorm, scalar
     from params.schema import LoraParams, ModelParams
 

@@ -179,7 +179,6 @@ def summarise(reports: dict[str, list[dict]], warmup: int) -> dict:
 def run_worker(name: str, dataset: str, out: Path, steps: int, model: list[str]) -> None:
     import mindspore as ms
 
-    from model_core.parallel.zero import moment_bytes
     from model_core.train.system import peak_rss_bytes
     from model_core.train.trainer import Trainer
     from params import load_params
@@ -194,7 +193,7 @@ def run_worker(name: str, dataset: str, out: Path, steps: int, model: list[str])
     trainer.save = lambda: None
     trainer.evaluate = lambda: float("nan")
     optimizer = trainer.optimizer
-    held = optimizer.moment_bytes() if hasattr(optimizer, "moment_bytes") else moment_bytes(optimizer)
+    held = optimizer.moment_bytes()
     cpu_marks = [_cpu_seconds()]
     history = trainer.run(on_metrics=lambda record: cpu_marks.append(_cpu_seconds())).history
     zero3 = trainer.parallel.zero3  # the shards the rank holds in memory (under parameter offload: none)

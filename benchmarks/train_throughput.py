@@ -1,7 +1,7 @@
 """Train-step throughput and peak memory: our MindSpore step against PyTorch eager, same model, side by side.
 
 One full optimizer step is forward, backward and AdamW on one micro-batch. Ours runs the compiled pieces of
-model_core.optim.step (AccumulateGradients, GradientNorm, ApplyGradients with model_core.optim.adamw.AdamW),
+model_core.optim.step (AccumulateGradients, GradientNorm, ApplyGradients with model_core.parallel.optimizer.AdamW),
 as the trainer does; PyTorch runs a compact Llama of the same architecture and init with torch.optim.AdamW.
 Every variant runs in its own subprocess, so its peak RSS (VmHWM of that child, see model_core.train.system.peak_rss_bytes) is its own.
 
@@ -114,7 +114,7 @@ def run_ours(dtype: str, recompute: bool, warmup: int, steps: int, threads: int 
     import mindspore as ms
 
     from model_core.model import Llama
-    from model_core.optim.adamw import AdamW
+    from model_core.parallel.optimizer import AdamW
     from model_core.optim.step import AccumulateGradients, ApplyGradients, GradientNorm, scalar
     from model_core.train.precision import PrecisionError, check_precision
     from params.schema import ModelParams, PrecisionParams

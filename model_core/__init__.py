@@ -2,7 +2,7 @@
 
 Its packages import one way, each only those before it (tests/test_repo.py holds them to it):
 storage (safetensors, sha256, directories committed whole) and tables (for the console) <- data
-<- model (the single-device Llama, LoRA) <- optim (AdamW and the compiled step pieces) <- parallel (the placement table, a rank's shard, tp/pp/ZeRO)
+<- model (the single-device Llama, LoRA) <- optim (AdamW's arithmetic and the compiled step pieces) <- parallel (the placement table, a rank's shard, tp/pp/ZeRO, the AdamW of every layout)
 <- train (the loop, checkpoints) <- convert (Hugging Face <-> llmflow) <- eval.
 
 Importing model_core asks MindSpore to launch compiled graphs on the calling thread

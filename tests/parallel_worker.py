@@ -215,7 +215,6 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     shards under ZeRO-3, their gradient buffers under parameter offload), and how many offload files it still maps."""
     from model_core.model.weights import model_weights, named_weights
     from model_core.optim.offload import offload_mappings
-    from model_core.parallel.zero import moment_bytes
     from model_core.train.trainer import Trainer
     from params import load_params
 
@@ -227,7 +226,7 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     np.savez(out_dir / f"rank{trainer.rank}_initial.npz", **model_weights(trainer.model))
     result = trainer.run(resume=resume)
     optimizer = trainer.optimizer
-    held = optimizer.moment_bytes() if hasattr(optimizer, "moment_bytes") else moment_bytes(optimizer)
+    held = optimizer.moment_bytes()
     gradient_bytes = sum(buffer.asnumpy().nbytes for buffer in trainer.parallel.accumulate.buffers)
     parameter_bytes = sum(param.asnumpy().nbytes for param in named_weights(trainer.model).values())
     np.savez(out_dir / f"rank{trainer.rank}_final.npz", **model_weights(trainer.model))

@@ -25,7 +25,7 @@ from model_core.model.lora import (
     unmerge_lora,
 )
 from model_core.model.weights import load_weights, model_weights
-from model_core.optim.adamw import AdamW
+from model_core.parallel.optimizer import AdamW
 from model_core.optim.step import AccumulateGradients, ApplyGradients, scalar
 from model_core.storage import read_safetensors, read_weights, write_safetensors
 from params.schema import LoraParams, ModelParams

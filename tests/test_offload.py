@@ -19,8 +19,8 @@ from model_core.data import prepare_dataset
 from model_core.model.llama import Llama
 from model_core.model.weights import model_weights
 from model_core.optim import offload
-from model_core.optim.adamw import AdamW
-from model_core.optim.offload import FILE_PREFIX, OffloadedAdamW, Slot, offload_mappings
+from model_core.parallel.optimizer import AdamW
+from model_core.optim.offload import FILE_PREFIX, OffloadedMoments, Slot, offload_mappings
 from model_core.optim.step import AccumulateGradients, ApplyGradients
 from model_core.parallel import comm
 from model_core.parallel.param_offload import ShardFile, offload_parameters
@@ -81,8 +81,8 @@ def test_the_update_equals_adamw_when_buckets_cut_weights_mid_row():
     plain, plain_buffers = weights_and_buffers("a")
     apply = ApplyGradients(ParameterTuple(plain_buffers), AdamW(plain))
     ours, our_buffers = weights_and_buffers("b")
-    slots = [Slot(f"w{i}", w, 0, w.size, b, 0, w.ndim >= 2) for i, (w, b) in enumerate(zip(ours, our_buffers))]
-    offloaded = OffloadedAdamW(slots, OptimizerParams(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1), bucket_elements=256)
+    slots = [Slot(f"w{i}", w, 0, w.size, i, 0, w.ndim >= 2) for i, w in enumerate(ours)]
+    offloaded = OffloadedMoments(slots, 0.9, 0.95, 1e-8, 0.1, bucket_elements=256)
     assert len(offloaded.buckets) == 7  # 1,792 elements; (16, 48) is cut in the middle of rows 5 and 10
     for step in range(3):
         for buffers in (plain_buffers, our_buffers):
@@ -90,7 +90,7 @@ def test_the_update_equals_adamw_when_buckets_cut_weights_mid_row():
                 ops.assign(buffer, Tensor(gradient))
         scalars = (Tensor(1e-2, ms.float32), Tensor(step + 1, ms.float32), Tensor(0.5, ms.float32))
         apply(*scalars)
-        offloaded.step(*scalars)
+        offloaded.step(our_buffers, *scalars)
     for got, expected, start in zip(ours, plain, initial):
         assert not np.array_equal(expected.asnumpy(), start)
         np.testing.assert_array_equal(got.asnumpy(), expected.asnumpy())
@@ -114,15 +114,17 @@ def test_the_update_of_weights_kept_in_a_file_equals_it_in_memory():
     optimizer = OptimizerParams(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
     def adamw(weights):
-        slots = [Slot(name, weights[name], 0, initial[name].size, buffers[name], 0, name != "w1") for name in shapes]
-        return OffloadedAdamW(slots, optimizer, bucket_elements=1024)
+        slots = [Slot(name, weights[name], 0, initial[name].size, k, 0, name != "w1") for k, name in enumerate(shapes)]
+        return OffloadedMoments(slots, optimizer.beta1, optimizer.beta2, optimizer.eps, optimizer.weight_decay,
+                                bucket_elements=1024)
 
     updates = [adamw(in_memory), adamw(in_file.weights)]
     for step in range(3):
         for update in updates:
             for name, buffer in buffers.items():
                 ops.assign(buffer, Tensor(gradients[step][name]))
-            update.step(Tensor(1e-2, ms.float32), Tensor(step + 1, ms.float32), Tensor(0.5, ms.float32))
+            update.step(list(buffers.values()), Tensor(1e-2, ms.float32), Tensor(step + 1, ms.float32),
+                        Tensor(0.5, ms.float32))
     assert updates[1].last_bytes == updates[0].last_bytes + 2 * 4 * 3072  # the weights read and written too
     for name in shapes:
         assert not np.array_equal(in_memory[name].asnumpy(), initial[name])

@@ -11,11 +11,12 @@ import pytest
 import torch
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
-from model_core.optim.adamw import AdamW, clip_by_global_norm
+from model_core.optim.adamw import clip_by_global_norm
+from model_core.parallel.optimizer import AdamW
 from model_core.optim.step import ApplyGradients
 from model_core.parallel import comm
-from model_core.parallel.expert import ExpertParallelOptimizer
-from model_core.parallel.zero import ShardedAdamW
+from model_core.parallel.optimizer import RankState
+from model_core.parallel.placement import FLAT_SHARD, WHOLE, StatePlacement
 from model_core.train.schedule import learning_rate
 from params.schema import OptimizerParams
 
@@ -108,45 +109,67 @@ def test_twenty_steps_match_torch_adamw(mode, request):
         assert np.abs(got - want).max() <= 1e-6 * np.abs(want).max(), parameter.name
 
 
-def apply_three_steps(make, values, grads, grad_scale: float) -> list[np.ndarray]:
-    """Three `ApplyGradients` updates (lr 1e-2) of `make(parameters)`'s optimizer from buffers holding `grads`;
-    the parameters after them."""
+def apply_three_steps(make, values, grads, grad_scale: float, flat: bool = False) -> list[np.ndarray]:
+    """Three `ApplyGradients` updates (lr 1e-2) of `make(parameters)`'s optimizer from buffers holding `grads`
+    (`flat`: flattened, as ZeRO-2's gradient shards over a group of one hold them); the parameters after them."""
     parameters = [Parameter(Tensor(value), name=name) for name, value in values.items()]
     buffers = ParameterTuple(
-        Parameter(Tensor(np.zeros(shape, np.float32)), name=f"grad.{name}", requires_grad=False)
+        Parameter(Tensor(np.zeros((int(np.prod(shape)),) if flat else shape, np.float32)), name=f"grad.{name}",
+                  requires_grad=False)
         for name, shape in SHAPES.items()
     )
     apply = ApplyGradients(buffers, make(parameters))
     for step, step_grads in enumerate(grads, start=1):
         for buffer, grad in zip(buffers, step_grads):
-            ops.assign(buffer, Tensor(grad))
+            ops.assign(buffer, Tensor(grad.reshape(-1) if flat else grad))
         apply(Tensor(1e-2, ms.float32), Tensor(step, ms.int32), Tensor(grad_scale, ms.float32))
         assert all(not buffer.asnumpy().any() for buffer in buffers), "the buffers are zeroed after the update"
     return [parameter.asnumpy() for parameter in parameters]
 
 
-def test_the_gradient_scale_applied_inside_the_update_equals_scaled_gradients_whatever_the_optimizer():
+def placed(kinds: dict[str, tuple[str, str | None]], master_apart: bool = False,
+           gradient_sharded: bool = False) -> list[StatePlacement]:
+    """The placements of SHAPES' weights: name -> (kept, group)."""
+    return [StatePlacement(name, kept, group, gradient_sharded and kept == FLAT_SHARD,
+                           master_apart and kept == FLAT_SHARD, "memory", len(SHAPES[name]) >= 2)
+            for name, (kept, group) in kinds.items()]
+
+
+def test_the_gradient_scale_applied_inside_the_update_equals_scaled_gradients_whatever_the_placement():
     """The update scales each gradient as it uses it: bit for bit AdamW over gradients scaled beforehand, also for
-    ZeRO-1 over a group of one (its pieces cut from the full buffers, its updated shard gathered back in buckets of
-    64 bytes, so every weight but the smallest from several) and for the dense/expert pair of expert parallelism."""
+    a flat ZeRO-1 shard over a group of one (its pieces cut from the full buffers, its updated shard gathered back in
+    buckets of 64 bytes, so every weight but the smallest from several), for dense shards over dp beside expert
+    shards over expert-dp, for kept fp32 masters of that shard, and for ZeRO-2's flat gradient pieces beside whole
+    weights that read theirs flat."""
     values, grads = initial_values(), gradient_steps(3)
     scaled = [[g * np.float32(0.25) for g in step] for step in grads]
-    settings = OptimizerParams(beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WEIGHT_DECAY)
     names = list(SHAPES)
     expected = apply_three_steps(lambda p: AdamW(p, BETAS, EPS, WEIGHT_DECAY), values, scaled, 1.0)
     one = comm.Group((0,), 0)
+    groups = {"dp": one, "expert_dp": one, "ep": one}
+    owners = tuple(range(len(names)))
+    sharded = placed({name: (FLAT_SHARD, "dp") for name in names})
+    beside = placed({name: (FLAT_SHARD, "dp" if k % 2 == 0 else "expert_dp") for k, name in enumerate(names)})
+    mixed = placed({name: (FLAT_SHARD, "dp") if k < 3 else (WHOLE, None) for k, name in enumerate(names)}, True)
+
+    def over(placements):
+        return lambda p: AdamW(p, BETAS, EPS, WEIGHT_DECAY, names, RankState(tuple(placements), groups, owners,
+                                                                             bucket_bytes=64))
+
     makers = {
-        "AdamW": lambda p: AdamW(p, BETAS, EPS, WEIGHT_DECAY),
-        "ShardedAdamW": lambda p: ShardedAdamW(p, settings, names, one, bucket_bytes=64),
-        "ExpertParallelOptimizer": lambda p: ExpertParallelOptimizer(
-            ShardedAdamW([p[0], p[2]], settings, [names[0], names[2]], one, bucket_bytes=64),
-            AdamW([p[1], p[3], p[4]], BETAS, EPS, WEIGHT_DECAY, [names[1], names[3], names[4]]),
-            (0, 2), (1, 3, 4), [names[1], names[3], names[4]], one,
-        ),
+        "whole": lambda p: AdamW(p, BETAS, EPS, WEIGHT_DECAY),
+        "flat shard": over(sharded),
+        "dense and expert shards": over(beside),
+        "kept masters": over(mixed),
     }
     for kind, make in makers.items():
         for name, want, got in zip(names, expected, apply_three_steps(make, values, grads, 0.25)):
             np.testing.assert_array_equal(got, want, err_msg=f"{kind}: {name}")
+    # ZeRO-2's gradients arrive flat: a shard's pieces over dp, and whole expert stacks beside them (expert-dp of one).
+    zero2 = placed({name: (FLAT_SHARD, "dp") if k % 2 == 0 else (WHOLE, None) for k, name in enumerate(names)},
+                   gradient_sharded=True)
+    for name, want, got in zip(names, expected, apply_three_steps(over(zero2), values, grads, 0.25, flat=True)):
+        np.testing.assert_array_equal(got, want, err_msg=f"flat gradients: {name}")
 
 
 def test_weight_decay_skips_norms_and_biases():
@@ -172,19 +195,19 @@ def test_changing_lr_and_step_reuses_one_compiled_graph(graph_mode):
 def test_moments_round_trip_exactly():
     values = initial_values()
     grads = gradient_steps(3)
-    _, first = make_optimizer(values)
+    first_parameters, first = make_optimizer(values)
     run_steps("pynative", first, grads[:2], [1e-2, 1e-2])
     state = first.state_dict()
     assert set(state) == {f"adam_{kind}.{name}" for kind in "mv" for name in SHAPES}
 
-    second_parameters, second = make_optimizer({p.name: p.asnumpy() for p in first.params})
+    second_parameters, second = make_optimizer({p.name: p.asnumpy() for p in first_parameters})
     second.load_state_dict(state)
     for name, value in second.state_dict().items():
         np.testing.assert_array_equal(value, state[name])
 
     for optimizer in (first, second):
         optimizer(tuple(Tensor(g) for g in grads[2]), Tensor(1e-2, ms.float32), Tensor(3, ms.int32))
-    for resumed, original in zip(second_parameters, first.params):
+    for resumed, original in zip(second_parameters, first_parameters):
         np.testing.assert_array_equal(resumed.asnumpy(), original.asnumpy())
 
 

@@ -15,7 +15,7 @@ from mindspore import Parameter, Tensor
 from model_core.data import PackedRows
 from model_core.model import Llama
 from model_core.model.weights import model_weights, named_weights
-from model_core.optim.adamw import AdamW
+from model_core.parallel.optimizer import AdamW
 from model_core.optim.step import AccumulateGradients
 from model_core.parallel import comm
 from model_core.parallel import launch as launcher
@@ -23,7 +23,9 @@ from model_core.parallel.data_parallel import bucket_indices
 from model_core.parallel.launch import launch, launch_training, log_tail
 from model_core.parallel.layout import Layout, ParallelConfigError
 from model_core.parallel.zero import GradientShards, bucket_inputs, gather_plan, piece_completions, shard_pieces
-from model_core.parallel.zero3 import Zero3AdamW, join_shards, shard_parameters, take_shard
+from model_core.parallel.optimizer import RankState
+from model_core.parallel.placement import PARAMETER_SHARD, StatePlacement
+from model_core.parallel.zero3 import join_shards, shard_parameters, take_shard
 from model_core.train.loader import ShuffledBatches
 from params import ParamsError, load_params
 from params.rules import check_tensor_parallel
@@ -278,7 +280,10 @@ def test_zero3_over_one_rank_keeps_paths_gradients_decay_and_whole_checkpoint_te
 
     names = list(sharded.shards)
     unsharded = AdamW.from_params([named_weights(full)[n] for n in names], params.optimizer, names)
-    optimizer = Zero3AdamW(sharded, params.optimizer, names)
+    placements = tuple(StatePlacement(n, PARAMETER_SHARD, "dp", False, False, "memory", sharded.decays[n])
+                       for n in names)
+    state = RankState(placements, {"dp": sharded.group}, tuple(range(len(names))), full_shapes=sharded.shapes)
+    optimizer = AdamW.from_params([sharded.shards[n] for n in names], params.optimizer, names, state)
     assert optimizer.decays == unsharded.decays and any(unsharded.decays) and not all(unsharded.decays)
     moments = {key: rng.standard_normal(value.shape).astype(np.float32) for key, value in unsharded.state_dict().items()}
     optimizer.load_state_dict(moments)

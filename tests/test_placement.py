@@ -1,5 +1,7 @@
 """The placement table: its rows are the model's parameters (LoRA adapters included) with their shapes, in the
-model's order; each tp rank's blocks tile a split weight; the stages and the per-rank bytes follow the layout.
+model's order; each tp rank's blocks tile a split weight; the stages and the per-rank bytes follow the layout;
+each weight's optimizer state (whole, a flat shard over dp or expert-dp, ZeRO-3's shard; in memory or the file)
+and gradient reduction (summed over tp and dp or expert-dp, or reduce-scattered).
 A rank's shard built from it: each block of the seeded initialisation, or of a weights file read block by block,
 is the same block of the whole; a ZeRO-3 rank makes its shard of each weight and adapter and nothing more."""
 
@@ -17,7 +19,14 @@ from model_core.model.init import deferred_weights
 from model_core.model.weights import WeightMismatchError, model_weights, named_weights
 from model_core.parallel.layout import Layout
 from model_core.parallel.parallelize import build_shard, check_weights_file, hold_blocks, materialize, take_block
-from model_core.parallel.placement import ROW, TENSOR_PARALLEL_PLAN, placement_table
+from model_core.parallel.placement import (
+    FLAT_SHARD,
+    PARAMETER_SHARD,
+    ROW,
+    TENSOR_PARALLEL_PLAN,
+    WHOLE,
+    placement_table,
+)
 from model_core.parallel.zero3 import take_shard
 from model_core.storage import read_safetensors, write_safetensors
 from params import load_params
@@ -157,3 +166,54 @@ def test_a_zero3_rank_makes_only_its_shard_of_every_weight_and_adapter(stages):
         assert all(made[row.name].size == math.ceil(row.size / 2) for row in table.on_stage(at.pp))
         trainable = {name for name, weight in named_weights(shard.model).items() if weight.requires_grad}
         assert trainable == {row.name for row in table.on_stage(at.pp) if row.adapter}
+
+
+def test_each_weights_optimizer_state_is_read_off_its_placement():
+    """What a rank keeps of a weight's master and moments follows the ZeRO stage, the group its shard spans (an
+    expert stack's: expert-dp, a group of one keeping all of it) and where the moments live; frozen weights have
+    none."""
+    names = [row.name for row in placement_table(PARAMS.model, Layout())]
+    whole = [placement_table(PARAMS.model, Layout()).optimizer_state(name) for name in names]
+    assert {(p.kept, p.group, p.moments) for p in whole} == {(WHOLE, None, "memory")}
+    assert [p.decays for p in whole] == [len(row.shape) >= 2 for row in placement_table(PARAMS.model, Layout())]
+    assert not all(p.decays for p in whole) and any(p.decays for p in whole)
+    for stage, kept, group, sharded in ((1, FLAT_SHARD, "dp", False), (2, FLAT_SHARD, "dp", True),
+                                        (3, PARAMETER_SHARD, "dp", False)):
+        table = placement_table(PARAMS.model, Layout(dp=2), zero_stage=stage, optimizer_offload=stage == 2)
+        states = {(p.kept, p.group, p.gradient_sharded, p.moments) for p in map(table.optimizer_state, names)}
+        assert states == {(kept, group, sharded, "file" if stage == 2 else "memory")}, stage
+    moe = load_params("tiny", [*SMALL_MODEL, "model.moe={num_experts: 4, experts_per_token: 2, every: 1}"]).model
+    for dp, expert_state in ((2, (WHOLE, None)), (4, (FLAT_SHARD, "expert_dp"))):
+        table = placement_table(moe, Layout(dp=dp, ep=2), zero_stage=1)
+        for row in table:
+            state = table.optimizer_state(row.name)
+            assert (state.kept, state.group) == (expert_state if row.expert else (FLAT_SHARD, "dp")), (dp, row.name)
+        assert any(row.expert for row in table)
+    lora = PARAMS.lora.model_copy(update={"enabled": True})
+    adapted = placement_table(PARAMS.model, Layout(), lora=lora)
+    frozen = next(row.name for row in adapted if not row.trainable)
+    with pytest.raises(ValueError, match=f"{frozen} is frozen"):
+        adapted.optimizer_state(frozen)
+
+
+def test_each_weights_gradient_reduction_is_read_off_its_placement():
+    """A gradient is summed over tp where a rank's is a share, then over dp (an expert stack's over expert-dp, a
+    group of one left out); from ZeRO-2 on it is reduce-scattered over that group instead of summed."""
+    table = placement_table(PARAMS.model, Layout(dp=2, tp=2), zero_stage=1, sequence_parallel=True)
+    for row in table:
+        reduction = table.gradient_reduction(row.name)
+        assert reduction.all_reduced == (("tp", "dp") if row.tp_partial else ("dp",)), row.name
+        assert reduction.scattered is None
+    assert any(row.tp_partial for row in table)
+    alone = placement_table(PARAMS.model, Layout())
+    assert {alone.gradient_reduction(row.name).all_reduced for row in alone} == {()}
+    zero2 = placement_table(PARAMS.model, Layout(dp=2), zero_stage=2)
+    assert {(r.all_reduced, r.scattered) for r in map(zero2.gradient_reduction, (row.name for row in zero2))} == {
+        ((), "dp")}
+    moe = load_params("tiny", [*SMALL_MODEL, "model.moe={num_experts: 4, experts_per_token: 2, every: 1}"]).model
+    for dp, stage, expert in ((2, 1, ((), None)), (4, 1, (("expert_dp",), None)), (2, 2, ((), "expert_dp"))):
+        table = placement_table(moe, Layout(dp=dp, ep=2), zero_stage=stage)
+        for row in table:
+            reduction = table.gradient_reduction(row.name)
+            dense = ((), "dp") if stage == 2 else (("dp",), None)
+            assert (reduction.all_reduced, reduction.scattered) == (expert if row.expert else dense), (dp, row.name)

@@ -288,17 +288,18 @@ def run_measured_steps(overrides: list[str]) -> dict:
     """A few optimizer steps of the trainer's compiled pieces on random tokens; this process's peak RSS.
 
     With parallel.data_parallel > 1 (under msrun) every rank sums its gradients over the dp group and, with
-    zero_stage=1, updates through ShardedAdamW, as the trainer does."""
+    zero_stage=1, updates through AdamW with its moments ZeRO-1 sharded over the group, as the trainer does."""
     import mindspore as ms
     import numpy as np
 
     from model_core.model import Llama
-    from model_core.optim.adamw import AdamW
+    from model_core.parallel.optimizer import AdamW
     from model_core.optim.step import AccumulateGradients, ApplyGradients, GradientNorm, scalar
     from model_core.parallel import comm
     from model_core.parallel.data_parallel import GradientAllReduce
     from model_core.parallel.parallelize import apply_recompute
-    from model_core.parallel.zero import ShardedAdamW
+    from model_core.parallel.optimizer import RankState
+    from model_core.parallel.placement import FLAT_SHARD, StatePlacement
     from model_core.train.system import peak_rss_bytes
 
     params = load_params("tiny", overrides)
@@ -313,7 +314,10 @@ def run_measured_steps(overrides: list[str]) -> dict:
     if params.parallel.zero_stage == 1 and dp > 1:
         names = {id(param): name for name, param in model.parameters_and_names()}
         weight_names = [names[id(param)] for param in accumulate.weights]
-        optimizer = ShardedAdamW(accumulate.weights, params.optimizer, weight_names, group)
+        placements = tuple(StatePlacement(name, FLAT_SHARD, "dp", False, False, "memory", len(w.shape) >= 2)
+                           for name, w in zip(weight_names, accumulate.weights))
+        state = RankState(placements, {"dp": group}, tuple(range(len(placements))))
+        optimizer = AdamW.from_params(accumulate.weights, params.optimizer, weight_names, state)
     else:
         optimizer = AdamW.from_params(accumulate.weights, params.optimizer)
     sum_gradients = GradientAllReduce(accumulate.buffers, group) if dp > 1 else None

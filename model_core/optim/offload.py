@@ -1,4 +1,4 @@
-"""Optimizer offload: AdamW whose moments live in a memory-mapped file and pass through memory in buckets.
+"""Optimizer offload: AdamW moments that live in a memory-mapped file and pass through memory in buckets.
 
 The moments m and v of every element this rank updates are laid out, in order, in two arrays of a file on local
 disk (created under the temp directory, `TMPDIR`, and unlinked at once, so nothing is left behind whatever way the
@@ -11,8 +11,9 @@ its page cache and writes them back). Every operation is element-wise and the sa
 update, so the result is that update's, bit for bit; only the bucket is ever resident.
 
 What is updated is a list of `Slot`s: a range of one weight (flattened) and the matching range of its gradient
-buffer. One slot per whole weight is plain AdamW (or ZeRO-3, whose weights are the shards); ZeRO-1/2 give one slot
-per piece of this rank's shard of the flattened weights, and then gather the updated shards themselves. Under
+buffer, one for each piece `model_core.parallel.optimizer.AdamW` updates (a whole weight, a ZeRO-3 shard, or a
+piece of a ZeRO-1/2 shard, whose gather that optimizer runs afterwards): offload is where the moments of its
+pieces live, not another optimizer. Under
 parameter offload (`model_core.parallel.param_offload`) a slot's weight is a `FileWeight`, a range of another
 `OffloadFile`, whose pieces are staged from and written back to that file the same way. On the CPU backend, where
 host memory is the device, the file is the off-device store (ZeRO-Infinity's NVMe offload).
@@ -24,14 +25,14 @@ import mmap
 import os
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, ops
 
-from params.schema import OptimizerParams
+from model_core.optim.adamw import adamw_scalars
 
 # 1M fp32 elements: three 4 MiB staging Parameters and their transient copies stay under ~30 MB, a small part of
 # the reference model's 235 MB of moments, while ~30 buckets a step keep the per-bucket dispatch cost small.
@@ -47,13 +48,13 @@ FILE_PREFIX = "llmflow-offload-"
 @dataclass(frozen=True)
 class Slot:
     """Elements [start, end) of `weight` (flattened) take AdamW's update from elements [gradient_start,
-    gradient_start + end - start) of `gradient` (flattened); `name` keys the weight in the optimizer state."""
+    gradient_start + end - start) of gradient buffer number `gradient` (flattened); `name` names the piece."""
 
     name: str
     weight: Parameter | FileWeight
     start: int
     end: int
-    gradient: Parameter
+    gradient: int
     gradient_start: int
     decays: bool
 
@@ -161,28 +162,30 @@ class FileWeight:
         self.file.release(first, values.size)
 
 
-class OffloadedAdamW:
-    """PyTorch-exact AdamW over `slots` with its moments in a `MomentFile`; see the module docstring.
+class OffloadedMoments:
+    """The moments of `slots` in a `MomentFile`, and AdamW's update of the slots through them (betas, eps and
+    weight_decay as AdamW's); see the module docstring.
 
-    `step(lr, step, grad_scale)` applies one update from the gradient buffers times grad_scale (lr, step and
-    grad_scale as for `ApplyGradients`), then calls `after_update` (ZeRO-1/2 all-gather their shards there).
-    `local_state`/`load_local_state` move the moments of the slots as flat arrays keyed (prefix, slot index);
-    `model_core.parallel.offload` turns them into whole tensors by parameter path as checkpoints hold them.
-    `last_bytes` and `last_seconds`: bytes moved between the file and memory in the last update, and the time spent
-    staging and unstaging (everything the unoffloaded update does not do).
+    `step(buffers, lr, step, grad_scale)` applies one update from the gradient buffers times grad_scale (lr, step and
+    grad_scale as for `ApplyGradients`). `local_state`/`load_local_state` move the moments of the slots as flat
+    arrays keyed (prefix, slot index); the optimizer turns them into whole tensors by parameter path as checkpoints
+    hold them. `last_bytes` and `last_seconds`: bytes moved between the file and memory in the last update, and the
+    time spent staging and unstaging (everything the unoffloaded update does not do).
     """
 
     def __init__(
         self,
         slots: Sequence[Slot],
-        optimizer: OptimizerParams,
+        beta1: float,
+        beta2: float,
+        eps: float,
+        weight_decay: float,
         bucket_elements: int | None = None,
         directory: str | None = None,
-        after_update: Callable[[], object] | None = None,
     ) -> None:
         self.slots = tuple(slots)
-        self.beta1, self.beta2 = float(optimizer.beta1), float(optimizer.beta2)
-        self.eps, self.weight_decay = float(optimizer.eps), float(optimizer.weight_decay)
+        self.beta1, self.beta2 = float(beta1), float(beta2)
+        self.eps, self.weight_decay = float(eps), float(weight_decay)
         self._beta1 = Tensor(self.beta1, ms.float32)
         self._beta2 = Tensor(self.beta2, ms.float32)
         total = sum(slot.size for slot in self.slots)
@@ -197,7 +200,6 @@ class OffloadedAdamW:
         self._m = Parameter(Tensor(zeros), name="offload.adam_m", requires_grad=False)
         self._v = Parameter(Tensor(zeros), name="offload.adam_v", requires_grad=False)
         self._fused_update = ops.Adam()
-        self.after_update = after_update
         self.last_bytes = 0
         self.last_seconds = 0.0
 
@@ -212,18 +214,14 @@ class OffloadedAdamW:
                 "the run's checkpoint) to train on"
             )
 
-    def step(self, lr: Tensor, step: Tensor, grad_scale: Tensor) -> None:
+    def step(self, buffers: Sequence[Parameter], lr: Tensor, step: Tensor, grad_scale: Tensor) -> None:
         self._check_open()
-        # The scalars exactly as AdamW.construct computes them.
-        t = step.astype(ms.float32)
-        beta1_power = ops.pow(self._beta1, t)
-        beta2_power = ops.pow(self._beta2, t)
-        eps_t = self.eps * ops.sqrt(1.0 - beta2_power)
-        keep = 1.0 - lr * self.weight_decay
+        _, beta1_power, beta2_power, eps_t, keep = adamw_scalars(self._beta1, self._beta2, self.eps,
+                                                                 self.weight_decay, lr, step)
         staging = 0.0
         for index, bucket in enumerate(self.buckets):
             begin = time.perf_counter()
-            gradients = self._stage(index, bucket, keep, grad_scale)
+            gradients = self._stage(buffers, index, bucket, keep, grad_scale)
             staging += time.perf_counter() - begin
             self._fused_update(
                 self._weights, self._m, self._v, beta1_power, beta2_power, lr, self._beta1, self._beta2, eps_t, gradients,
@@ -231,12 +229,11 @@ class OffloadedAdamW:
             begin = time.perf_counter()
             self._unstage(index, bucket)
             staging += time.perf_counter() - begin
-        if self.after_update is not None:
-            self.after_update()
         self.last_bytes = 2 * self.file.nbytes + 2 * self._file_weight_bytes  # m, v (and offloaded weights) read and written
         self.last_seconds = staging
 
-    def _stage(self, index: int, bucket: list[_Piece], keep: Tensor, grad_scale: Tensor) -> Tensor:
+    def _stage(self, buffers: Sequence[Parameter], index: int, bucket: list[_Piece], keep: Tensor,
+               grad_scale: Tensor) -> Tensor:
         weights, gradients = [], []
         for piece in bucket:
             slot = self.slots[piece.slot]
@@ -247,7 +244,7 @@ class OffloadedAdamW:
                 weight = slot.weight.reshape(-1)[start : start + piece.length]
             weights.append(weight * keep if slot.decays else weight)
             start = slot.gradient_start + piece.offset
-            gradients.append(slot.gradient.reshape(-1)[start : start + piece.length] * grad_scale)
+            gradients.append(buffers[slot.gradient].reshape(-1)[start : start + piece.length] * grad_scale)
         padding = self.bucket_elements - sum(piece.length for piece in bucket)
         if padding:  # zero gradients and moments leave zero weights where they are
             weights.append(ops.zeros((padding,), ms.float32))

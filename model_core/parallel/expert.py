@@ -18,11 +18,11 @@ With tensor parallelism the MoE block's input is the same on every rank of a tp 
 same routing and expert work on it (the experts are not split by tp): the simplest scheme that is exact, at the
 price of tp-fold duplicate expert FLOPs. The ep groups join ranks of one tp index.
 
-`ExpertParallelOptimizer` keeps the dense weights' AdamW (ZeRO-1 or 2 over dp) and the experts' (ZeRO-1 or 2
-over expert-dp) side by side behind one call, and speaks whole tensors in its state dict, so checkpoints stay
-layout-independent: expert moments are gathered over ep when saved and cut to the rank's block when loaded.
-Under ZeRO-2 `ExpertGradientShards` keeps the two gradient stores apart the same way, for the whole model
-(`ExpertShardedAccumulateGradients`) or a pipeline stage: each micro-batch's dense gradients are
+The optimizer (`model_core.parallel.optimizer.AdamW`) shards the expert stacks' moments over expert-dp, as their
+placements say, and speaks whole tensors in its state dict, so checkpoints stay layout-independent: expert moments
+are gathered over ep when saved (`gather_experts`) and cut to the rank's block when loaded (`expert_block`).
+Under ZeRO-2 `ExpertGradientShards` keeps the dense and the expert gradient stores apart, for the whole model
+(`zero.ShardedAccumulateGradients`) or a pipeline stage: each micro-batch's dense gradients are
 reduce-scattered over dp, the expert shards' over expert-dp (with expert-dp of one rank, dp = ep, a rank keeps
 its experts' whole gradients, which no other rank shares).
 """
@@ -31,17 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
+from mindspore import Parameter, ParameterTuple, Tensor, mint, nn
 
 from model_core.model.moe import Experts, swiglu_experts
-from model_core.optim.adamw import AdamW
-from model_core.optim.step import AccumulateGradients
 from model_core.parallel.comm import AllToAll, Group
 from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
-from model_core.parallel.zero import GradientShards, ShardedAdamW, moment_bytes
-from params.schema import OptimizerParams
+from model_core.parallel.zero import GradientShards
 
 
 class ExpertParallelExperts(nn.Cell):
@@ -95,41 +91,6 @@ def expert_block(values: Mapping[str, np.ndarray], experts: set[str], group: Gro
     return {name: cut(value) if name in experts and group.size > 1 else value for name, value in values.items()}
 
 
-def moment_names(names: Sequence[str]) -> set[str]:
-    """The optimizer-state keys of these parameters."""
-    return {f"{prefix}.{name}" for prefix in ("adam_m", "adam_v") for name in names}
-
-
-class ExpertParallelOptimizer(nn.Cell):
-    """Two optimizers called as one AdamW, (grads, lr, step[, grad_scale]): `dense` updates the weights at
-    `dense_positions` of the gradient tuple, `experts` those at `expert_positions` (this rank's expert shards,
-    named `expert_names`). `state_dict` and `load_state_dict` speak whole tensors; both are collective over ep."""
-
-    def __init__(self, dense: nn.Cell, experts: nn.Cell, dense_positions: Sequence[int], expert_positions: Sequence[int],
-                 expert_names: Sequence[str], ep_group: Group) -> None:
-        super().__init__()
-        self.dense, self.experts = dense, experts
-        self.dense_positions, self.expert_positions = tuple(dense_positions), tuple(expert_positions)
-        self.expert_moments = moment_names(expert_names)
-        self.ep_group = ep_group
-
-    def construct(self, grads, lr, step, grad_scale=None):
-        dense = self.dense(tuple(grads[i] for i in self.dense_positions), lr, step, grad_scale)
-        return ops.depend(self.experts(tuple(grads[i] for i in self.expert_positions), lr, step, grad_scale), dense)
-
-    def moment_bytes(self) -> int:
-        return sum(o.moment_bytes() if hasattr(o, "moment_bytes") else moment_bytes(o) for o in (self.dense, self.experts))
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        experts = gather_experts(self.experts.state_dict(), self.expert_moments, self.ep_group)
-        return {**self.dense.state_dict(), **experts}
-
-    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
-        mine = expert_block(state, self.expert_moments, self.ep_group)
-        self.dense.load_state_dict({k: v for k, v in mine.items() if k not in self.expert_moments})
-        self.experts.load_state_dict({k: v for k, v in mine.items() if k in self.expert_moments})
-
-
 class ExpertGradientShards(nn.Cell):
     """ZeRO-2's two gradient stores under expert parallelism: called with one micro-batch's full gradients of
     `weights`, it reduce-scatters the dense weights' over `dp_group` and the expert shards' (the weights at
@@ -156,55 +117,3 @@ class ExpertGradientShards(nn.Cell):
         self.dense(tuple(grads[i] for i in self.dense_positions))
         self.experts(tuple(grads[i] for i in self.expert_positions))
         return True
-
-
-class ExpertShardedAccumulateGradients(AccumulateGradients):
-    """ZeRO-2 accumulation under expert parallelism: forward + backward of one micro-batch, its gradients added
-    into `shards` (`ExpertGradientShards`: dense over `dp_group`, the expert shards at positions `experts` over
-    `expert_dp_group`), whose `buffers`, `piece_params` and dense `shard_length` it shares."""
-
-    def __init__(self, model: nn.Cell, experts: set[int], dp_group: Group, expert_dp_group: Group,
-                 loss: nn.Cell | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        shards = ExpertGradientShards(model.trainable_params(), experts, dp_group, expert_dp_group, None, bucket_bytes)
-        super().__init__(model, shards.buffers, loss)
-        self.shards = shards
-        self.piece_params = shards.piece_params
-        self.shard_length = shards.shard_length
-
-    @ms.jit
-    def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
-        outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise)
-        self.shards(grads)
-        return outputs[1], outputs[2]  # an ep model has MoE blocks: its routing statistics ride along
-
-
-def expert_parallel_optimizer(
-    weights: Sequence[Parameter], names: Sequence[str], experts: set[int], optimizer: OptimizerParams, zero_stage: int,
-    dp_group: Group, expert_dp_group: Group, ep_group: Group, gradient_shards: ExpertGradientShards | None = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-) -> ExpertParallelOptimizer:
-    """AdamW over `weights` whose positions `experts` are expert shards: the rest's moments ZeRO-1 sharded over
-    `dp_group`, the experts' over `expert_dp_group` (when `zero_stage` >= 1 and the group has several ranks).
-    Under ZeRO-2 `gradient_shards` holds the gradient shards (of the whole model or of a pipeline stage), and
-    both optimizers update from them. `bucket_bytes`: as for `ShardedAdamW`."""
-    dense, shards = [i for i in range(len(names)) if i not in experts], sorted(experts)
-    if zero_stage == 2:
-        pieces = len(gradient_shards.dense.buffers)
-        return ExpertParallelOptimizer(
-            ShardedAdamW([weights[i] for i in dense], optimizer, [names[i] for i in dense], dp_group,
-                         sharded_gradients=True, shard_length=gradient_shards.shard_length, bucket_bytes=bucket_bytes),
-            ShardedAdamW([weights[i] for i in shards], optimizer, [names[i] for i in shards], expert_dp_group,
-                         sharded_gradients=True, shard_length=gradient_shards.expert_shard_length,
-                         bucket_bytes=bucket_bytes),
-            range(pieces), range(pieces, len(gradient_shards.buffers)), [names[i] for i in shards], ep_group,
-        )
-
-    def adamw(positions: list[int], group: Group) -> AdamW | ShardedAdamW:
-        chosen, chosen_names = [weights[i] for i in positions], [names[i] for i in positions]
-        if zero_stage >= 1 and group.size > 1:
-            return ShardedAdamW(chosen, optimizer, chosen_names, group, bucket_bytes=bucket_bytes)
-        return AdamW.from_params(chosen, optimizer, chosen_names)
-
-    return ExpertParallelOptimizer(
-        adamw(dense, dp_group), adamw(shards, expert_dp_group), dense, shards, [names[i] for i in shards], ep_group
-    )

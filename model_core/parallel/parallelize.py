@@ -37,21 +37,14 @@ from model_core.model.init import deferred, deferred_weights, shape_of
 from model_core.model.llama import Linear, Llama
 from model_core.model.lora import LoraSummary, apply_lora
 from model_core.model.weights import WeightMismatchError, load_weights, model_weights, named_weights
-from model_core.optim.adamw import AdamW
 from model_core.optim.step import AccumulateGradients, ApplyGradients, SummedTokenLoss, ZeroGradients
 from model_core.parallel import comm
 from model_core.parallel.context import context_parallel
 from model_core.parallel.data_parallel import AccumulateAndSumGradients, GradientAllReduce
-from model_core.parallel.expert import (
-    ExpertShardedAccumulateGradients,
-    expert_block,
-    expert_parallel,
-    expert_parallel_optimizer,
-    gather_experts,
-)
+from model_core.parallel.expert import ExpertGradientShards, expert_block, expert_parallel, gather_experts
 from model_core.parallel.gradient_norm import ParallelGradientNorm
 from model_core.parallel.layout import Layout
-from model_core.parallel.offload import OffloadedOptimizer, offloaded_optimizer
+from model_core.parallel.optimizer import AdamW, RankState
 from model_core.parallel.param_offload import offload_parameters
 from model_core.parallel.pipeline import MicroBatch, PipelineStage, SummedVocabParallelLoss, prune_to_stage
 from model_core.parallel.pipeline import SummedTokenLoss as StageTokenLoss
@@ -63,8 +56,8 @@ from model_core.parallel.tensor import (
     tensor_parallel,
     tensor_parallel_adapter,
 )
-from model_core.parallel.zero import ShardedAccumulateGradients, ShardedAdamW
-from model_core.parallel.zero3 import ShardedParameters, Zero3AdamW, shard_parameters, take_shard
+from model_core.parallel.zero import GradientShards, ShardedAccumulateGradients
+from model_core.parallel.zero3 import ShardedParameters, shard_parameters, take_shard
 from model_core.storage import WEIGHTS, read_block, tensor_shapes
 from params.rules import check_run
 from params.schema import LoraParams, ModelParams, PipelineParams
@@ -197,11 +190,11 @@ def parallelize(
            holds of every weight made (drawn from the seed or read from `initial_weights`);
       7.   recompute marked on the chosen blocks this rank holds;
       8.   the step: the loss for this rank's logits, gradient accumulation (through the pipeline schedule
-           under pp; reduce-scattered per micro-batch under ZeRO-2, expert shards' over expert-dp), AdamW
-           (moments sharded under ZeRO-1/2/3, in a memory-mapped file with `parallel.optimizer_offload`, reading
-           the weights from theirs with `parallel.param_offload`; under ep the expert shards' own AdamW, ZeRO-1/2
-           over expert-dp), the dp gradient sum (expert shards': over expert-dp) and the global gradient norm,
-           each read from the placement table.
+           under pp; reduce-scattered per micro-batch under ZeRO-2, expert shards' over expert-dp), the one AdamW
+           of every layout reading each weight's `StatePlacement` (whole, a flat ZeRO-1/2 shard over dp or, for
+           the expert stacks, over expert-dp, or ZeRO-3's parameter shard; in memory or in the optimizer offload
+           file; its fp32 master apart or not), the dp gradient sum (expert shards': over expert-dp) and the
+           global gradient norm, each read from the placement table.
     Not every feature runs under every layout: params/rules.py says which combinations are refused, and the
     entry points have asked it before anything was prepared or launched.
 
@@ -247,45 +240,28 @@ def parallelize(
             expert_dp_group=expert_dp_group, bucket_bytes=bucket_bytes,
             sequence_slices=layout.tp if table.sequence_parallel else 1,
         )
-    elif zero_stage == 2 and ep_group.size > 1:  # dense gradients reduce-scattered over dp, experts' over expert-dp
-        accumulate = ExpertShardedAccumulateGradients(
-            model, expert_positions(model, table), dp_group, expert_dp_group, loss, bucket_bytes
-        )
-    elif zero_stage == 2:  # gradients reduce-scattered per micro-batch into this rank's shard
-        accumulate = ShardedAccumulateGradients(model, dp_group, loss=loss, bucket_bytes=bucket_bytes)
+    elif zero_stage == 2:  # each gradient reduce-scattered per micro-batch over the group its placement names
+        weights = model.trainable_params()
+        paths = {id(param): name for name, param in named_weights(model).items()}
+        over_experts = {i for i, weight in enumerate(weights)
+                        if table.gradient_reduction(paths[id(weight)]).scattered == "expert_dp"}
+        shards = (ExpertGradientShards(weights, over_experts, dp_group, expert_dp_group, bucket_bytes=bucket_bytes)
+                  if over_experts else GradientShards(weights, dp_group, bucket_bytes=bucket_bytes))
+        accumulate = ShardedAccumulateGradients(model, shards, loss)
     elif table.param_offload:  # the model's shard Parameters are the gradient buffers (`param_offload`)
         accumulate = AccumulateGradients(model, ParameterTuple(model.trainable_params()), loss)
     else:
         accumulate = AccumulateGradients(model, loss=loss)
     names = {id(param): name for name, param in named_weights(model).items()}
     weight_names = [names[id(param)] for param in accumulate.weights]
-    # Under ep the expert shards differ between the ranks of a dp group: their own optimizer and gradient sum.
+    # Under ep the expert shards differ between the ranks of a dp group: their own optimizer state and gradient sum.
     experts = {i for i, name in enumerate(weight_names) if table[name].expert} if ep_group.size > 1 else set()
-    if table.optimizer_offload:
-        optimizer = offloaded_optimizer(
-            accumulate.weights, accumulate.buffers, weight_names, params.optimizer, zero_stage, dp_group, zero3,
-            shard_length=accumulate.shard_length if zero_stage == 2 else None, bucket_bytes=bucket_bytes,
-        )
-    elif zero3 is not None:
-        optimizer = Zero3AdamW(zero3, params.optimizer, weight_names)
-    elif experts:
-        optimizer = expert_parallel_optimizer(
-            accumulate.weights, weight_names, experts, params.optimizer, zero_stage, dp_group, expert_dp_group, ep_group,
-            accumulate.shards if zero_stage == 2 else None, bucket_bytes,
-        )
-    elif zero_stage >= 1:
-        optimizer = ShardedAdamW(
-            accumulate.weights, params.optimizer, weight_names, dp_group, sharded_gradients=zero_stage == 2,
-            shard_length=accumulate.shard_length if zero_stage == 2 else None, bucket_bytes=bucket_bytes,
-            masters=[masters.get(name, weight) for name, weight in zip(weight_names, accumulate.weights)]
-            if masters else None,
-        )
-    else:
-        optimizer = AdamW.from_params(
-            [masters.get(name, weight) for name, weight in zip(weight_names, accumulate.weights)], params.optimizer,
-            weight_names, working=[weight if name in masters else None for name, weight in zip(weight_names, accumulate.weights)],
-        )
-    del masters  # ZeRO-1/2 copied their shard of them; ZeRO-0's optimizer holds them
+    groups = RankGroups(dp_group, data_group, cp_group, ep_group, expert_dp_group)
+    optimizer = AdamW.from_params(
+        accumulate.weights, params.optimizer, weight_names,
+        rank_state(table, weight_names, groups, accumulate, masters, zero3, bucket_bytes),
+    )
+    del masters  # the optimizer holds them (ZeRO-1/2 only its shard's pieces)
     # The weight each gradient buffer belongs to: under ZeRO-2 the buffers are pieces of this rank's shard.
     owners = accumulate.piece_params if zero_stage == 2 else range(len(weight_names))
     counted = pipeline.counted_in_norm(accumulate.weights) if pipeline is not None else [True] * len(weight_names)
@@ -300,51 +276,62 @@ def parallelize(
         ep_group=ep_group,
         expert_shard_group=expert_dp_group if zero_stage >= 2 else None,
     )
-    summed_once_per_step = dp_group.size > 1 and zero_stage < 2
-    partial = [buffer for buffer, i in zip(accumulate.buffers, owners) if table[weight_names[i]].tp_partial]
-    dense_buffers = ParameterTuple([buffer for buffer, i in zip(accumulate.buffers, owners) if i not in experts])
-    expert_buffers = ParameterTuple([buffer for buffer, i in zip(accumulate.buffers, owners) if i in experts])
-    sums = [
-        [tp_group] * table[weight_names[i]].tp_partial
-        + ([expert_dp_group] * (expert_dp_group.size > 1) if i in experts else [dp_group] * summed_once_per_step)
-        for i in owners
-    ]
+    # Each buffer is summed over the groups its weight's placement names, after the backward or inside it.
+    over = {"tp": tp_group, "dp": dp_group, "expert_dp": expert_dp_group}
+    reductions = [table.gradient_reduction(weight_names[i]).all_reduced for i in owners]
+    sums = [[over[name] for name in groups] for groups in reductions]
+
+    def summed_over(name: str) -> GradientAllReduce | None:
+        buffers = [buffer for buffer, groups in zip(accumulate.buffers, reductions) if name in groups]
+        return GradientAllReduce(ParameterTuple(buffers), over[name], bucket_bytes) if buffers else None
+
     # ZeRO-2 reduce-scatters every micro-batch inside its own graph already; a pipeline sums after its schedule. The
     # sums after the backward are kept beside the overlapped one for steps of several micro-batches (`gradients`).
     overlapped = params.parallel.overlap_gradient_reduction and pipeline is None and zero_stage != 2 and any(sums)
     return Parallelized(
-        model=model,
+        shard=shard,
         table=table,
-        layout=layout,
         rank=rank,
-        dp_group=dp_group,
-        data_group=data_group,
-        cp_group=cp_group,
-        ep_group=ep_group,
-        adaptation=adaptation,
+        groups=groups,
         pipeline=pipeline,
-        zero3=zero3,
         accumulate=accumulate,
         loss=loss,
         optimizer=optimizer,
         norm=norm,
-        accumulate_and_sum=AccumulateAndSumGradients(accumulate, sums, bucket_bytes) if overlapped else None,
-        sum_gradients=GradientAllReduce(dense_buffers, dp_group, bucket_bytes)
-        if summed_once_per_step else None,
-        sum_expert_gradients=GradientAllReduce(expert_buffers, expert_dp_group, bucket_bytes)
-        if expert_buffers and expert_dp_group.size > 1 and zero_stage < 2 else None,
-        sum_partial_gradients=GradientAllReduce(ParameterTuple(partial), tp_group, bucket_bytes)
-        if partial else None,
+        sums=GradientSums(
+            accumulate_and_sum=AccumulateAndSumGradients(accumulate, sums, bucket_bytes) if overlapped else None,
+            dense=summed_over("dp"),
+            experts=summed_over("expert_dp"),
+            partial=summed_over("tp"),
+        ),
         micro_batches_per_pass=params.parallel.micro_batches,
-        masters_apart=keeps_masters_apart(params, layout, zero_stage, table),
+    )
+
+
+def rank_state(table: PlacementTable, names: Sequence[str], groups: RankGroups, accumulate,
+               masters: Mapping[str, Parameter], zero3: ShardedParameters | None, bucket_bytes: int) -> RankState:
+    """This rank's view of its weights' optimizer state (`optimizer.RankState`): each weight's placement from the
+    table, and what it refers to here: the groups, the weight of each of `accumulate`'s gradient buffers (ZeRO-2:
+    pieces of the shard), the fp32 `masters` of compute-dtype weights, ZeRO-3's shapes and parameter offload file."""
+    zero2 = table.zero_stage == 2
+    return RankState(
+        placements=tuple(table.optimizer_state(name, name in masters) for name in names),
+        groups={"dp": groups.dp, "expert_dp": groups.expert_dp, "ep": groups.ep},
+        gradient_owners=tuple(accumulate.piece_params) if zero2 else tuple(range(len(names))),
+        shard_length=accumulate.shard_length if zero2 else None,
+        masters=dict(masters),
+        full_shapes=dict(zero3.shapes) if zero3 is not None else {},
+        weight_files=dict(zero3.offloaded.weights) if zero3 is not None and zero3.offloaded is not None else {},
+        experts=frozenset(name for name in names if table[name].expert) if groups.ep.size > 1 else frozenset(),
+        bucket_bytes=bucket_bytes,
     )
 
 
 def keeps_masters_apart(params: PipelineParams, layout: Layout, zero_stage: int, table: PlacementTable) -> bool:
     """Whether the model holds its matmul weights in the compute dtype and the optimizer their fp32 masters (ZeRO-0:
     all of them, ZeRO-1/2: its shard), as Megatron's and DeepSpeed's mixed precision do. Built for the layouts
-    whose optimizer is `AdamW` or `ShardedAdamW`; the others (ZeRO-3, pipeline, expert parallelism, offload, LoRA)
-    keep fp32 weights that every matmul casts."""
+    whose weights' state is whole or a flat ZeRO-1/2 shard in memory; the others (ZeRO-3, pipeline, expert
+    parallelism, offload, LoRA) keep fp32 weights that every matmul casts."""
     return (
         params.precision.compute_dtype != "float32" and zero_stage < 3 and layout.pp == 1 and layout.ep == 1
         and table.lora is None and not table.optimizer_offload and not table.param_offload
@@ -366,6 +353,32 @@ def to_compute_dtype(model: nn.Cell, dtype) -> dict[str, Parameter]:
     return replaced
 
 
+@dataclass(frozen=True)
+class RankGroups:
+    """The groups a rank's step talks over. `dp`: the ranks holding the same weights (dp x cp), over which token
+    counts and losses are summed and ZeRO shards cut; `data`: the dp replicas, which read different rows; `cp`: the
+    ranks sharing this rank's rows, each taking its part of them (`loader.context_shard`); `ep`: the ranks sharing
+    out the experts; `expert_dp`: the ranks holding the same experts (the expert stacks' dp)."""
+
+    dp: comm.Group
+    data: comm.Group
+    cp: comm.Group
+    ep: comm.Group
+    expert_dp: comm.Group
+
+
+@dataclass(frozen=True)
+class GradientSums:
+    """How a step's gradients are summed once the micro-batches are done (None: not needed by the layout):
+    `accumulate_and_sum` runs a step of one micro-batch with the sums in its backward (overlapped); otherwise `dense`
+    sums over dp, `experts` the expert shards' over expert-dp and `partial` the tp shares (`tp_partial`) over tp."""
+
+    accumulate_and_sum: nn.Cell | None = None
+    dense: nn.Cell | None = None
+    experts: nn.Cell | None = None
+    partial: nn.Cell | None = None
+
+
 class Parallelized:
     """What `parallelize` made: a rank's model and step under its layout, used the same way for every layout.
 
@@ -373,28 +386,22 @@ class Parallelized:
     schedule, per micro-batch otherwise) and sums them over dp where the layout needs it; `gradient_norm`,
     `apply` and `discard_gradients` finish the step; `summed_loss` scores a batch forward only; `full_weights`
     and `load_weights` speak whole tensors by path (this rank's tp block and stage), as checkpoints do.
+    `shard`: what `build_shard` made; `groups`: see `RankGroups`; `sums`: see `GradientSums`."""
 
-    `dp_group`: the ranks holding the same weights (dp x cp), over which token counts and losses are summed;
-    `data_group`: the dp replicas, which read different rows; `cp_group`: the ranks sharing this rank's rows, each
-    taking its part of them (`loader.context_shard`)."""
-
-    def __init__(self, *, model, table, layout, rank, dp_group, data_group, cp_group, ep_group, adaptation, pipeline,
-                 zero3, accumulate, loss, optimizer, norm, accumulate_and_sum, sum_gradients, sum_expert_gradients,
-                 sum_partial_gradients, micro_batches_per_pass, masters_apart=False) -> None:
-        self.model, self.table, self.layout, self.rank = model, table, layout, rank
-        self.dp_group, self.ep_group = dp_group, ep_group
-        self.data_group, self.cp_group = data_group, cp_group
-        self.experts = {row.name for row in table if row.expert} if ep_group.size > 1 else set()  # held as ep blocks
-        self.sum_expert_gradients = sum_expert_gradients
-        self.adaptation = adaptation
-        self.pipeline, self.zero3 = pipeline, zero3
+    def __init__(self, *, shard: Shard, table: PlacementTable, rank: int, groups: RankGroups, pipeline, accumulate,
+                 loss, optimizer: AdamW, norm, sums: GradientSums, micro_batches_per_pass: int) -> None:
+        self.model, self.adaptation, self.zero3 = shard.model, shard.adaptation, shard.zero3
+        self.table, self.layout, self.rank = table, table.layout, rank
+        self.groups = groups
+        self.dp_group, self.ep_group = groups.dp, groups.ep
+        self.data_group, self.cp_group = groups.data, groups.cp
+        self.experts = {row.name for row in table if row.expert} if groups.ep.size > 1 else set()  # held as ep blocks
+        self.pipeline = pipeline
         self.accumulate, self.loss, self.optimizer, self.norm = accumulate, loss, optimizer, norm
-        self.sum_gradients, self.sum_partial_gradients = sum_gradients, sum_partial_gradients
-        self.accumulate_and_sum = accumulate_and_sum  # a step of one micro-batch, with the sums in its backward
+        self.sums = sums
         self.micro_batches_per_pass = micro_batches_per_pass
-        self.masters_apart = masters_apart  # the optimizer holds fp32 masters of the compute-dtype weights
-        self.stage = layout.coordinates(rank).pp
-        self.offload = optimizer if isinstance(optimizer, OffloadedOptimizer) else None
+        self.stage = self.layout.coordinates(rank).pp
+        self.offload = optimizer.offloaded  # the moments' offload file, where the placement puts them there
         self._apply = ApplyGradients(accumulate.buffers, optimizer) if self.offload is None else None
         self._zero = ZeroGradients(accumulate.buffers)
         self._routing: Tensor | None = None  # summed on the device, read once a step
@@ -418,8 +425,8 @@ class Parallelized:
             # The sums go inside the backward only where it is the step's one backward graph: beside the plain
             # accumulation's, a second compiled backward would keep memory of its own, as large as the first's
             # (benchmarks/README.md, "Model states against the ZeRO paper"). Either way gives the same bits.
-            overlapped = self.accumulate_and_sum is not None and len(micro_batches) == 1
-            steps = [self.accumulate_and_sum if overlapped else self.accumulate] * len(micro_batches)
+            overlapped = self.sums.accumulate_and_sum is not None and len(micro_batches) == 1
+            steps = [self.sums.accumulate_and_sum if overlapped else self.accumulate] * len(micro_batches)
             losses = []
             for step, batch in zip(steps, micro_batches):
                 out = step(*batch.inputs(), scale, batch.router_noise)
@@ -433,12 +440,9 @@ class Parallelized:
                 summed += loss
             if overlapped:
                 return summed
-        if self.sum_partial_gradients is not None:
-            self.sum_partial_gradients()
-        if self.sum_gradients is not None:
-            self.sum_gradients()
-        if self.sum_expert_gradients is not None:
-            self.sum_expert_gradients()
+        for summed_over in (self.sums.partial, self.sums.dense, self.sums.experts):
+            if summed_over is not None:
+                summed_over()
         return summed
 
     def gradient_norm(self, grad_scale: Tensor) -> float:
@@ -449,7 +453,7 @@ class Parallelized:
         if self.offload is None:
             self._apply(lr, step, grad_scale)
             return
-        self.offload.step(lr, step, grad_scale)
+        self.optimizer.update_offloaded(self.accumulate.buffers, lr, step, grad_scale)
         self._zero()
 
     def close(self) -> None:
@@ -492,8 +496,7 @@ class Parallelized:
         if self.zero3 is not None:
             return self.zero3.full_weights()
         weights = model_weights(self.model)
-        if self.masters_apart:  # checkpoints hold the fp32 masters, not their compute-dtype casts
-            weights.update(self.optimizer.master_weights())
+        weights.update(self.optimizer.master_weights())  # checkpoints hold fp32 masters, not compute-dtype casts
         return gather_experts(weights, self.experts, self.ep_group)
 
     def load_weights(self, weights: Mapping[str, np.ndarray]) -> None:
@@ -504,8 +507,7 @@ class Parallelized:
             self.zero3.load_full_weights(owned)
         else:
             load_weights(self.model, owned)
-            if self.masters_apart:
-                self.optimizer.load_master_weights(owned)
+            self.optimizer.load_master_weights(owned)
 
 
 def expert_positions(model: nn.Cell, table: PlacementTable) -> set[int]:

@@ -11,7 +11,7 @@ weight at all: the shard's gradient buffer. The shards are not Parameters of the
 until the all-gather has used it. The gathers' bprops return each shard's gradient as the gradient of its buffer
 Parameter, so `value_and_grad` with respect to the buffers gives the shards' gradients and `AccumulateGradients`
 adds them into those same Parameters (the forward never reads a buffer's values; a one-element slice of it only
-orders the fetch). The update, `OffloadedAdamW` (optimizer offload is required with it), reads and writes the
+orders the fetch). The update (`model_core.optim.offload.OffloadedMoments`: optimizer offload is required with it) reads and writes the
 shards in the file bucket by bucket (`FileWeight`), and checkpoints read and write them there
 (`ShardedParameters.full_weights`, `load_full_weights`). Every value moved is a copy of fp32 bits, so the run
 equals the one without offload bit for bit. On the CPU backend, where host memory is the device, the file on

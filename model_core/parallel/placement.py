@@ -29,6 +29,11 @@ A row's AdamW moments live where the row's ZeRO sharding puts them (every rank, 
 or, with `optimizer_offload`, in the rank's offload file on local disk (`model_core/optim/offload.py`), which
 holds all of them or none. Under ZeRO-3 with `param_offload` the rows' parameter shards live in a second file of
 the rank (`model_core/parallel/param_offload.py`), all of them.
+
+Two questions about a trainable weight are answered here for the step to read, as torchtitan reads sharding off the
+parameter: `optimizer_state` (what of its fp32 master and moments a rank keeps, and where: the one
+`model_core.parallel.optimizer.AdamW` of every layout reads it) and `gradient_reduction` (which groups its
+gradient is summed over, or reduce-scattered over). A new way to place a weight is a new answer here, not a class.
 """
 
 from __future__ import annotations
@@ -100,6 +105,44 @@ class Placement:
         return tuple(-(-n // tp) if axis == self.tp_axis else n for axis, n in enumerate(self.shape))  # padded if tp does not divide
 
 
+# What a rank keeps of a trainable weight's fp32 master and AdamW moments (`StatePlacement.kept`).
+WHOLE, FLAT_SHARD, PARAMETER_SHARD = "whole", "flat shard", "parameter shard"
+
+
+@dataclass(frozen=True)
+class StatePlacement:
+    """What one rank keeps of a trainable weight's optimizer state, and where (`PlacementTable.optimizer_state`).
+
+    `kept`: WHOLE (all of the weight as the rank holds it: its tp or ep block), FLAT_SHARD (this rank's piece of the
+    flat, concatenated weights of its `group` cut into equal shards: ZeRO-1/2) or PARAMETER_SHARD (ZeRO-3: the
+    parameter is the shard). `group`: the group a shard spans, "dp" or "expert_dp" (None for WHOLE).
+    `gradient_sharded`: the rank's gradient of a FLAT_SHARD weight arrives as its shard's pieces (ZeRO-2), not whole.
+    `master_apart`: the model holds the weight in the compute dtype and the optimizer its fp32 master. `moments`:
+    "memory" or "file" (the rank's optimizer offload file). `decays`: AdamW decays it (two or more dimensions)."""
+
+    name: str
+    kept: str
+    group: str | None
+    gradient_sharded: bool
+    master_apart: bool
+    moments: str
+    decays: bool
+
+
+@dataclass(frozen=True)
+class GradientReduction:
+    """How a trainable weight's gradient is reduced on a rank (`PlacementTable.gradient_reduction`).
+
+    `all_reduced`: the groups its buffer is summed over once a step's micro-batches are done (or inside a step's one
+    backward, overlapped), in this order: "tp" where a rank's gradient is a share (`tp_partial`), then "dp" or, for
+    an expert stack under ep, "expert_dp" (a group of one is left out). `scattered`: the group its gradient is
+    reduce-scattered over inside every backward (ZeRO-2 into the rank's flat shard, ZeRO-3 by the parameter's
+    gather), else None."""
+
+    all_reduced: tuple[str, ...]
+    scattered: str | None
+
+
 @dataclass(frozen=True)
 class PlacementTable:
     """Every parameter's `Placement` under one layout; see the module docstring."""
@@ -127,6 +170,43 @@ class PlacementTable:
 
     def __iter__(self) -> Iterator[Placement]:
         return iter(self.rows)
+
+    def _replicas(self, row: Placement) -> tuple[str, int]:
+        """The group of ranks holding the same values of `row` and its size: dp, or an expert stack's expert-dp."""
+        if row.expert and self.layout.ep > 1:
+            return "expert_dp", self.layout.dp // self.layout.ep
+        return "dp", self.layout.dp
+
+    def optimizer_state(self, name: str, master_apart: bool = False) -> StatePlacement:
+        """Where a trainable weight's master and moments live on a rank: sharded as its row's ZeRO sharding says,
+        over dp, or an expert stack's over expert-dp (a group of one keeps all of it), in memory or the offload file.
+        `master_apart`: whether the model holds this weight in the compute dtype (the caller's swap decides)."""
+        row = self[name]
+        if not row.trainable:
+            raise ValueError(f"{name} is frozen: it has no optimizer state")
+        group, size = self._replicas(row)
+        if self.zero_stage == 3 and row.zero_sharded:  # ZeRO-3 cuts every weight over dp, experts' blocks too
+            kept, group = PARAMETER_SHARD, "dp"
+        elif self.zero_stage in (1, 2) and row.zero_sharded and size > 1:
+            kept = FLAT_SHARD
+        else:
+            kept, group = WHOLE, None
+        return StatePlacement(
+            name, kept, group, kept == FLAT_SHARD and self.zero_stage == 2, master_apart,
+            "file" if self.optimizer_offload else "memory", len(row.shape) >= 2,
+        )
+
+    def gradient_reduction(self, name: str) -> GradientReduction:
+        """How a trainable weight's gradient is reduced: over tp where it is a share, and over the ranks holding the
+        same weight (dp, or an expert stack's expert-dp), summed once a step or, from ZeRO-2 on, reduce-scattered."""
+        row = self[name]
+        if not row.trainable:
+            raise ValueError(f"{name} is frozen: it has no gradient")
+        group, size = self._replicas(row)
+        shares = ("tp",) if row.tp_partial else ()
+        if self.zero_stage >= 2 and row.zero_sharded:
+            return GradientReduction(shares, group)
+        return GradientReduction(shares + ((group,) if size > 1 else ()), None)
 
     def on_stage(self, stage: int) -> list[Placement]:
         """What pipeline stage `stage` holds, in model order."""

@@ -1,12 +1,10 @@
 """ZeRO stages 1 and 2: AdamW moments (1) and gradients too (2) sharded over the data-parallel group.
 
-All parameters, flattened and concatenated in order, are cut into `dp` equal shards (the last one padded).
-A rank keeps Adam moments only for its shard, which falls into pieces, one per parameter it touches. A step
-copies its pieces of the parameters, updates them with the gradient's matching pieces through the same fused
-AdamW as unsharded training, and all-gathers the updated shards into every parameter. The arithmetic is
-element-wise, so the result is the unsharded update, bit for bit up to the gradient sum. `state_dict`/
-`load_state_dict` speak the unsharded format (full moments keyed by parameter path), so checkpoints stay
-independent of the layout; `state_dict` is a collective: every rank calls it.
+All parameters, flattened and concatenated in order, are cut into `dp` equal shards (the last one padded,
+`shard_pieces`). A rank keeps Adam moments only for its shard, which falls into pieces, one per parameter it
+touches; `model_core.parallel.optimizer.AdamW` updates them where the placement table says a weight's state is a
+flat shard, and all-gathers the updated shards into every parameter (`ShardGather`). The arithmetic is
+element-wise, so the result is the unsharded update, bit for bit up to the gradient sum.
 
 ZeRO-1 sums the full gradients over the group once per step and lets each rank slice its pieces out.
 ZeRO-2 keeps no full gradient buffer: each micro-batch's gradients, flattened the same way, are
@@ -19,18 +17,16 @@ the whole model is made at the update.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore import Parameter, ParameterTuple, nn, ops
 
-from model_core.optim.adamw import AdamW, applies_weight_decay
 from model_core.optim.step import AccumulateGradients
 from model_core.parallel.comm import Group
 from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
-from params.schema import OptimizerParams
 
 
 @dataclass(frozen=True)
@@ -155,120 +151,10 @@ def shard_fill(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, int, i
     return tuple(filled)
 
 
-class ShardedAdamW(nn.Cell):
-    """AdamW over `parameters` with this rank's 1/dp of the moments; called like AdamW:
-    (grads, lr, step[, grad_scale]).
-
-    grads are one full gradient per parameter, or with `sharded_gradients` (ZeRO-2) one per piece of this
-    rank's shard, in the order of `ShardedAccumulateGradients.buffers`.
-
-    With `masters` (mixed precision: the fp32 values of `parameters`, which the model holds in the compute dtype)
-    the shard's fp32 pieces are its master weights, kept from step to step and taken from `masters` once; without,
-    they are copied from the fp32 parameters at every step, which are then the only masters."""
-
-    def __init__(
-        self,
-        parameters: Sequence[Parameter],
-        optimizer: OptimizerParams,
-        names: Sequence[str],
-        group: Group,
-        sharded_gradients: bool = False,
-        shard_length: int | None = None,
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        masters: Sequence[Parameter] | None = None,
-    ) -> None:
-        """`shard_length` as for `shard_pieces` (ZeRO-2 passes its gradient shards' length); `bucket_bytes`: the
-        most one all-gathered bucket of updated parameters holds (`parallel.gradient_bucket_mb`)."""
-        super().__init__()
-        self.params = ParameterTuple(parameters)
-        self.param_names = tuple(names)
-        self.group = group
-        self.sharded_gradients = sharded_gradients
-        self.shapes = tuple(tuple(p.shape) for p in parameters)
-        self.sizes = tuple(int(np.prod(shape)) for shape in self.shapes)
-        pieces, self.shard_length = shard_pieces(self.sizes, group.size, group.index, shard_length)
-        if not pieces:
-            raise ValueError(f"{sum(self.sizes)} parameters are too few to shard over {group.size} ranks")
-        self.pieces = tuple((p.index, p.start, p.end) for p in pieces)
-        self.padding = self.shard_length - sum(end - start for _, start, end in self.pieces)
-        self.kept_masters = masters is not None
-        copies = [
-            Parameter(
-                Tensor(masters[i].asnumpy().reshape(-1)[start:end].copy()) if masters is not None
-                else ops.zeros((end - start,), ms.float32),
-                name=f"zero1.{names[i]}.{start}", requires_grad=False,
-            )
-            for i, start, end in self.pieces
-        ]
-        self.inner = AdamW.from_params(copies, optimizer, [f"{names[i]}[{start}:{end}]" for i, start, end in self.pieces])
-        # The pieces are flat; decay follows the parameter they come from (matrices yes, norms no).
-        self.inner.decays = tuple(applies_weight_decay(parameters[i]) for i, _, _ in self.pieces)
-        if not sharded_gradients:  # ZeRO-1: each piece's gradient is cut from the full buffer as it is used
-            self.inner.grad_slices = tuple((start, end) for _, start, end in self.pieces)
-        self.gather = ShardGather(parameters, self.pieces, self.shard_length, group, bucket_bytes)
-
-    def construct(self, grads, lr, step, grad_scale=None):
-        if not self.kept_masters:
-            for k, (i, start, end) in enumerate(self.pieces):
-                ops.assign(self.inner.params[k], self.params[i].reshape(-1)[start:end])
-        if not self.sharded_gradients:
-            grads = tuple(grads[i] for i, _, _ in self.pieces)
-        updated = self.inner(grads, lr, step, grad_scale)
-        return self.gather(self.inner.params, updated)
-
-    def _padded(self, parts):
-        if self.padding:
-            parts = parts + [ops.zeros((self.padding,), ms.float32)]
-        return ops.cat(parts)
-
-    def moment_bytes(self) -> int:
-        return moment_bytes(self.inner)
-
-    def _gathered(self, pieces) -> dict[str, np.ndarray]:
-        """Whole tensors by parameter name from every rank's `pieces` (one per piece of its shard). Collective."""
-        full = self.group.all_gather(self._padded(list(pieces))).asnumpy()
-        whole, offset = {}, 0
-        for name, size, shape in zip(self.param_names, self.sizes, self.shapes):
-            whole[name] = full[offset : offset + size].reshape(shape).copy()
-            offset += size
-        return whole
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        """Full moments keyed `adam_m.<name>` / `adam_v.<name>`, as unsharded AdamW writes them. Collective."""
-        state = {}
-        for prefix, moments in (("adam_m", self.inner.exp_avg), ("adam_v", self.inner.exp_avg_sq)):
-            state.update({f"{prefix}.{name}": value for name, value in self._gathered(moments).items()})
-        return state
-
-    def master_weights(self) -> dict[str, np.ndarray]:
-        """The whole fp32 masters by name, gathered from the ranks' shards, when they are kept apart from the
-        compute-dtype weights (`masters`); empty otherwise. Collective."""
-        return self._gathered(self.inner.params) if self.kept_masters else {}
-
-    def load_master_weights(self, weights: Mapping[str, np.ndarray]) -> None:
-        """Take this rank's pieces of the whole fp32 `weights` (by name) as its masters, when it keeps them."""
-        if not self.kept_masters:
-            return
-        for master, (i, start, end) in zip(self.inner.params, self.pieces):
-            value = np.asarray(weights[self.param_names[i]], dtype=np.float32).reshape(-1)
-            ops.assign(master, Tensor(value[start:end].copy()))
-
-    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
-        """Take this rank's pieces of full (unsharded) moments."""
-        expected = {f"{prefix}.{name}" for prefix in ("adam_m", "adam_v") for name in self.param_names}
-        missing, unexpected = sorted(expected - state.keys()), sorted(state.keys() - expected)
-        if missing or unexpected:
-            raise KeyError(f"optimizer state does not match: missing {missing[:5]}, unexpected {unexpected[:5]}")
-        for prefix, moments in (("adam_m", self.inner.exp_avg), ("adam_v", self.inner.exp_avg_sq)):
-            for moment, (i, start, end) in zip(moments, self.pieces):
-                value = np.asarray(state[f"{prefix}.{self.param_names[i]}"], dtype=np.float32).reshape(-1)
-                ops.assign(moment, Tensor(value[start:end]))
-
-
 class GradientShards(nn.Cell):
     """ZeRO-2's gradient store: fp32 `buffers`, one per piece of this rank's shard of the weights' flattened,
-    concatenated gradients (the pieces `ShardedAdamW` updates). Called inside a compiled step with one
-    micro-batch's full gradients, it reduce-scatters them over the group bucket by bucket (the buckets of
+    concatenated gradients (the pieces the optimizer updates where a weight's state is a flat shard). Called inside
+    a compiled step with one micro-batch's full gradients, it reduce-scatters them over the group bucket by bucket (the buckets of
     `gather_plan`, each of at most `bucket_bytes` before the reduction) and adds this rank's shard in: no flat copy
     of all the gradients is made, only one bucket's at a time.
 
@@ -362,14 +248,13 @@ def piece_completions(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int,
 
 
 class ShardedAccumulateGradients(AccumulateGradients):
-    """ZeRO-2 accumulation: forward + backward of one micro-batch, its gradients reduce-scattered over the
-    group and this rank's shard added into fp32 buffers, one per piece (the pieces `ShardedAdamW` updates)."""
+    """ZeRO-2 accumulation: forward + backward of one micro-batch, its gradients reduce-scattered into `shards`, a
+    store over `model`'s trainable weights: `GradientShards` over dp, or under expert parallelism
+    `expert.ExpertGradientShards` (the expert stacks' over expert-dp). Its fp32 buffers, one per piece of this
+    rank's shard, are the ones the optimizer updates; `buffers`, `piece_params` and the (dense) `shard_length` are
+    the store's. `loss` as for `AccumulateGradients` (tensor parallelism passes its vocab-parallel one)."""
 
-    def __init__(self, model: nn.Cell, group: Group, loss: nn.Cell | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        """`loss` as for `AccumulateGradients` (tensor parallelism passes its vocab-parallel one); `bucket_bytes` as
-        for `GradientShards`."""
-        shards = GradientShards(model.trainable_params(), group, bucket_bytes=bucket_bytes)
+    def __init__(self, model: nn.Cell, shards: nn.Cell, loss: nn.Cell | None = None) -> None:
         super().__init__(model, shards.buffers, loss)
         self.shards = shards
         self.piece_params = shards.piece_params
@@ -382,8 +267,3 @@ class ShardedAccumulateGradients(AccumulateGradients):
         if self.routed:  # an MoE model's routing statistics ride along, as in `AccumulateGradients`
             return outputs[1], outputs[2]
         return outputs[1]
-
-
-def moment_bytes(optimizer: AdamW) -> int:
-    """Bytes of Adam moments this process actually holds (read back from the arrays, not computed)."""
-    return sum(moment.asnumpy().nbytes for moment in (*optimizer.exp_avg, *optimizer.exp_avg_sq))

@@ -22,12 +22,13 @@ all-gathers in the forward and 20 in the backward. (A gather cell marked for rec
 design, did not regather: MindSpore 2.10's jit on CPU kept only the forward's 20.)
 
 Gradients arrive summed over dp and shard-sized, so the plain `AccumulateGradients` keeps shard-sized fp32
-buffers, `ParallelGradientNorm` sums their squares over dp, and `Zero3AdamW` is AdamW over the shards with
-weight decay decided by each full parameter's ndim. Checkpoints stay layout-independent: `full_weights` and
-`Zero3AdamW.state_dict` gather whole tensors under the usual names (collectives: every rank calls them), and
-`load_full_weights` / `Zero3AdamW.load_state_dict` take this rank's shards of whole tensors, whatever layout
-wrote them. Parameter offload (`model_core.parallel.param_offload`) keeps the shards' values in a file instead and
-has each gather fetch its shard from there.
+buffers, `ParallelGradientNorm` sums their squares over dp, and the optimizer
+(`model_core.parallel.optimizer.AdamW`, where the placement says the parameter is the shard) updates the shards
+with weight decay decided by each full parameter's ndim. Checkpoints stay layout-independent: `full_weights` and
+the optimizer's `state_dict` gather whole tensors under the usual names (collectives: every rank calls them), and
+`load_full_weights` and its `load_state_dict` take this rank's shards of whole tensors, whatever layout wrote them.
+Parameter offload (`model_core.parallel.param_offload`) keeps the shards' values in a file instead and has each
+gather fetch its shard from there.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from model_core.model.init import deferred, placeholder, shape_of
 from model_core.model.llama import Embedding, Linear, Llama, RMSNorm
 from model_core.model.lora import LoraLinear
-from model_core.optim.adamw import AdamW, applies_weight_decay
+from model_core.optim.adamw import applies_weight_decay
 from model_core.parallel.comm import Group
 from model_core.parallel.tensor import (
     RowParallelLinear,
@@ -51,7 +52,6 @@ from model_core.parallel.tensor import (
     VocabParallelEmbedding,
     VocabParallelHead,
 )
-from params.schema import OptimizerParams
 
 if TYPE_CHECKING:
     from model_core.parallel.param_offload import ShardFile
@@ -246,39 +246,6 @@ def shard_parameters(model: Llama, group: Group) -> ShardedParameters:
 def _holds(model: nn.Cell, child: str) -> bool:
     """Whether `model` still has the cell `child` (a pipeline stage drops what it does not run)."""
     return child in model.name_cells()
-
-
-class Zero3AdamW(AdamW):
-    """AdamW over this rank's shards (flat, so weight decay follows each full parameter's ndim); its
-    `state_dict` and `load_state_dict` speak full moments keyed `adam_m.<path>` / `adam_v.<path>`, as
-    unsharded AdamW writes them. `state_dict` is a collective: every rank calls it."""
-
-    def __init__(self, sharded: ShardedParameters, optimizer: OptimizerParams, names: Sequence[str]) -> None:
-        super().__init__(
-            [sharded.shards[n] for n in names], (optimizer.beta1, optimizer.beta2), optimizer.eps,
-            optimizer.weight_decay, names,
-        )
-        self.decays = tuple(sharded.decays[n] for n in names)
-        self.full_shapes = tuple(sharded.shapes[n] for n in names)
-        self.group = sharded.group
-
-    def state_dict(self) -> dict[str, np.ndarray]:
-        state = {}
-        for prefix, moments in (("adam_m", self.exp_avg), ("adam_v", self.exp_avg_sq)):
-            full = gather_full([moment.value() for moment in moments], self.full_shapes, self.group)
-            state.update({f"{prefix}.{name}": value for name, value in zip(self.param_names, full)})
-        return state
-
-    def load_state_dict(self, state: Mapping[str, np.ndarray]) -> None:
-        expected = {
-            f"{prefix}.{name}": shape
-            for prefix in ("adam_m", "adam_v")
-            for name, shape in zip(self.param_names, self.full_shapes)
-        }
-        _check_full(state, expected, "optimizer state")
-        for prefix, moments in (("adam_m", self.exp_avg), ("adam_v", self.exp_avg_sq)):
-            for moment, name in zip(moments, self.param_names):
-                ops.assign(moment, Tensor(take_shard(state[f"{prefix}.{name}"], self.group.size, self.group.index)))
 
 
 def gather_full(shards: Sequence[Tensor], shapes: Sequence[tuple[int, ...]], group: Group) -> list[np.ndarray]:
