@@ -25,8 +25,8 @@ largest relative error of the planner's parameters + optimizer bytes against the
 `planner_peak_rss_error`, and the per-rank figures keyed by layout.
 
 `--states` measures model states against the ZeRO paper instead (Rajbhandari et al. 2020, Fig. 1): a model whose
-states dominate a rank (hidden 1536, FFN 4096, 2 layers, vocab 8000, tied: 69.0M parameters, 276 MB in fp32;
-sequences of 32 tokens, micro-batch 1), trained 3 steps at dp2 under each ZeRO stage, in fp32 and in the mixed
+states dominate a rank (hidden 1536, FFN 4096, 4 layers, vocab 8000, tied: 125.5M parameters, 502 MB in fp32, the
+table 9.8% of them as in a large LLM; sequences of 32 tokens, micro-batch 1), trained 3 steps at dp2 under each ZeRO stage, in fp32 and in the mixed
 precision the CPU runs (float16 compute, fp32 weights, dynamic loss scaling), every layout from the same
 converted checkpoint. A rank's measured model-state bytes are its peak RSS minus its RSS just before it built its
 model (the runtime, the joined job and the imports are the baseline; what the step's graph and its small
@@ -37,6 +37,13 @@ measured over paper bytes; issue 32's targets 1.15 and 1.25) and `planner_error`
 the planner's peak against the measured peak RSS; target 0.10).
 
     flock /tmp/cpu.lock python benchmarks/rank_memory.py --states [--layouts fp32-zero1,mixed-zero2,...]
+
+Why these proportions: on CPU each layer adds a fixed cost of compiled graph (tens of MB whatever its size) and
+the backward holds only a layer or two of fresh gradients and the table's, so many small layers measure the
+graph and two large ones a layer's transients as if they were a whole model's; four layers of this shape keep
+the table near an LLM's share and both effects small, and two ranks of it fit this machine. (A 12-layer model
+of LLM proportions would need layers this size, several times this machine's memory.) `--set` changes the
+model, e.g. `--set model.num_layers=2` for the earlier model (benchmarks/README.md compares them).
 """
 
 from __future__ import annotations
@@ -68,7 +75,7 @@ LAYOUTS = {
     "dp2-zero3": (2, 1, ["parallel.data_parallel=2", "parallel.zero_stage=3"]),
 }
 STATES_MODEL = [
-    "model.vocab_size=8000", "model.hidden_size=1536", "model.num_layers=2", "model.num_heads=12",
+    "model.vocab_size=8000", "model.hidden_size=1536", "model.num_layers=4", "model.num_heads=12",
     "model.num_kv_heads=12", "model.ffn_hidden_size=4096", "model.seq_len=32", "model.tie_embeddings=true",
 ]
 STATES_BATCH = ["train.micro_batch_size=1", "parallel.data_parallel=2"]
