@@ -6,14 +6,24 @@ a few steps, and write what this rank held as JSON (OUT/rank<r>.json).
 The Trainer's public surface is used (its constructor, `model`, `optimizer`, `run`), and the build window is the
 call of `model_core.parallel.parallelize.build_shard`, which makes this rank's model and loads its initial
 weights; the optimizer, gradient buffers and compiled step come after it and are not part of the build.
+
+After the build, each call of the step's three phases (`Parallelized.gradients`, `gradient_norm`, `apply`) is
+watched through the kernel's high-water mark (VmHWM, reset before each call through /proc/self/clear_refs), so
+the report says which phase of which step reached the rank's peak and how much RSS each phase left behind, with
+glibc's view of the heap (mallinfo2: bytes in use and free bytes it keeps) at those points. Resetting VmHWM also
+resets `ru_maxrss`, so the rank's peak is the largest of the build window's and the phases' high-water marks.
+At the end, after the figures are taken, `malloc_trim(0)` shows how much of the resident memory was freed heap
+glibc had kept (a diagnostic: the measured peak is not changed by it).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import math
+import re
 import resource
 import sys
 import threading
@@ -68,6 +78,73 @@ class BuildWindow:
 
 def _maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+_LIBC = ctypes.CDLL("libc.so.6")
+_LIBC.mallinfo2.restype = _MallInfo2
+
+
+def heap() -> dict[str, int]:
+    """glibc's heap: bytes handed out (small blocks in arenas, and mmap'd large ones) and free bytes it keeps."""
+    info = _LIBC.mallinfo2()
+    return {"heap_in_use_bytes": info.uordblks + info.hblkhd, "heap_free_kept_bytes": info.fordblks}
+
+
+def _status_kib(field: str) -> int:
+    return int(re.search(rf"^{field}:\s+(\d+) kB", Path("/proc/self/status").read_text(), re.M).group(1))
+
+
+def rss_bytes() -> int:
+    return _status_kib("VmRSS") * 1024
+
+
+def anonymous_bytes() -> int:
+    """Resident anonymous memory (heap, mmap'd arrays, the runtime's pools), from /proc/self/smaps_rollup."""
+    return int(re.search(r"^Anonymous:\s+(\d+) kB", Path("/proc/self/smaps_rollup").read_text(), re.M).group(1)) * 1024
+
+
+class PhaseWatch:
+    """VmHWM around each call of the step's phases; `peak` is the largest high-water mark seen since `start`."""
+
+    def __init__(self, first_peak: int) -> None:
+        self.peak = first_peak
+        self.phases: list[dict] = []
+        self.calls: dict[str, int] = {}
+
+    def _high_water(self) -> int:
+        high = _status_kib("VmHWM") * 1024
+        self.peak = max(self.peak, high)
+        return high
+
+    def _reset(self) -> None:
+        self._high_water()  # fold the mark so far into the peak before the kernel forgets it
+        Path("/proc/self/clear_refs").write_text("5")
+
+    def wrap(self, owner, name: str) -> None:
+        call = getattr(owner, name)
+
+        def watched(*arguments, **options):
+            before = rss_bytes()
+            self._reset()
+            try:
+                return call(*arguments, **options)
+            finally:
+                self.calls[name] = self.calls.get(name, 0) + 1
+                self.phases.append({"phase": f"{name}#{self.calls[name]}", "rss_before_bytes": before,
+                                    "peak_bytes": self._high_water(), "rss_after_bytes": rss_bytes(), **heap()})
+                self._reset()
+
+        setattr(owner, name, watched)
+
+    def finish(self) -> int:
+        self._high_water()
+        return self.peak
 
 
 def build_trainer(params, dataset: str, weights: str, out: Path, steps: int, window: BuildWindow):
@@ -155,7 +232,16 @@ def main() -> None:
     # Neither a final checkpoint nor a validation pass is part of what a rank holds to train.
     trainer.save = lambda: None
     trainer.evaluate = lambda: float("nan")
+    after_build = {"rss_bytes": rss_bytes(), "anonymous_bytes": anonymous_bytes(), **heap()}
+    watch = PhaseWatch(max(window.peak, _maxrss_bytes()))
+    for name in ("gradients", "gradient_norm", "apply"):
+        watch.wrap(trainer.parallel, name)
     result = trainer.run()
+    peak = watch.finish()
+    gc.collect()
+    at_end = {"rss_bytes": rss_bytes(), "anonymous_bytes": anonymous_bytes(), **heap()}
+    _LIBC.malloc_trim(0)
+    at_end["rss_after_malloc_trim_bytes"] = rss_bytes()
     param_bytes, optimizer_bytes = held_bytes(trainer.model, trainer.optimizer)
     largest, unmatched = largest_full_tensor_bytes(trainer.model, args.weights)
     report = {
@@ -169,8 +255,11 @@ def main() -> None:
         "optimizer_bytes": optimizer_bytes,
         "largest_full_tensor_bytes": largest,
         "parameters_not_in_checkpoint": unmatched,
-        "peak_rss_bytes": _maxrss_bytes(),
+        "peak_rss_bytes": peak,
         "skipped_steps": result.skipped_steps,
+        "after_trainer_built": after_build,
+        "phases": watch.phases,
+        "at_end": at_end,
     }
     (args.out / f"rank{rank}.json").write_text(json.dumps(report))
 

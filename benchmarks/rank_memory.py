@@ -25,8 +25,8 @@ largest relative error of the planner's parameters + optimizer bytes against the
 `planner_peak_rss_error`, and the per-rank figures keyed by layout.
 
 `--states` measures model states against the ZeRO paper instead (Rajbhandari et al. 2020, Fig. 1): a model whose
-states dominate a rank (hidden 1536, FFN 4096, 2 layers, vocab 8000, tied: 69.0M parameters, 276 MB in fp32;
-sequences of 32 tokens, micro-batch 1), trained 3 steps at dp2 under each ZeRO stage, in fp32 and in the mixed
+states dominate a rank (hidden 1536, FFN 4096, 4 layers, vocab 8000, tied: 125.5M parameters, 502 MB in fp32, the
+table 9.8% of them as in a large LLM; sequences of 32 tokens, micro-batch 1), trained 3 steps at dp2 under each ZeRO stage, in fp32 and in the mixed
 precision the CPU runs (float16 compute, fp32 weights, dynamic loss scaling), every layout from the same
 converted checkpoint. A rank's measured model-state bytes are its peak RSS minus its RSS just before it built its
 model (the runtime, the joined job and the imports are the baseline; what the step's graph and its small
@@ -37,6 +37,13 @@ measured over paper bytes; issue 32's targets 1.15 and 1.25) and `planner_error`
 the planner's peak against the measured peak RSS; target 0.10).
 
     flock /tmp/cpu.lock python benchmarks/rank_memory.py --states [--layouts fp32-zero1,mixed-zero2,...]
+
+Why these proportions: on CPU each layer adds a fixed cost of compiled graph (tens of MB whatever its size) and
+the backward holds only a layer or two of fresh gradients and the table's, so many small layers measure the
+graph and two large ones a layer's transients as if they were a whole model's; four layers of this shape keep
+the table near an LLM's share and both effects small, and two ranks of it fit this machine. (A 12-layer model
+of LLM proportions would need layers this size, several times this machine's memory.) `--set` changes the
+model, e.g. `--set model.num_layers=2` for the earlier model (benchmarks/README.md compares them).
 """
 
 from __future__ import annotations
@@ -68,7 +75,7 @@ LAYOUTS = {
     "dp2-zero3": (2, 1, ["parallel.data_parallel=2", "parallel.zero_stage=3"]),
 }
 STATES_MODEL = [
-    "model.vocab_size=8000", "model.hidden_size=1536", "model.num_layers=2", "model.num_heads=12",
+    "model.vocab_size=8000", "model.hidden_size=1536", "model.num_layers=4", "model.num_heads=12",
     "model.num_kv_heads=12", "model.ffn_hidden_size=4096", "model.seq_len=32", "model.tie_embeddings=true",
 ]
 STATES_BATCH = ["train.micro_batch_size=1", "parallel.data_parallel=2"]
@@ -94,9 +101,14 @@ MB = 1e6
 def layout_params(name: str, extra: list[str] = ()):
     from params import load_params
 
+    return load_params("tiny", layout_overrides(name, extra))
+
+
+def layout_overrides(name: str, extra: list[str] = ()) -> list[str]:
+    """The params overrides of layout `name`, then `extra` (--set: e.g. another model shape)."""
     if name in STATES:
-        return load_params("tiny", [*STATES_MODEL, *STATES[name][2], *extra])
-    return load_params("tiny", [*MODEL, *BATCH, *LAYOUTS[name][2], *extra])
+        return [*STATES_MODEL, *STATES[name][2], *extra]
+    return [*MODEL, *BATCH, *LAYOUTS[name][2], *extra]
 
 
 def main() -> None:
@@ -105,7 +117,11 @@ def main() -> None:
     parser.add_argument("--layouts", help="comma-separated subset of " + ", ".join(LAYOUTS) + " (with --states: of "
                         + ", ".join(STATES) + ")")
     parser.add_argument("--steps", type=int, help="optimizer steps each layout runs after building (2; --states: 3)")
+    parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="SECTION.FIELD=VALUE",
+                        help="a params override applied to every layout after its own (e.g. model.num_layers=8)")
+    parser.add_argument("--phases", action="store_true", help="also print each rank's RSS through the step's phases")
     args = parser.parse_args()
+    extra = args.overrides
     runs = STATES if args.states else LAYOUTS
     names = args.layouts.split(",") if args.layouts else list(runs)
     steps = args.steps or (3 if args.states else 2)
@@ -115,32 +131,34 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="rank-memory-") as workdir:
         workdir = Path(workdir)
         first = names[0]
-        dataset = prepare_data(workdir / "data", first)
-        weights = write_converted_checkpoint(workdir, first)
-        ranks = {name: run_layout(name, dataset, weights, workdir / name, steps) for name in names}
+        dataset = prepare_data(workdir / "data", first, extra)
+        weights = write_converted_checkpoint(workdir, first, extra)
+        ranks = {name: run_layout(name, dataset, weights, workdir / name, steps, extra) for name in names}
+    if args.phases:
+        print_phases(ranks)
     if args.states:
         for name, reports in ranks.items():
             for report in reports:
-                add_state_figures(name, report)
+                add_state_figures(name, report, extra)
         print_states_table(ranks)
         print(json.dumps(states_summary(ranks)))
         return
     for name, reports in ranks.items():
         for report in reports:
-            add_planner_figures(name, report)
+            add_planner_figures(name, report, extra)
     print_table(ranks)
     print(json.dumps(summary(ranks)))
 
 
-def prepare_data(out: Path, name: str) -> Path:
+def prepare_data(out: Path, name: str, extra: list[str]) -> Path:
     """The tiny preset's corpus (the standard library's docstrings) tokenised for the model of layout `name`."""
     from model_core.data import prepare_dataset
 
-    params = layout_params(name, [f"data.output_dir={out}"])
+    params = layout_params(name, [*extra, f"data.output_dir={out}"])
     return prepare_dataset(params.data, params.tokenizer, params.model).output_dir
 
 
-def write_converted_checkpoint(workdir: Path, name: str) -> Path:
+def write_converted_checkpoint(workdir: Path, name: str, extra: list[str]) -> Path:
     """A randomly initialised Hugging Face Llama of layout `name`'s shape, converted as `llmflow convert hf-to-ms`
     converts one: the directory every layout's `initial_weights` reads."""
     import numpy as np
@@ -149,7 +167,7 @@ def write_converted_checkpoint(workdir: Path, name: str) -> Path:
     from model_core.convert import hf_to_ms
     from model_core.convert.llama import hf_config, tensor_names
 
-    model = layout_params(name).model
+    model = layout_params(name, extra).model
     generator = np.random.default_rng(0)
     state = {}
     for theirs, shape in tensor_names(model).values():
@@ -163,13 +181,12 @@ def write_converted_checkpoint(workdir: Path, name: str) -> Path:
     return hf_to_ms(hf, workdir / "converted", seq_len=model.seq_len).path
 
 
-def run_layout(name: str, dataset: Path, weights: Path, out: Path, steps: int) -> list[dict]:
+def run_layout(name: str, dataset: Path, weights: Path, out: Path, steps: int, extra: list[str]) -> list[dict]:
     """Every rank's report of one layout, in rank order."""
-    workers, threads, overrides = STATES[name] if name in STATES else LAYOUTS[name]
-    model = [*STATES_MODEL] if name in STATES else [*MODEL, *BATCH]
+    workers, threads, _ = STATES[name] if name in STATES else LAYOUTS[name]
     out.mkdir(parents=True)
     command = [str(WORKER), "--threads", str(threads), "--steps", str(steps), str(dataset), str(weights), str(out)]
-    command += [item for override in [*model, *overrides] for item in ("--set", override)]
+    command += [item for override in layout_overrides(name, extra) for item in ("--set", override)]
     if workers == 1:
         subprocess.run([sys.executable, *command], check=True, cwd=REPO)
     else:
@@ -182,11 +199,11 @@ def run_layout(name: str, dataset: Path, weights: Path, out: Path, steps: int) -
     return reports
 
 
-def add_planner_figures(name: str, report: dict) -> None:
+def add_planner_figures(name: str, report: dict, extra: list[str]) -> None:
     """The planner's per-rank estimate for this rank's pipeline stage, from its pure-Python API."""
     from model_core.parallel.planner import CPU, Candidate, stage_memory
 
-    params = layout_params(name)
+    params = layout_params(name, extra)
     parallel = params.parallel
     candidate = Candidate(
         parallel.data_parallel, parallel.tensor_parallel, parallel.pipeline_parallel, parallel.zero_stage, "none"
@@ -199,11 +216,11 @@ def add_planner_figures(name: str, report: dict) -> None:
     report["planned_peak_rss_bytes"] = on_cpu.total
 
 
-def add_state_figures(name: str, report: dict) -> None:
+def add_state_figures(name: str, report: dict, extra: list[str]) -> None:
     """The paper's model-state bytes for this run's stage and precision, and the planner's CPU estimate of the peak."""
     from model_core.parallel.planner import CPU, Candidate, stage_memory, stage_parameters
 
-    params = layout_params(name)
+    params = layout_params(name, extra)
     parallel = params.parallel
     precision, stage = name.split("-zero")
     a, b = PAPER_BYTES[precision][int(stage)]
@@ -229,6 +246,25 @@ def print_states_table(ranks: dict[str, list[dict]]) -> None:
                 f"{r['state_bytes'] / r['paper_state_bytes']:.2f}", f"{r['state_bytes'] / r['parameters']:.1f}",
             ]
             print("".join(f"{cell:>13}" for cell in cells))
+
+
+def print_phases(ranks: dict[str, list[dict]]) -> None:
+    """Each rank's RSS through its run: after the Trainer was built, then each phase call's peak and what it left."""
+    print("MB (10^6 bytes): RSS after the Trainer was built, then per phase call: peak / RSS after / glibc heap in "
+          "use / free heap glibc kept; at the end RSS, anonymous, and RSS after malloc_trim(0)")
+    for name, reports in ranks.items():
+        for r in reports:
+            built = r["after_trainer_built"]
+            cells = [f"{name} rank {r['rank']}: before build {r['rss_before_bytes'] / MB:.0f}",
+                     f"build peak {r['build_peak_bytes'] / MB:.0f}",
+                     f"built {built['rss_bytes'] / MB:.0f} (heap {built['heap_in_use_bytes'] / MB:.0f}"
+                     f" + free {built['heap_free_kept_bytes'] / MB:.0f})"]
+            cells += [f"{p['phase']} {p['peak_bytes'] / MB:.0f}/{p['rss_after_bytes'] / MB:.0f}/"
+                      f"{p['heap_in_use_bytes'] / MB:.0f}/{p['heap_free_kept_bytes'] / MB:.0f}" for p in r["phases"]]
+            end = r["at_end"]
+            cells.append(f"end {end['rss_bytes'] / MB:.0f} anon {end['anonymous_bytes'] / MB:.0f} "
+                         f"trimmed {end['rss_after_malloc_trim_bytes'] / MB:.0f}")
+            print("; ".join(cells))
 
 
 def states_summary(ranks: dict[str, list[dict]]) -> dict:

@@ -177,6 +177,21 @@ def test_the_zero_update_holds_no_whole_model_buffer():
     assert shard_gather_bytes([8, 2, 2, 6, 6], 3, 40) == 40 + 4 * (8 + 6 + 6)
 
 
+def test_the_backward_holds_two_layers_of_fresh_gradients_and_the_tables_not_a_whole_set():
+    """Measured at two layer shapes and two depths (benchmarks/README.md, "Model states against the ZeRO paper"):
+    beside the fp32 buffer, the fresh gradients alive do not grow with the layers; a tied table has two."""
+    def fresh(layers: int, tied: bool = False) -> int:
+        params = _small_model(f"model.num_layers={layers}", f"model.tie_embeddings={str(tied).lower()}",
+                              "precision.compute_dtype=float32")
+        backward, _ = stage_phases(params, Candidate(1, 1, 1, 0, "none"), 0, ACCELERATOR, 0)
+        return backward.gradients - 4 * stage_parameters(params.model, 1, 1, 0)
+
+    hidden, ffn, vocab = 1024, 2816, 32000
+    layer = 4 * hidden * hidden + 3 * hidden * ffn + 2 * hidden  # q, k, v, o; gate, up, down; two norms
+    assert fresh(4) == fresh(8) == 4 * (2 * layer + 2 * vocab * hidden + hidden)  # embedding, head, final norm
+    assert fresh(8, tied=True) == 4 * (2 * layer + 2 * vocab * hidden + hidden)  # the tied table's two gradients
+
+
 def test_nothing_fits_says_so_and_names_the_smallest():
     result = plan(load_params("llama2_7b_dp8"), devices=8, device_memory_bytes=8 * GIB)
     assert result.recommended is None

@@ -16,11 +16,14 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    norms) fp32; ZeRO-0 adds the optimizer's fp32 masters of the matmul weights, 4Pm (ZeRO-1/2 keep
                    only their shard's, counted under optimizer). Other mixed layouts: 4P fp32 + cP compute-dtype
                    copies the matmuls keep for the backward. ZeRO-3: 4P/dp
-    gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward a set of fresh gradients, which
-                   the compiled backward holds, in the weights' dtypes, and of the compute-dtype ones their fp32
-                   casts, 4Pm (ZeRO-2: instead of the casts, every bucket's flat fp32 input to its reduce-scatter,
-                   4P; ZeRO-3: 4P/dp). The update scales each gradient buffer in place as AdamW takes it; ZeRO-1
-                   then cuts its shard's pieces out, held by its compiled update: 4P/dp.
+    gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward the fresh gradients alive at once:
+                   two layers' (`FRESH_GRADIENT_LAYERS`) and those of the weights outside the layers (the embedding,
+                   the final norm, the head; a tied table two: the head's and the lookup's), in the weights' dtypes
+                   and of the compute-dtype ones also their fp32 casts (ZeRO-3: 4P/dp fresh shards). ZeRO-2 adds
+                   every bucket's flat fp32 input to its reduce-scatter, 4P. Where matmuls run in fp32 on casts of
+                   the compute-dtype weights (CPU), the casts the compiled step keeps, `matmul_cast_bytes` Pm. The
+                   update scales each gradient buffer in place as AdamW takes it; ZeRO-1 then cuts its shard's
+                   pieces out, held by its compiled update: 4P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and ShardedAdamW's fp32
                    copy of its shard: the master weights under mixed precision)
     activations    per layer and micro-batch, what the hand-written backwards of model_core.model.fused keep:
@@ -47,22 +50,23 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    recomputed layer; a pipeline stage's forward-only graph is charged like one); a rank of
                    a job of several ranks adds what its collectives hold (`collective_graph_bytes`)
 
-Model states per parameter of a rank at its peak (the backward) against the ZeRO paper's (Rajbhandari et al.
-2020, Fig. 1: mixed precision with Adam; fp32 training keeps no separate master):
+Model states per parameter of a rank at its peak, many layers (one layer's and the table's fresh gradients a few
+percent of P), on an accelerator, against the ZeRO paper's (Rajbhandari et al. 2020, Fig. 1: mixed precision with
+Adam; fp32 training keeps no separate master):
 
     stage   fp32, llmflow   fp32, paper    mixed (c = 2), llmflow   mixed, paper
-    0       20              16             24                       16
-    1       12 + 12/dp      8 + 8/dp       12 + 12/dp               4 + 12/dp
-    2       12 + 16/dp      4 + 12/dp      8 + 16/dp                2 + 14/dp
+    0       16              16             18                       16
+    1       8 + 12/dp       8 + 8/dp       6 + 12/dp                4 + 12/dp
+    2       8 + 16/dp       4 + 12/dp      6 + 16/dp                2 + 14/dp
     3       20/dp           16/dp          20/dp                    16/dp
 
-(mixed: every parameter a matmul weight; the fp32 embedding and norms count 4 where the table counts c.) What is
-left over the paper: the fresh gradients the compiled backward holds beside the fp32 accumulation buffer (c
-bytes and their fp32 casts, 4, under mixed precision; 4 in fp32) and ZeRO-2's fp32 bucket inputs (4; under mixed
-precision these are the casts), a full
-fp32 gradient buffer under ZeRO-1 where the paper reduce-scatters (mixed: the paper's 2-byte gradients are fp32 here), fp32 training's
-ZeRO-1/2 copy of the shard for AdamW and ZeRO-3's fresh gradient shards (4/dp each). benchmarks/README.md
-("Model states against the ZeRO paper") measures them.
+(mixed: every parameter a matmul weight; the fp32 embedding and norms count 4 where the table counts c. ZeRO-1's
+update adds its 4/dp pieces.) What is left over the paper: a full fp32 gradient buffer under ZeRO-1 where the
+paper reduce-scatters, and fp32 gradients (4) where its mixed precision counts 2; ZeRO-2's fp32 bucket inputs (4);
+fp32 training's ZeRO-1/2 copy of the shard for AdamW and ZeRO-3's fresh gradient shards (4/dp each); mixed ZeRO-0
+the fp32 masters beside the compute-dtype weights. On CPU the compiled step also keeps the fp32 casts of the
+compute-dtype weights (4 a matmul parameter) and a fixed graph cost per layer (ZeRO-3: more).
+benchmarks/README.md ("Model states against the ZeRO paper") measures them.
 
 Optimizer offload (`parallel.optimizer_offload`, `model_core/optim/offload.py`) is one more candidate for
 layouts with ZeRO-2 or 3: the moments leave the device for host memory (on the CPU backend a memory-mapped
@@ -135,6 +139,9 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RECOMPUTE_MODES = ("none", "all")
 ZERO_ORDER = (1, 0, 2, 3)  # with dp > 1: ZeRO-1 shards the moments for free; 2 and 3 add collectives per micro-batch
+# Layers whose fresh gradients a backward holds at once: the one whose backward runs and the one whose gradients
+# are being added into their buffers (benchmarks/README.md, "Model states against the ZeRO paper").
+FRESH_GRADIENT_LAYERS = 2
 OFFLOAD_GAP = 0.20  # offload is advised only when the layout without it is at most this much over the device
 OFFLOAD_STAGING_BYTES = 3 * 4 * 2**20  # model_core/optim/offload.py: three 4 MiB staging buckets
 # Stated bandwidths the offload traffic is timed at: host <-> device over PCIe 4.0 x16 (~25 GB/s of its 32), and
@@ -181,6 +188,10 @@ class DeviceKind:
     tensor_parallel_bytes_per_layer: int = 0
     sequence_parallel_bytes_per_layer: int = 0
     context_parallel_bytes_per_layer: int = 0
+    # Bytes per compute-dtype matmul weight element that the compiled step keeps as fp32 casts, where matmuls run in
+    # fp32 on casts (`fused.LinearFunction` on CPU); 0 where the device multiplies the compute dtype itself.
+    matmul_cast_bytes: int = 0
+    zero3_bytes_per_layer: int = 0  # what a layer's ZeRO-3 gathers and reduce-scatters add to the compiled step
 
 
 # Fitted (least squares on relative error) to the peak RSS of single-process training steps (model_core.optim.step
@@ -205,6 +216,11 @@ CPU = DeviceKind(
     tensor_parallel_bytes_per_layer=8 * 2**20,
     sequence_parallel_bytes_per_layer=24 * 2**20,
     context_parallel_bytes_per_layer=34 * 2**20,
+    # Fitted to benchmarks/rank_memory.py --states at two layer shapes and two depths each (benchmarks/README.md,
+    # "Model states against the ZeRO paper"): what the peak grows by per matmul parameter under mixed precision
+    # beyond the counted states, and per ZeRO-3 layer beyond ZeRO-0's.
+    matmul_cast_bytes=4,
+    zero3_bytes_per_layer=72 * 2**20,
 )
 # Accelerators are counted, not measured: exactly the tensors the module docstring lists, and the four
 # logits-sized fp32 tensors TokenNLLFunction's backward holds at once (logits, probabilities, one-hot, their
@@ -627,42 +643,37 @@ def stage_phases(
     dense, experts = stage_parameter_split(params.model, candidate.tp, candidate.pp, stage, candidate.ep)
     held = dense + experts
     shard = math.ceil(dense / dp) + math.ceil(experts / (dp // candidate.ep))  # expert shards over expert-dp
-    if masters_apart(params, candidate):
-        # The model holds its matmul weights in the compute dtype (their fresh gradients too) and the rest in fp32;
-        # the fp32 masters of the matmul weights are the optimizer's: ZeRO-0 all of them, ZeRO-1/2 the shard copy
-        # counted under "optimizer". Each compute-dtype gradient is cast to fp32 to be added into its buffer (ZeRO-2:
-        # into its bucket), and the compiled backward keeps the casts too (benchmarks/README.md, "Model states
-        # against the ZeRO paper").
+    apart = masters_apart(params, candidate)
+    if apart:
+        # The model holds its matmul weights in the compute dtype and the rest in fp32; the fp32 masters of the
+        # matmul weights are the optimizer's: ZeRO-0 all of them, ZeRO-1/2 the shard copy counted under "optimizer".
         matmul = stage_matmul_parameters(params.model, candidate.tp, stage)
         working = c * matmul + 4 * (held - matmul)
         masters = working + (4 * matmul if zero == 0 else 0)
-        compute_copies, fresh_set = 0, working + 4 * matmul
+        compute_copies = 0
     else:
         masters = 0 if candidate.param_offload else 4 * (shard if zero == 3 else held)  # a fetched shard: communication
         compute_copies = c * held if c != 4 and zero < 3 else 0
-        fresh_set = 4 * held
     layers = params.model.num_layers // candidate.pp
     recompute_graph = kind.recompute_bytes_per_layer * layers if candidate.recompute == "all" else 0
     if candidate.pp > 1:  # a stage compiles a forward-only graph too (its backward recomputes the forward)
         recompute_graph += kind.recompute_bytes_per_layer * layers
     accumulated = 4 * (shard if zero >= 2 else held)  # the fp32 buffers the micro-batches add into
-    # The backward's fresh gradients: the compiled backward's memory holds a whole set of them (benchmarks/README.md,
-    # "Model states against the ZeRO paper"); ZeRO-2's also holds the flat fp32 inputs to the reduce-scatter, which
-    # are the fp32 casts of the compute-dtype gradients there (cut a bucket at a time from the fresh gradients, they
-    # are not a set of casts beside them); under ZeRO-3 each is cut to its shard.
-    if zero == 3:
-        fresh = 4 * shard
-    elif zero == 2:
-        fresh = fresh_set - (4 * matmul if masters_apart(params, candidate) else 0) + 4 * held
-    else:
-        fresh = fresh_set
+    fresh = 4 * shard if zero == 3 else fresh_gradient_bytes(params, candidate, stage, apart)
+    if apart:  # where matmuls run in fp32 on casts of the compute-dtype weights, what the compiled step keeps of them
+        fresh += kind.matmul_cast_bytes * matmul
+    if zero == 2:  # every bucket's flat fp32 input to its reduce-scatter, for the whole model (they scale with P)
+        fresh += 4 * held
+        if apart:  # measured on CPU: no more than one of the two 4-byte sets of the matmul weights (not explained)
+            fresh -= kind.matmul_cast_bytes * matmul
     state = {
         # AdamW's two moments of what this rank updates; ZeRO-1/2 also keep an fp32 copy of their shard to update
         # (the weights stay whole), while under ZeRO-3 the shard is the weight itself.
         "optimizer": OFFLOAD_STAGING_BYTES if candidate.offload
         else 8 * shard + (4 * shard if zero in (1, 2) else 0) if zero >= 1 else 8 * held,
         "runtime": runtime + kind.runtime_bytes_per_layer * layers + recompute_graph
-        + collective_graph_bytes(params, candidate, kind, layers),
+        + collective_graph_bytes(params, candidate, kind, layers)
+        + (kind.zero3_bytes_per_layer * layers if zero == 3 else 0),
     }
     backward = Memory(
         parameters=masters + compute_copies,
@@ -685,6 +696,36 @@ def stage_phases(
     update = Memory(parameters=masters, gradients=accumulated + pieces, activations=0, communication=gathered,
                     phase="update", **state)
     return backward, update
+
+
+def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: int, apart: bool) -> int:
+    """What a ZeRO-0/1/2 backward holds of fresh gradients beside the fp32 buffers: the backward adds each gradient
+    into its buffer (ZeRO-2: into its bucket) last weight first, as it makes them, and frees it, so what is alive
+    at once is `FRESH_GRADIENT_LAYERS` layers' gradients and those of the weights outside the layers (the
+    embedding, the final norm, the head; a tied table has two, the head's and the lookup's), not a set for the
+    whole model (benchmarks/README.md, "Model states against the ZeRO paper": the backward's memory grows with
+    the layers by a fixed graph cost, not by their gradients). Each is in its weight's dtype and, where
+    `apart`, a compute-dtype one also as its fp32 cast (under ZeRO-2 the casts are counted with the bucket
+    inputs, `stage_phases`)."""
+    c = _DTYPE_BYTES[params.precision.compute_dtype]
+    table = placement_table(params.model, Layout(dp=candidate.ep, tp=candidate.tp, pp=candidate.pp, ep=candidate.ep))
+    rows = [row for row in table.on_stage(stage) if row.trainable]
+    layer_rows = {}
+    for row in rows:
+        if row.name.startswith("layers."):
+            layer_rows.setdefault(row.name.split(".")[1], []).append(row)
+    kept = [row for row in rows if not row.name.startswith("layers.")]
+    for index in sorted(layer_rows, key=int)[-FRESH_GRADIENT_LAYERS:]:  # the backward starts at the last layer
+        kept += layer_rows[index]
+    total = 0
+    for row in kept:
+        n = math.prod(row.block_shape(candidate.tp, candidate.ep))  # an expert stack: this rank's 1/ep
+        matmul = apart and not row.expert and (row.name.endswith("_proj.weight") or row.name == "lm_head.weight")
+        per_element = c + (4 if candidate.zero_stage != 2 else 0) if matmul else 4  # ZeRO-2: the casts are bucket inputs
+        total += per_element * n
+        if row.name == "embed_tokens.weight" and params.model.tie_embeddings:
+            total += 4 * n  # the tied head's gradient of the same table
+    return total
 
 
 def collective_graph_bytes(params: PipelineParams, candidate: Candidate, kind: DeviceKind, layers: int) -> int:
