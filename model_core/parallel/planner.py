@@ -24,7 +24,7 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    the compute-dtype weights (CPU), the casts the compiled step keeps, `matmul_cast_bytes` Pm. The
                    update scales each gradient buffer in place as AdamW takes it; ZeRO-1 then cuts its shard's
                    pieces out, held by its compiled update: 4P/dp.
-    optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and ShardedAdamW's fp32
+    optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and the optimizer's fp32
                    copy of its shard: the master weights under mixed precision)
     activations    per layer and micro-batch, what the hand-written backwards of model_core.model.fused keep:
                    2 BTH fp32 (RMSNorm inputs) + 2 BTH c (the normed inputs of q/k/v and of gate/up)
