@@ -4,7 +4,7 @@ Every rule about what a layout may do lives here: the arithmetic of the degrees 
 world, tp against heads, key/value heads, FFN width and vocabulary, pp against the layers, micro-batches against the
 stages, ep against dp and the experts, 2 x cp against the sequence, sequence-parallel tp against the sequence), the
 feature combinations not built (ZeRO-3, context or sequence parallelism with mixture-of-experts blocks, sequence
-parallelism with context parallelism, optimizer offload under expert parallelism, parameter offload with pipeline
+parallelism with context parallelism, parameter offload with pipeline
 stages or a LoRA fine-tune), and what the data sources' weights and epochs may be. A refusal is one line naming
 both settings and both values. The same place judges what a run can start with but will do nothing with (sequence
 parallelism without tp) or will most likely not learn well with (RoPE theta against the sequence, no gradient
@@ -78,11 +78,6 @@ def parallel_problems(parallel: ParallelParams) -> list[str]:
         problems.append(
             f"parallel.micro_batches={parallel.micro_batches} is fewer than parallel.pipeline_parallel={pp}; a "
             "pipeline needs at least one per stage"
-        )
-    if ep > 1 and parallel.optimizer_offload:
-        problems.append(
-            f"parallel.optimizer_offload=true with parallel.expert_parallel={ep}: the offload file holds one "
-            "optimizer's moments, expert parallelism keeps two (dense over dp, experts over expert-dp)"
         )
     if parallel.param_offload:
         if parallel.zero_stage != 3 or parallel.data_parallel < 2:

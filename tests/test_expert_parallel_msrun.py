@@ -69,6 +69,18 @@ def test_dp2_ep2_zero_trains_equal_to_one_process_and_checkpoints_whole_experts(
     assert all(np.array_equal(loaded[name], weights[name]) for name in weights)
 
 
+TWO_WORKER_JOBS["moe-dp2-ep2-zero2-offload"] = (*MOE, *EP2, "parallel.zero_stage=2", "parallel.optimizer_offload=true")
+
+
+def test_dp2_ep2_with_optimizer_offload_trains_equal_to_one_process(single_process, request, tmp_path):
+    """The offload file holds the dense shard's moments (over dp) and the expert blocks' (over expert-dp) alike, and
+    the update writes an expert stack's 3-D pieces back in place."""
+    _, ranks = shared_or_own_job(request, "moe-dp2-ep2-zero2-offload", tmp_path)
+    for rank in ranks:
+        assert_same_metrics(rank["history"], single_process["history"])
+        assert_same_routing(rank["history"], single_process["history"])
+
+
 @pytest.mark.extended  # four workers: ~2.5 min on 2 cores; dp2 x ep2 above runs by default
 def test_dp2_ep2_tp2_on_four_workers_trains_equal_to_one_process(dataset_dir, single_process, tmp_path):
     """tp splits attention and the dense blocks; every tp rank runs the same experts on the same tokens."""

@@ -41,8 +41,6 @@ LAYOUTS = [
                  "parallel.expert_parallel=2 but model.moe is null", id="ep-without-experts"),
     pytest.param([MOE, "parallel.data_parallel=2", "parallel.zero_stage=3"],
                  "parallel.zero_stage=3 with model.moe (4 MoE blocks)", id="moe-zero3"),
-    pytest.param([MOE, "parallel.data_parallel=2", "parallel.expert_parallel=2", "parallel.optimizer_offload=true"],
-                 "parallel.optimizer_offload=true with parallel.expert_parallel=2", id="ep-optimizer-offload"),
     pytest.param([*PARAM_OFFLOAD, "parallel.pipeline_parallel=2", "parallel.micro_batches=2"],
                  "parallel.param_offload=true with parallel.pipeline_parallel=2", id="param-offload-pp"),
     pytest.param(["parallel.tensor_parallel=2", "parallel.sequence_parallel=true", "model.seq_len=129"],

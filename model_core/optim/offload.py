@@ -21,6 +21,8 @@ host memory is the device, the file is the off-device store (ZeRO-Infinity's NVM
 
 from __future__ import annotations
 
+import math
+
 import mmap
 import os
 import tempfile
@@ -309,29 +311,33 @@ def _joined(parts: list[Tensor]) -> Tensor:
 
 def write_flat(weight: Parameter, start: int, values: Tensor) -> None:
     """Elements [start, start + len(values)) of `weight` flattened = values, in place (slice assignment on the
-    Parameter: a vector directly, a matrix as a partial first row, whole rows and a partial last row)."""
+    Parameter: along its first axis a partial leading block, whole blocks and a partial trailing block, each partial
+    block written the same way one axis down; an expert stack [experts, rows, columns] like a matrix)."""
+    _write_range(weight, (), tuple(int(n) for n in weight.shape), start, values)
+
+
+def _write_range(weight: Parameter, index: tuple, shape: tuple[int, ...], start: int, values: Tensor) -> None:
+    """`write_flat` inside weight[index], a block of `shape`."""
     length = int(values.shape[0])
-    if weight.ndim == 1:
-        weight[start : start + length] = values
+    if len(shape) == 1:
+        weight[index + (slice(start, start + length),)] = values
         return
-    if weight.ndim != 2:
-        raise ValueError(f"{weight.name}: offload updates vectors and matrices, not shape {tuple(weight.shape)}")
-    columns = int(weight.shape[1])
-    row, column = divmod(start, columns)
-    last_row, last_column = divmod(start + length, columns)
-    if row == last_row:
-        weight[row, column:last_column] = values
+    inner = math.prod(shape[1:])
+    block, offset = divmod(start, inner)
+    last_block, last_offset = divmod(start + length, inner)
+    if block == last_block:
+        _write_range(weight, index + (block,), shape[1:], offset, values)
         return
     done = 0
-    if column:
-        weight[row, column:] = values[: columns - column]
-        done, row = columns - column, row + 1
-    if last_row > row:
-        rows = (last_row - row) * columns
-        weight[row:last_row] = values[done : done + rows].reshape(last_row - row, columns)
-        done += rows
-    if last_column:
-        weight[last_row, :last_column] = values[done:]
+    if offset:
+        _write_range(weight, index + (block,), shape[1:], offset, values[: inner - offset])
+        done, block = inner - offset, block + 1
+    if last_block > block:
+        count = (last_block - block) * inner
+        weight[index + (slice(block, last_block),)] = values[done : done + count].reshape((last_block - block, *shape[1:]))
+        done += count
+    if last_offset:
+        _write_range(weight, index + (last_block,), shape[1:], 0, values[done:])
 
 
 def offload_mappings() -> list[str]:
