@@ -30,6 +30,7 @@ the state is sharded: every rank calls them.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -59,8 +60,9 @@ class RankState:
     by name) are whole. `gradient_owners`: the weight each gradient buffer belongs to, in buffer order (ZeRO-2: the
     pieces of the shard). `shard_length`: the dp gradient shards' length under ZeRO-2 (a pipeline's tied table is
     cut alike on both end stages: `zero.shard_pieces`). `masters`: the fp32 master of every weight placed with its
-    master apart, by name. `full_shapes`: a ZeRO-3 shard's whole shape, by name. `weight_files`: under parameter
-    offload, where each shard's values live. `bucket_bytes`: the most one all-gathered bucket of updated weights
+    master apart, by name (read while the optimizer is built, which keeps only the state its pieces need).
+    `full_shapes`: a ZeRO-3 shard's whole shape, by name. `weight_files`: under parameter offload, where each
+    shard's values live. `bucket_bytes`: the most one all-gathered bucket of updated weights
     holds; `offload_bucket_elements`: the offload file's staging bucket (None: its default)."""
 
     placements: tuple[StatePlacement, ...]
@@ -164,6 +166,9 @@ class AdamW(nn.Cell):
                 for group, members, local, _ in self._gather_plans()
             ])
             self.gathered = tuple(slots for _, _, _, slots in self._gather_plans())
+        # The whole masters have been read: ZeRO-0's are now targets, which keep them; ZeRO-1/2 took their shard's
+        # pieces. Kept here, the mapping would hold every whole master of ZeRO-1/2 alive beside those pieces.
+        self.state = dataclasses.replace(state, masters={})
 
     @classmethod
     def from_params(cls, parameters: Sequence[Parameter], optimizer: OptimizerParams,
