@@ -44,10 +44,16 @@ class ParallelGradientNorm(nn.Cell):
         expert_shard_group: Group | None = None,
     ) -> None:
         super().__init__()
-        self.buffers = buffers
-        self.split = tuple(split) if split is not None else (False,) * len(buffers)
-        self.counted = tuple(counted) if counted is not None else (True,) * len(buffers)
-        self.expert = tuple(expert) if expert is not None else (False,) * len(buffers)
+        split = tuple(split) if split is not None else (False,) * len(buffers)
+        counted = tuple(counted) if counted is not None else (True,) * len(buffers)
+        expert = tuple(expert) if expert is not None else (False,) * len(buffers)
+        # Sorted here, not by branches in `construct`: an `if` in a loop over the buffers nests one graph call per
+        # buffer, and a deep model's hundreds of buffers pass MindSpore's call depth limit.
+        kinds = [("experts" if is_expert else "split" if is_split else "replicated") if is_counted else None
+                 for is_split, is_counted, is_expert in zip(split, counted, expert)]
+        self.split_buffers, self.replicated_buffers, self.expert_buffers = (
+            tuple(buffer for buffer, kind in zip(buffers, kinds) if kind == wanted)
+            for wanted in ("split", "replicated", "experts"))
         # Only groups of more than one rank communicate; the flags keep the others out of the graph.
         self.tp_group, self.across_tp = tp_group, tp_group is not None and tp_group.size > 1
         self.shard_group, self.across_shards = shard_group, shard_group is not None and shard_group.size > 1
@@ -59,16 +65,14 @@ class ParallelGradientNorm(nn.Cell):
     @ms.jit
     def construct(self, grad_scale):
         split = ops.zeros((1,), ms.float32)
+        for buffer in self.split_buffers:
+            split = split + sum_of_squares(buffer)
         replicated = ops.zeros((1,), ms.float32)
+        for buffer in self.replicated_buffers:
+            replicated = replicated + sum_of_squares(buffer)
         experts = ops.zeros((1,), ms.float32)
-        for buffer, is_split, is_counted, is_expert in zip(self.buffers, self.split, self.counted, self.expert):
-            if is_counted:
-                if is_expert:
-                    experts = experts + sum_of_squares(buffer)
-                elif is_split:
-                    split = split + sum_of_squares(buffer)
-                else:
-                    replicated = replicated + sum_of_squares(buffer)
+        for buffer in self.expert_buffers:
+            experts = experts + sum_of_squares(buffer)
         if self.across_shards:
             totals = self.shard_group.all_reduce(ops.cat((split, replicated)))
             split, replicated = totals[0:1], totals[1:2]

@@ -310,33 +310,40 @@ class AdamW(nn.Cell):
         t, beta1_power, beta2_power, eps_t, keep = adamw_scalars(
             self._beta1, self._beta2, self.eps, self.weight_decay, lr, step)
         done = t
+        # One call a piece keeps each piece's branches inside it: branches in the loop's own body would nest one
+        # graph call per branch and piece, and a deep model's pieces would pass MindSpore's call depth limit.
         for k in range(len(self.pieces)):
-            b = self.gradient_indices[k]
-            grad = ops.depend(grads[b], done)
-            if grad_scale is not None:
-                # Scaled in place (the caller zeroes the buffer after the update anyway): the compiled graph then
-                # keeps no scaled copy. A piece's gradient is scaled whole and then cut: the graph keeps the piece.
-                grad = ops.assign(grads[b], grad * grad_scale)
-            if self.gradient_slices[k] is not None:
-                start, end = self.gradient_slices[k]
-                grad = grad.reshape(-1)[start:end]
-            if self.gradient_shapes[k] is not None:
-                grad = grad.reshape(self.gradient_shapes[k])
-            if self.copies[k] is not None:
-                j, start, end = self.copies[k]
-                ops.assign(self.targets[k], self.sources[j].reshape(-1)[start:end])
-            if self.decays[k]:
-                ops.assign(self.targets[k], self.targets[k] * keep)
-            done = self._fused_update(
-                self.targets[k], self.exp_avg[k], self.exp_avg_sq[k],
-                beta1_power, beta2_power, lr, self._beta1, self._beta2, eps_t, grad,
-            )[0]
-            j = self.writes[k]
-            if j >= 0:
-                done = ops.assign(self.working[j], ops.depend(self.targets[k], done).astype(self.working[j].dtype))
+            done = self._update_piece(k, grads, lr, grad_scale, beta1_power, beta2_power, eps_t, keep, done)
         for g in range(len(self.gathers)):
             done = self.gathers[g](tuple(self.targets[k] for k in self.gathered[g]), done)
         return ops.depend(t, done)
+
+    def _update_piece(self, k, grads, lr, grad_scale, beta1_power, beta2_power, eps_t, keep, after):
+        """Piece k's update, once `after` is done; returns what the next piece waits for."""
+        b = self.gradient_indices[k]
+        grad = ops.depend(grads[b], after)
+        if grad_scale is not None:
+            # Scaled in place (the caller zeroes the buffer after the update anyway): the compiled graph then
+            # keeps no scaled copy. A piece's gradient is scaled whole and then cut: the graph keeps the piece.
+            grad = ops.assign(grads[b], grad * grad_scale)
+        if self.gradient_slices[k] is not None:
+            start, end = self.gradient_slices[k]
+            grad = grad.reshape(-1)[start:end]
+        if self.gradient_shapes[k] is not None:
+            grad = grad.reshape(self.gradient_shapes[k])
+        if self.copies[k] is not None:
+            j, start, end = self.copies[k]
+            ops.assign(self.targets[k], self.sources[j].reshape(-1)[start:end])
+        if self.decays[k]:
+            ops.assign(self.targets[k], self.targets[k] * keep)
+        done = self._fused_update(
+            self.targets[k], self.exp_avg[k], self.exp_avg_sq[k],
+            beta1_power, beta2_power, lr, self._beta1, self._beta2, eps_t, grad,
+        )[0]
+        j = self.writes[k]
+        if j >= 0:
+            done = ops.assign(self.working[j], ops.depend(self.targets[k], done).astype(self.working[j].dtype))
+        return done
 
     # --------------------------------------------------------------------------- state, whole over layouts
     def moment_bytes(self) -> int:

@@ -63,6 +63,9 @@ from params.rules import check_run
 from params.schema import LoraParams, ModelParams, PipelineParams
 
 
+GRAPH_CALLS_PER_WEIGHT = 4  # twice what an unrolled loop takes: some loops carry branches
+
+
 def take_block(array: np.ndarray, axis: int | None, size: int, index: int) -> np.ndarray:
     """Block `index` of `size` equal blocks of `array` along `axis` (the whole array when axis is None)."""
     if axis is None or size == 1:
@@ -212,6 +215,9 @@ def parallelize(
         params.model, layout, zero_stage, lora, params.parallel.optimizer_offload, params.parallel.param_offload,
         params.parallel.sequence_parallel,
     )
+    # A compiled graph unrolls each loop over the weights (the update, the norm, the gradient sums) as a chain of
+    # about two calls a weight; MindSpore's default limit of 1000 calls stops a model of some 400 weights.
+    ms.set_recursion_limit(max(1000, GRAPH_CALLS_PER_WEIGHT * len(list(table)) + 1000))
     shard = build_shard(
         params.model, table, rank, params.train.seed, params.precision.compute_dtype, initial_weights, dp_group, cp_group
     )
