@@ -129,9 +129,27 @@ class ReduceScatterToSequenceParallel(nn.Cell):
         return (self.group.all_gather_sequence(dout),)
 
 
+class SlicedSumToSequenceParallel(nn.Cell):
+    """`ReduceScatterToSequenceParallel` where the backend has no reduce-scatter for the group: this rank's slice of
+    the group's all-reduce, differentiated automatically. The all-reduce-sum's own gradient is the all-reduce of
+    dout and the slice's pads dout with zeros, which together are exactly the all-gather of the slices' gradients.
+    A Cell with its own bprop here made the CPU step slower and its compiled graph larger (benchmarks/README.md)."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.group = group
+
+    def construct(self, x):
+        return self.group.reduce_scatter_sequence(x)
+
+
 def leaving(group: Group, sequence_parallel: bool) -> nn.Cell:
     """The operator that sums a tp region's partial results (into sequence slices under sequence parallelism)."""
-    return ReduceScatterToSequenceParallel(group) if sequence_parallel else ReduceFromTensorParallel(group)
+    if not sequence_parallel:
+        return ReduceFromTensorParallel(group)
+    if group.size > 1 and not group.native_reduce_scatter:
+        return SlicedSumToSequenceParallel(group)
+    return ReduceScatterToSequenceParallel(group)
 
 
 class ThenCopyToTensorParallel(nn.Cell):
