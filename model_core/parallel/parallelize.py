@@ -217,7 +217,7 @@ def parallelize(
     )
     # A compiled graph unrolls each loop over the weights (the update, the norm, the gradient sums) as a chain of
     # about two calls a weight; MindSpore's default limit of 1000 calls stops a model of some 400 weights.
-    ms.set_recursion_limit(max(1000, GRAPH_CALLS_PER_WEIGHT * len(list(table)) + 1000))
+    ms.set_recursion_limit(1000 + GRAPH_CALLS_PER_WEIGHT * len(list(table)))
     shard = build_shard(
         params.model, table, rank, params.train.seed, params.precision.compute_dtype, initial_weights, dp_group, cp_group
     )
