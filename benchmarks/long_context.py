@@ -66,6 +66,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run")
     parser.add_argument("--layouts", default=",".join(DEFAULT_LAYOUTS), help="comma-separated subset of " + ", ".join(LAYOUTS))
+    parser.add_argument("--set", action="append", default=[], dest="overrides", metavar="SECTION.FIELD=VALUE",
+                        help="params override for every layout and both lengths, e.g. recompute.mode=all")
     # internal: one process of one run; a name msrun's own parser does not match by prefix
     parser.add_argument("--long-context-worker", help=argparse.SUPPRESS)
     parser.add_argument("paths", nargs="*", help=argparse.SUPPRESS)
@@ -73,11 +75,11 @@ def main() -> None:
     if args.long_context_worker:
         name, seq = args.long_context_worker.split(":")
         dataset, out = args.paths
-        run_worker(name, int(seq), dataset, Path(out), args.steps)
+        run_worker(name, int(seq), dataset, Path(out), args.steps, args.overrides)
         return
     names = [name for name in args.layouts.split(",") if runnable(name)]
     with tempfile.TemporaryDirectory(prefix="long-context-") as workdir:
-        figures = measure(Path(workdir), args.steps, names)
+        figures = measure(Path(workdir), args.steps, names, args.overrides)
     print(f"{'layout':<8}{'rank':>5}{'peak MB':>10}{'at 256 MB':>11}{'activations MB':>16}{'tokens/s':>10}{'plan MB':>10}")
     for name, result in figures.items():
         for rank, (peak, short) in enumerate(zip(result["peak_bytes"], result["short_peak_bytes"])):
@@ -111,19 +113,19 @@ def ratio(figures: dict, over: str, under: str) -> float | None:
     return round(max(figures[over]["activation_bytes"]) / max(figures[under]["activation_bytes"]), 3)
 
 
-def measure(workdir: Path, steps: int, names: list[str]) -> dict[str, dict]:
+def measure(workdir: Path, steps: int, names: list[str], overrides: list[str]) -> dict[str, dict]:
     datasets = {seq: prepare(workdir / f"data-{seq}", seq) for seq in (LONG, SHORT)}
     figures = {}
     for name in names:
-        long = run_layout(name, LONG, datasets[LONG], workdir / f"{name}-{LONG}", steps)
-        short = run_layout(name, SHORT, datasets[SHORT], workdir / f"{name}-{SHORT}", steps)
+        long = run_layout(name, LONG, datasets[LONG], workdir / f"{name}-{LONG}", steps, overrides)
+        short = run_layout(name, SHORT, datasets[SHORT], workdir / f"{name}-{SHORT}", steps, overrides)
         peaks, short_peaks = [r["peak_bytes"] for r in long], [r["peak_bytes"] for r in short]
         history = long[0]["history"][1:]  # the first step compiles
         figures[name] = {
             "peak_bytes": peaks, "short_peak_bytes": short_peaks,
             "activation_bytes": [peak - base for peak, base in zip(peaks, short_peaks)],
             "tokens_per_second": statistics.median(record["tokens_per_second"] for record in history),
-            "planned_peak_bytes": planned_peak(name),
+            "planned_peak_bytes": planned_peak(name, overrides),
         }
         print(f"{name}: {figures[name]}", file=sys.stderr, flush=True)
     return figures
@@ -155,20 +157,22 @@ def prepare(out: Path, seq: int) -> Path:
     return prepare_dataset(params.data, params.tokenizer, params.model).output_dir
 
 
-def planned_peak(name: str) -> int:
+def planned_peak(name: str, overrides: list[str]) -> int:
     """The planner's CPU estimate of the busiest rank's peak for the layout at LONG tokens."""
     from model_core.parallel.planner import CPU, Candidate, estimate
 
-    parallel = params_for(name, LONG).parallel
-    candidate = Candidate(parallel.data_parallel, parallel.tensor_parallel, parallel.pipeline_parallel, 0, "none",
-                          cp=parallel.context_parallel)
-    return estimate(params_for(name, LONG), candidate, 2**40, CPU).memory.total
+    params = params_for(name, LONG, overrides)
+    parallel = params.parallel
+    candidate = Candidate(parallel.data_parallel, parallel.tensor_parallel, parallel.pipeline_parallel,
+                          parallel.zero_stage, params.recompute.mode, cp=parallel.context_parallel)
+    return estimate(params, candidate, 2**40, CPU).memory.total
 
 
-def run_layout(name: str, seq: int, dataset: Path, out: Path, steps: int) -> list[dict]:
+def run_layout(name: str, seq: int, dataset: Path, out: Path, steps: int, overrides: list[str]) -> list[dict]:
     """Each rank's report of one run."""
     workers = LAYOUTS[name][0]
-    command = [str(Path(__file__)), "--long-context-worker", f"{name}:{seq}", "--steps", str(steps), str(dataset), str(out)]
+    command = [str(Path(__file__)), "--long-context-worker", f"{name}:{seq}", "--steps", str(steps),
+               *(item for override in overrides for item in ("--set", override)), str(dataset), str(out)]
     if workers == 1:
         subprocess.run([sys.executable, *command], check=True, cwd=REPO)
     else:
@@ -180,14 +184,14 @@ def run_layout(name: str, seq: int, dataset: Path, out: Path, steps: int) -> lis
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(workers)]
 
 
-def run_worker(name: str, seq: int, dataset: str, out: Path, steps: int) -> None:
+def run_worker(name: str, seq: int, dataset: str, out: Path, steps: int, overrides: list[str]) -> None:
     import mindspore as ms
 
     from model_core.train.system import peak_rss_bytes
     from model_core.train.trainer import Trainer
 
     ms.device_context.cpu.op_tuning.threads_num(1)  # as msrun's workers run (OMP_NUM_THREADS=1)
-    trainer = Trainer(params_for(name, seq, [f"train.steps={steps}"]), dataset, out / "checkpoints")
+    trainer = Trainer(params_for(name, seq, [*overrides, f"train.steps={steps}"]), dataset, out / "checkpoints")
     trainer.save = lambda: None  # a checkpoint is not part of a step
     trainer.evaluate = lambda: float("nan")
     history = trainer.run().history
