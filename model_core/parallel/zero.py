@@ -189,6 +189,10 @@ class GradientShards(nn.Cell):
         self.all_reduced = group.size == 1 or not group.native_reduce_scatter
         if self.all_reduced:
             self.plan = contiguous_buckets(sizes, group.size, self.shard_length, pieces, max(1, bucket_bytes // 4))
+            # jit drops a sum whose result nothing uses: a rank whose shard misses the last buckets would skip their
+            # all-reduces, which the other ranks wait in. Its last sum, written here, keeps the whole chain.
+            self.last_sum = Parameter(ops.zeros((1,), ms.float32), name=f"grad_shard.last_sum.{weights[-1].name}",
+                                      requires_grad=False)
         else:
             buckets, completions = gather_plan(sizes, group.size, self.shard_length,
                                                max(1, bucket_bytes // (4 * group.size)))
@@ -211,7 +215,7 @@ class GradientShards(nn.Cell):
             done = summed
             for j, at in adds:
                 done = ops.depend(done, ops.assign_add(self.buffers[j], summed[at : at + self.piece_lengths[j]]))
-        return done
+        return ops.assign(self.last_sum, done.reshape(-1)[:1])
 
     def _reduce_scatter(self, grads):
         reduced = [None] * len(self.buckets)
