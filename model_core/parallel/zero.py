@@ -10,9 +10,10 @@ ZeRO-1 sums the full gradients over the group once per step and lets each rank s
 ZeRO-2 keeps no full gradient buffer: each micro-batch's gradients, flattened the same way, are
 reduce-scattered over the group bucket by bucket (on a backend without a native reduce-scatter, all-reduced in
 contiguous buckets) and only this rank's shard is added into shard-sized buffers, one per piece (`GradientShards`,
-which pipeline stages use too); the gradient norm sums the shards' squares over the group. Both stages write the updated shards back into the weights with a bucketed all-gather (`ShardGather`),
-and AdamW applies the loss scale and the clip factor to each gradient piece as it uses it: no buffer the size of
-the whole model is made at the update.
+which pipeline stages use too); the gradient norm sums the shards' squares over the group. Both stages write the
+updated shards back into the weights with a bucketed all-gather (`ShardGather`), and AdamW applies the loss scale
+and the clip factor to each gradient piece as it uses it: no buffer the size of the whole model is made at the
+update.
 """
 
 from __future__ import annotations
