@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import PARALLEL_STEPS, TWO_WORKER_JOBS
-from test_parallel_msrun import assert_resumed_tail, assert_same_blocks, resume_from_step, train_job, zero_job
+from test_parallel_msrun import assert_resumed_tail, assert_same_blocks, resume_from_step, train_job
 
 from model_core.optim.offload import FILE_PREFIX
 from model_core.train.checkpoint import Checkpoint
@@ -22,7 +22,8 @@ PARAM_OFFLOAD = ("parallel.optimizer_offload=true", "parallel.param_offload=true
 
 
 def layout(zero_stage: int) -> tuple[str, ...]:
-    return zero_job(zero_stage)
+    """The params of the shared launch's dp2 ZeRO job (tests/test_parallel_msrun.py registers it)."""
+    return TWO_WORKER_JOBS[f"dp2-zero{zero_stage}"]
 
 
 def metrics(report: dict) -> list[list]:
@@ -39,9 +40,7 @@ def plain_job(two_worker_jobs):
     (tests/test_parallel_msrun.py registers it), which trains the same params."""
 
     def job(zero_stage: int):
-        name = f"dp2-zero{zero_stage}"
-        assert TWO_WORKER_JOBS[name] == layout(zero_stage), name
-        return two_worker_jobs[name]
+        return two_worker_jobs[f"dp2-zero{zero_stage}"]
 
     return job
 

@@ -22,7 +22,14 @@ from model_core.parallel import launch as launcher
 from model_core.parallel.data_parallel import bucket_indices
 from model_core.parallel.launch import launch, launch_training, log_tail
 from model_core.parallel.layout import Layout, ParallelConfigError
-from model_core.parallel.zero import GradientShards, bucket_inputs, gather_plan, piece_completions, shard_pieces
+from model_core.parallel.zero import (
+    GradientShards,
+    bucket_inputs,
+    contiguous_buckets,
+    gather_plan,
+    piece_completions,
+    shard_pieces,
+)
 from model_core.parallel.optimizer import RankState
 from model_core.parallel.placement import PARAMETER_SHARD, StatePlacement
 from model_core.parallel.zero3 import join_shards, shard_parameters, take_shard
@@ -222,6 +229,30 @@ def test_the_bucketed_reduce_scatter_gives_each_rank_the_sum_of_its_pieces(shard
                 buffers[j] += np.concatenate([reduced[b][start:end] for b, start, end in segments])
         held = np.concatenate(buffers)
         np.testing.assert_allclose(held, whole[rank * length : rank * length + held.size], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize(("shards", "length", "bucket"), [(1, 23, 4), (2, 12, 5), (3, 8, 3), (3, 10, 4), (2, 15, 100)])
+def test_the_contiguous_all_reduce_buckets_give_each_rank_the_sum_of_its_pieces(shards, length, bucket):
+    sizes = [7, 3, 12, 1]
+    rng = np.random.default_rng(0)
+    grads = [[rng.standard_normal(size) for size in sizes] for _ in range(shards)]  # each rank's, flattened
+    whole = np.concatenate([np.concatenate(rank) for rank in grads]).reshape(shards, -1).sum(axis=0)
+    plans = [contiguous_buckets(sizes, shards, length, shard_pieces(sizes, shards, rank, length)[0], bucket)
+             for rank in range(shards)]
+    assert len({tuple(units for units, _ in plan) for plan in plans}) == 1  # every rank runs the same all-reduces
+    units = [unit for bucket, _ in plans[0] for unit in bucket]
+    assert [i for i, _, _ in units] == sorted((i for i, _, _ in units), reverse=True)  # last weight first
+    assert all(len(members) == 1 or sum(e - s for _, s, e in members) <= bucket for members, _ in plans[0])
+    for rank, plan in enumerate(plans):
+        pieces, _ = shard_pieces(sizes, shards, rank, length)
+        buffers = [np.zeros(p.end - p.start) for p in pieces]
+        for members, adds in plan:
+            summed = sum(np.concatenate([mine[i][start:end] for i, start, end in members]) for mine in grads)
+            for j, at in adds:
+                buffers[j] += summed[at : at + len(buffers[j])]
+        held = np.concatenate(buffers) if buffers else np.zeros(0)
+        np.testing.assert_array_equal(held, whole[rank * length : rank * length + held.size])
+        assert sum(len(adds) for _, adds in plan) == len(pieces)
 
 
 def test_gradient_shards_over_a_group_of_one_add_every_gradient_through_small_buckets():

@@ -8,11 +8,12 @@ element-wise, so the result is the unsharded update, bit for bit up to the gradi
 
 ZeRO-1 sums the full gradients over the group once per step and lets each rank slice its pieces out.
 ZeRO-2 keeps no full gradient buffer: each micro-batch's gradients, flattened the same way, are
-reduce-scattered over the group bucket by bucket and only this rank's shard is added into shard-sized buffers,
-one per piece (`GradientShards`, which pipeline stages use too); the gradient norm sums the shards' squares over
-the group. Both stages write the updated shards back into the weights with a bucketed all-gather (`ShardGather`),
-and AdamW applies the loss scale and the clip factor to each gradient piece as it uses it: no buffer the size of
-the whole model is made at the update.
+reduce-scattered over the group bucket by bucket (on a backend without a native reduce-scatter, all-reduced in
+contiguous buckets) and only this rank's shard is added into shard-sized buffers, one per piece (`GradientShards`,
+which pipeline stages use too); the gradient norm sums the shards' squares over the group. Both stages write the
+updated shards back into the weights with a bucketed all-gather (`ShardGather`), and AdamW applies the loss scale
+and the clip factor to each gradient piece as it uses it: no buffer the size of the whole model is made at the
+update.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from mindspore import Parameter, ParameterTuple, nn, ops
 
 from model_core.optim.step import AccumulateGradients
 from model_core.parallel.comm import Group
-from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
+from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES, bucket_indices
 
 
 @dataclass(frozen=True)
@@ -154,9 +155,18 @@ def shard_fill(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, int, i
 class GradientShards(nn.Cell):
     """ZeRO-2's gradient store: fp32 `buffers`, one per piece of this rank's shard of the weights' flattened,
     concatenated gradients (the pieces the optimizer updates where a weight's state is a flat shard). Called inside
-    a compiled step with one micro-batch's full gradients, it reduce-scatters them over the group bucket by bucket (the buckets of
-    `gather_plan`, each of at most `bucket_bytes` before the reduction) and adds this rank's shard in: no flat copy
-    of all the gradients is made, only one bucket's at a time.
+    a compiled step with one micro-batch's full gradients, it sums them over the group bucket by bucket, each of at
+    most `bucket_bytes` before the reduction, and adds this rank's shard in: no flat copy of all the gradients is
+    made, only one bucket's at a time.
+
+    With a native reduce-scatter the buckets are those of `gather_plan` (bucket k: elements [lo, hi) of every
+    rank's shard), reduce-scattered. Without one (the CPU's MCCL) a reduce-scatter is an all-reduce of the whole
+    bucket anyway, so the buckets are contiguous runs of the flat gradients instead (`contiguous_buckets`), taken
+    last weight first as the backward makes them; each is all-reduced, and only its parts inside this rank's shard
+    are added in. A `gather_plan` bucket joins the end of one shard with the end of the next, so its first one waits
+    for the backward to reach the middle of the model while the later shards' fresh gradients stay alive; a
+    contiguous bucket is ready as soon as its own weights' gradients are. Every rank runs the same all-reduces,
+    those of buckets outside its shard included.
 
     `shard_length` (`shard_pieces`) lets two pipeline stages that hold the same tied table first cut it at
     the same offsets, so its gradient pieces can be summed over the two stages piece by piece."""
@@ -177,18 +187,41 @@ class GradientShards(nn.Cell):
         self.group = group
         self.piece_params = tuple(p.index for p in pieces)  # the weight each buffer is a piece of
         self.piece_lengths = tuple(p.end - p.start for p in pieces)
-        buckets, completions = gather_plan(sizes, group.size, self.shard_length, max(1, bucket_bytes // (4 * group.size)))
-        self.buckets = buckets
-        self.inputs = bucket_inputs(buckets, completions, group.size)
-        self.completions = piece_completions(buckets, self.piece_lengths)
+        self.all_reduced = group.size == 1 or not group.native_reduce_scatter
+        if self.all_reduced:
+            self.plan = contiguous_buckets(sizes, group.size, self.shard_length, pieces, max(1, bucket_bytes // 4))
+            # jit drops a sum whose result nothing uses: a rank whose shard misses the last buckets would skip their
+            # all-reduces, which the other ranks wait in. Its last sum, written here, keeps the whole chain.
+            self.last_sum = Parameter(ops.zeros((1,), ms.float32), name=f"grad_shard.last_sum.{weights[-1].name}",
+                                      requires_grad=False)
+        else:
+            buckets, completions = gather_plan(sizes, group.size, self.shard_length,
+                                               max(1, bucket_bytes // (4 * group.size)))
+            self.buckets = buckets
+            self.inputs = bucket_inputs(buckets, completions, group.size)
+            self.completions = piece_completions(buckets, self.piece_lengths)
 
     def construct(self, grads):
+        # A bucket's flat fp32 input is cut from the gradients only once the previous bucket is summed: made as soon
+        # as the gradients exist, every bucket's would be alive at once, waiting for its turn.
+        if self.all_reduced:
+            return self._all_reduce(grads)
+        return self._reduce_scatter(grads)
+
+    def _all_reduce(self, grads):
+        done = ops.zeros((), ms.float32)
+        for units, adds in self.plan:
+            parts = [ops.depend(grads[i], done).reshape(-1)[start:end].astype(ms.float32) for i, start, end in units]
+            summed = self.group.all_reduce(ops.cat(parts) if len(parts) > 1 else parts[0])
+            done = summed
+            for j, at in adds:
+                done = ops.depend(done, ops.assign_add(self.buffers[j], summed[at : at + self.piece_lengths[j]]))
+        return ops.assign(self.last_sum, done.reshape(-1)[:1])
+
+    def _reduce_scatter(self, grads):
         reduced = [None] * len(self.buckets)
         done = ops.zeros((), ms.float32)
-        # The last bucket first: the backward finishes the last weights' gradients first, so each bucket can be
-        # reduced, and its gradients freed, while the earlier layers' backward still runs. A bucket's flat fp32
-        # input is cut from the gradients only once the previous bucket is reduced: made as soon as the gradients
-        # exist, every bucket's would be alive at once, waiting for its turn.
+        # The last bucket first: the backward finishes the last weights' gradients first.
         for k in range(len(self.buckets) - 1, -1, -1):
             parts = []
             for i, start, end in self.inputs[k]:
@@ -203,6 +236,33 @@ class GradientShards(nn.Cell):
                 values = [reduced[b][start:end] for b, start, end in segments]
                 ops.assign_add(self.buffers[j], ops.cat(values) if len(values) > 1 else values[0])
         return done
+
+
+def contiguous_buckets(sizes: Sequence[int], shards: int, length: int, pieces: Sequence[Piece], bucket_elements: int
+                       ) -> tuple[tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int], ...]], ...]:
+    """The all-reduce buckets of `GradientShards` without a native reduce-scatter: each weight's flat gradient (of
+    these sizes) cut at the boundaries of `shards` shards of `length` into units inside one shard each, taken last
+    weight first and grouped, consecutive, into buckets of at most `bucket_elements` (a larger unit stands alone).
+    Per bucket: its units (weight, start, end) in order, and this rank's `pieces` (`shard_pieces`) among them as
+    (piece, offset in the bucket); a unit of this rank's shard is one whole piece."""
+    offsets = np.cumsum([0, *sizes]).tolist()
+    mine = {(p.index, p.start): j for j, p in enumerate(pieces)}
+    units = []
+    for index in reversed(range(len(sizes))):
+        for shard in range(shards):
+            start = max(offsets[index], shard * length) - offsets[index]
+            end = min(offsets[index + 1], (shard + 1) * length) - offsets[index]
+            if start < end:
+                units.append((index, start, end))
+    plan = []
+    for bucket in bucket_indices([end - start for _, start, end in units], bucket_elements):
+        members, adds, at = tuple(units[u] for u in bucket), [], 0
+        for index, start, end in members:
+            if (index, start) in mine:
+                adds.append((mine[(index, start)], at))
+            at += end - start
+        plan.append((members, tuple(adds)))
+    return tuple(plan)
 
 
 def bucket_inputs(buckets, completions, shards: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
