@@ -2,13 +2,15 @@
 
     python tests/parallel_worker.py collectives OUT_DIR LATE_SECONDS
     python tests/parallel_worker.py freeze OUT_DIR
-    python tests/parallel_worker.py train OUT_DIR DATASET_DIR [--resume PATH] [--lora yes] [--set section.field=value ...]
+    python tests/parallel_worker.py train OUT_DIR DATASET_DIR [--resume PATH] [--lora yes] [--emulate OPERATORS]
+                                        [--set section.field=value ...]
     python tests/parallel_worker.py jobs LOG_DIR JOBS_JSON
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,6 +43,15 @@ class _AllInJit(nn.Cell):
         )
 
 
+def _groups(rank: int, size: int) -> list[tuple[object, comm.Group]]:
+    """The world group three ways, by label: the native operators the backend has (True), the all-reduce
+    fallbacks alone (False), and every operator's native path with stand-ins where the backend lacks it
+    ("emulated": the code that otherwise runs only on Ascend and GPU)."""
+    ranks = tuple(range(size))
+    return [(True, comm.Group(ranks, rank)), (False, comm.Group(ranks, rank, use_native=False)),
+            ("emulated", comm.Group(ranks, rank, emulate=frozenset(comm.EMULABLE)))]
+
+
 def check_comm() -> dict[str, bool]:
     """Every collective, native and fallback, PyNative and jit, against numpy."""
     rank, size = comm.rank(), comm.world_size()
@@ -55,8 +66,7 @@ def check_comm() -> dict[str, bool]:
     }
     results = {}
     x = ms.Tensor(values[rank])
-    for native in (True, False):
-        group = comm.Group(tuple(range(size)), rank, use_native=native)
+    for native, group in _groups(rank, size):
         eager = (
             group.all_reduce(x), group.all_reduce(x, "mean"), group.all_reduce(x, "max"), group.all_gather(x),
             group.reduce_scatter(x), group.broadcast(x, 1),
@@ -113,13 +123,12 @@ def check_all_to_all() -> dict[str, bool]:
     expected, expected_grad = _all_to_all(inputs, rank), _all_to_all(weights, rank)
     x = Tensor(inputs[rank])
     results = {}
-    for native in (True, False):
-        group = comm.Group(tuple(range(size)), rank, use_native=native)
+    for native, group in _groups(rank, size):
         loss = _WeightedSum(group, weights[rank])
         results[f"values/pynative/native={native}"] = bool(np.array_equal(group.all_to_all(x).asnumpy(), expected))
         for mode, (_, grad) in (("pynative", ms.value_and_grad(loss, grad_position=0)(x)), ("jit", _ValueAndGradInJit(loss)(x))):
             results[f"grad/{mode}/native={native}"] = bool(np.array_equal(grad.asnumpy(), expected_grad))
-        results[f"fallback_used/native={native}"] = not group.native_all_to_all
+        results[f"path/native={native}"] = "native" if group.native_all_to_all else "fallback"
     return results
 
 
@@ -154,8 +163,7 @@ def check_sequence_collectives() -> dict[str, bool]:
         "gathered_linear": (whole_input @ weight.T, np.split(sum(masks) @ weight, size, axis=1)[rank]),
     }
     results = {}
-    for native in (True, False):
-        group = comm.Group(tuple(range(size)), rank, use_native=native)
+    for native, group in _groups(rank, size):
         got = {"gather_sequence": group.all_gather_sequence(Tensor(slices[rank])),
                "scatter_sequence": group.reduce_scatter_sequence(Tensor(wholes[rank])),
                "gathered_linear": SequenceGatheredLinear(group)(Tensor(slices[rank]), Tensor(weight))}
@@ -208,7 +216,8 @@ def freeze(out_dir: Path) -> None:
 
 
 def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
-    """Train with params `tiny` + `--set` overrides (LoRA adapters of params.lora with `--lora yes`), resuming from
+    """Train with params `tiny` + `--set` overrides (LoRA adapters of params.lora with `--lora yes`; the native
+    paths of the collectives named by `--emulate`, with stand-ins: `comm.EMULATED_COLLECTIVES_ENV`), resuming from
     `--resume` (default: start fresh); write
     this rank's metrics history, held parameter, optimizer-state and gradient-buffer bytes (read back from the
     arrays), and its weights as held at the start and the end (rank<r>_initial.npz, rank<r>_final.npz; ZeRO-3
@@ -222,7 +231,12 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     params = load_params("tiny", [value for flag, value in pairs if flag == "--set"])
     resume = next((value for flag, value in pairs if flag == "--resume"), "none")
     lora = params.lora if ("--lora", "yes") in pairs else None
-    trainer = Trainer(params, dataset_dir, out_dir / "checkpoints", lora=lora)
+    emulate = next((value for flag, value in pairs if flag == "--emulate"), "")
+    os.environ[comm.EMULATED_COLLECTIVES_ENV] = emulate  # read when the trainer asks for its groups
+    try:
+        trainer = Trainer(params, dataset_dir, out_dir / "checkpoints", lora=lora)
+    finally:
+        del os.environ[comm.EMULATED_COLLECTIVES_ENV]
     np.savez(out_dir / f"rank{trainer.rank}_initial.npz", **model_weights(trainer.model))
     result = trainer.run(resume=resume)
     optimizer = trainer.optimizer
@@ -234,6 +248,8 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
         "history": result.history, "moment_bytes": held, "gradient_bytes": gradient_bytes,
         "parameter_bytes": parameter_bytes, "checkpoint": str(result.checkpoint),
         "offload_mappings_after_run": len(offload_mappings()),
+        # ZeRO-2's gradient store: the all-reduce path (True) or the native reduce-scatter's (False); None: no store
+        "zero2_all_reduced": getattr(getattr(trainer.parallel.accumulate, "shards", None), "all_reduced", None),
     }
     (out_dir / f"rank{trainer.rank}.json").write_text(json.dumps(report))
 

@@ -146,12 +146,14 @@ TWO_WORKER_JOBS.update({
         0, SMALL_BUCKETS, *ONE_MICRO_BATCH, "parallel.overlap_gradient_reduction=false"
     ),
     "dp2-zero1": zero_job(1), "dp2-zero2": zero_job(2, SMALL_BUCKETS), "dp2-zero3": zero_job(3),
+    # ZeRO-2 as on Ascend and GPU: `gather_plan`'s reduce-scattered buckets, the reduce-scatter a stand-in
+    "dp2-zero2-native-reduce-scatter": zero_job(2, SMALL_BUCKETS, "--emulate=reduce_scatter"),
 })
 
 
 def test_every_collective_matches_numpy_and_a_rank_late_to_one_by_more_than_the_node_timeout_is_waited_for(tmp_path):
-    """One job for three checks (starting it costs more than they do): every collective, native and fallback,
-    PyNative and jit, against numpy; the all-to-all and its gradient likewise; and a late rank. MindSpore's CPU
+    """One job for three checks (starting it costs more than they do): every collective, native, fallback and
+    through its native path with stand-ins (`LLMFLOW_EMULATED_COLLECTIVES`), PyNative and jit, against numpy; the all-to-all and its gradient likewise; and a late rank. MindSpore's CPU
     collectives give up on a late peer after MS_NODE_TIMEOUT, which the launcher keeps short for its scheduler:
     a rank 12 s late (as one compiling its first graph can be) would fail a job whose node timeout is 5 s. The
     ranks wait for the collective timeout instead, and the sum arrives."""
@@ -160,7 +162,8 @@ def test_every_collective_matches_numpy_and_a_rank_late_to_one_by_more_than_the_
     for rank in (0, 1):
         found = json.loads((tmp_path / "out" / f"rank{rank}.json").read_text())
         assert found["comm"] and all(found["comm"].values()), [k for k, ok in found["comm"].items() if not ok]
-        assert found["all_to_all"]["fallback_used/native=False"]
+        assert found["all_to_all"]["path/native=False"] == "fallback"
+        assert found["all_to_all"]["path/native=emulated"] == "native"
         assert all(found["all_to_all"].values()), found["all_to_all"]
         assert found["late"] == [3.0, 3.0]
 
@@ -199,6 +202,23 @@ def test_dp2_sums_gradients_inside_the_backward_or_after_it_to_the_same_bits(two
         final = [np.load(out / "out" / f"rank{rank}_final.npz") for out in (overlapped_out, after_out)]
         for name in final[0]:
             np.testing.assert_array_equal(final[1][name], final[0][name], err_msg=name)
+
+
+def test_dp2_zero2_through_the_native_reduce_scatter_path_trains_to_the_same_bits(two_worker_jobs, single_process):
+    """ZeRO-2's path for a backend with a native reduce-scatter (bucket k: elements [lo, hi) of every rank's shard,
+    reduce-scattered, pieces completed from several buckets), which the CPU backend would never run, run with the
+    reduce-scatter's stand-in: it follows one process, and since a sum of two ranks is the same in any bucketing,
+    ends on the same weights as the all-reduce path, bit for bit."""
+    native_out, native = two_worker_jobs["dp2-zero2-native-reduce-scatter"]
+    fallback_out, fallback = two_worker_jobs["dp2-zero2"]
+    assert [rank["zero2_all_reduced"] for rank in native + fallback] == [False, False, True, True]
+    for rank in native:
+        assert_same_metrics(rank["history"], single_process["history"])
+    assert_resumed_tail(native, fallback, after=0)
+    for rank in (0, 1):
+        final = [np.load(out / "out" / f"rank{rank}_final.npz") for out in (native_out, fallback_out)]
+        for name in final[0]:
+            np.testing.assert_array_equal(final[0][name], final[1][name], err_msg=name)
 
 
 def test_dp2_zero2_holds_half_the_gradient_buffers_of_zero1(two_worker_jobs):

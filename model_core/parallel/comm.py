@@ -17,6 +17,13 @@ graph the root's `AllReduce(x)` would otherwise be merged with any other `AllRed
 subexpression elimination) on the root alone, and the ranks would then disagree on how many collectives
 to run. Blocks are along axis 0 (all-gather and reduce-scatter: along any axis), in group order. A group of one rank needs no communication and no
 `mindspore.communication.init()`, so single-process code can call the same methods.
+
+The code that only runs where a backend has the native operator (ZeRO-2's reduce-scattered buckets, sequence
+parallelism's stacked blocks) is tested on CPU with stand-ins: `LLMFLOW_EMULATED_COLLECTIVES=reduce_scatter`
+(a comma-separated subset of `EMULABLE`) in a process's environment when it asks for a group makes the group take
+its native path for those operators, each operator replaced by its fallback with the operator's own contract
+(an axis-0 reduce-scatter that returns this rank's block, and so on). It changes no value, only which of our code
+runs; on Ascend and GPU it is never set.
 """
 
 from __future__ import annotations
@@ -41,6 +48,8 @@ _NATIVE_ON_WORLD = {
     "mccl": {"all_gather", "broadcast"},  # measured: "AllReduce only support reduce sum on CPU"
 }
 _BACKEND_OF_DEVICE = {"Ascend": "hccl", "GPU": "nccl", "CPU": "mccl"}
+EMULATED_COLLECTIVES_ENV = "LLMFLOW_EMULATED_COLLECTIVES"
+EMULABLE = ("all_gather", "reduce_scatter", "all_to_all")
 
 
 def backend() -> str:
@@ -91,17 +100,32 @@ def _group_name(ranks: tuple[int, ...]) -> str:
     return name
 
 
-@cache
 def group(ranks: Sequence[int]) -> Group:
     """The (cached) collectives over `ranks`, which must include this rank. Call with a tuple."""
-    return Group(tuple(ranks), rank())
+    return _cached_group(tuple(ranks), emulated_collectives())
+
+
+@cache
+def _cached_group(ranks: tuple[int, ...], emulated: frozenset[str]) -> Group:
+    return Group(ranks, rank(), emulate=emulated)
+
+
+def emulated_collectives() -> frozenset[str]:
+    """The native operators `LLMFLOW_EMULATED_COLLECTIVES` asks groups to stand in for (tests; see the module)."""
+    names = frozenset(name.strip() for name in os.environ.get(EMULATED_COLLECTIVES_ENV, "").split(",") if name.strip())
+    unknown = sorted(names - set(EMULABLE))
+    if unknown:
+        raise ValueError(f"{EMULATED_COLLECTIVES_ENV}: {', '.join(unknown)} cannot be emulated (only {', '.join(EMULABLE)})")
+    return names
 
 
 class Group(nn.Cell):
     """Collectives over one ordered group of ranks; `index` is this rank's place in it."""
 
-    def __init__(self, ranks: tuple[int, ...], my_rank: int, use_native: bool = True) -> None:
-        """`use_native=False` takes the all-reduce fallbacks even where native operators exist (tests)."""
+    def __init__(self, ranks: tuple[int, ...], my_rank: int, use_native: bool = True,
+                 emulate: frozenset[str] = frozenset()) -> None:
+        """`use_native=False` takes the all-reduce fallbacks even where native operators exist (tests); `emulate`
+        takes the native path for those operators (of `EMULABLE`) where the backend lacks them, with stand-ins."""
         super().__init__()
         if len(set(ranks)) != len(ranks) or my_rank not in ranks:
             raise ValueError(f"group {list(ranks)} must list distinct ranks including this rank {my_rank}")
@@ -115,6 +139,8 @@ class Group(nn.Cell):
         name = _group_name(ranks)
         is_world = ranks == tuple(range(world_size()))
         native = _NATIVE_ON_WORLD[kind] if use_native and (is_world or _NATIVE_ON_SUBGROUPS[kind]) else set()
+        stand_ins = set(emulate) - native if use_native else set()
+        native = native | stand_ins
         self.native_all_gather = "all_gather" in native
         self.native_reduce_scatter = "reduce_scatter" in native
         self.native_all_to_all = "all_to_all" in native
@@ -126,11 +152,12 @@ class Group(nn.Cell):
             Tensor(np.eye(self.size, dtype=np.int32)[self.index]), name=f"{name}.is_me", requires_grad=False
         )
         if self.native_all_gather:
-            self._gather = ops.AllGather(name)
+            self._gather = StandIn(self, "all_gather") if "all_gather" in stand_ins else ops.AllGather(name)
         if self.native_reduce_scatter:
-            self._scatter = ops.ReduceScatter(ops.ReduceOp.SUM, name)
+            self._scatter = (StandIn(self, "reduce_scatter") if "reduce_scatter" in stand_ins
+                             else ops.ReduceScatter(ops.ReduceOp.SUM, name))
         if self.native_all_to_all:
-            self._all_to_all = ops.AlltoAll(self.size, 0, 0, name)
+            self._all_to_all = StandIn(self, "all_to_all") if "all_to_all" in stand_ins else ops.AlltoAll(self.size, 0, 0, name)
         if self.native_max:
             self._max = ops.AllReduce(ops.ReduceOp.MAX, name)
         if self.native_broadcast:  # root_rank is fixed per primitive: one per possible root
@@ -199,6 +226,22 @@ class Group(nn.Cell):
         if self.native_broadcast:
             return self._broadcasts[root_index]((x,))[0]
         return self._sum(broadcast_contribution(x, self._is_me[root_index]))
+
+
+class StandIn(nn.Cell):
+    """A native operator's contract (axis 0, group order) built from the group's all-reduce: `LLMFLOW_EMULATED_COLLECTIVES`."""
+
+    def __init__(self, group: Group, operator: str) -> None:
+        super().__init__()
+        self.sum = group._sum
+        self.index, self.size, self.operator = group.index, group.size, operator
+
+    def construct(self, x):
+        if self.operator == "all_gather":
+            return self.sum(row_contribution(x, self.index, self.size))
+        if self.operator == "reduce_scatter":
+            return own_block(self.sum(x), self.index, self.size)
+        return received_blocks(self.sum(all_to_all_contribution(x, self.index, self.size)), self.index, self.size)
 
 
 class AllToAll(nn.Cell):
