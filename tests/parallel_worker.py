@@ -248,10 +248,17 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
         "history": result.history, "moment_bytes": held, "gradient_bytes": gradient_bytes,
         "parameter_bytes": parameter_bytes, "checkpoint": str(result.checkpoint),
         "offload_mappings_after_run": len(offload_mappings()),
-        # ZeRO-2's gradient store: the all-reduce path (True) or the native reduce-scatter's (False); None: no store
-        "zero2_all_reduced": getattr(getattr(trainer.parallel.accumulate, "shards", None), "all_reduced", None),
+        "zero2_all_reduced": _zero2_all_reduced(trainer),
     }
     (out_dir / f"rank{trainer.rank}.json").write_text(json.dumps(report))
+
+
+def _zero2_all_reduced(trainer) -> bool | None:
+    """Whether ZeRO-2's (dense) gradient store takes the all-reduce path (False: the native reduce-scatter's);
+    None without one."""
+    shards = getattr(trainer.parallel.accumulate, "shards", None)
+    shards = getattr(shards, "dense", shards)  # under expert parallelism, the dense weights' store
+    return getattr(shards, "all_reduced", None)
 
 
 def jobs(log_dir: Path, jobs_json: str) -> None:

@@ -108,6 +108,21 @@ def test_pp2_trains_an_moe_model_equal_to_one_process_with_its_routing_metrics(d
         assert_same_routing(rank["history"], single_process["history"])
 
 
+@pytest.mark.extended  # four workers, ~2 min each; dp2 x ep2 (expert-dp of one) runs by default
+@pytest.mark.parametrize("emulate", ["", "reduce_scatter"])
+def test_dp4_ep2_zero2_shards_each_experts_state_over_its_expert_dp_pair(dataset_dir, single_process, tmp_path, emulate):
+    """dp4 x ep2: each expert block is held by two ranks (an expert-dp group of two, a subgroup of the world), which
+    reduce-scatter its gradients and shard its moments between them, while the dense weights' are sharded over all
+    four. The two stores' sums run as one chain, in the order the backward makes the gradients (the same on every
+    rank, which collectives of two groups need); with `emulate` through the native reduce-scatter path."""
+    ranks = train_job(tmp_path, dataset_dir, *MOE, "parallel.data_parallel=4", "parallel.expert_parallel=2",
+                      "parallel.micro_batches=1", "parallel.zero_stage=2", f"--emulate={emulate}", workers=4)
+    for rank in ranks:
+        assert_same_metrics(rank["history"], single_process["history"])
+        assert_same_routing(rank["history"], single_process["history"])
+        assert rank["zero2_all_reduced"] is (not emulate)
+
+
 @pytest.mark.extended  # four workers; pp2 above and dp2 x ep2 check each half by default
 @pytest.mark.parametrize("zero", [0, 2])
 def test_dp2_pp2_ep2_on_four_workers_trains_equal_to_one_process(dataset_dir, single_process, tmp_path, zero):

@@ -27,6 +27,7 @@ from model_core.parallel.zero import (
     bucket_inputs,
     contiguous_buckets,
     gather_plan,
+    merged_order,
     piece_completions,
     shard_pieces,
 )
@@ -253,6 +254,16 @@ def test_the_contiguous_all_reduce_buckets_give_each_rank_the_sum_of_its_pieces(
         held = np.concatenate(buffers) if buffers else np.zeros(0)
         np.testing.assert_array_equal(held, whole[rank * length : rank * length + held.size])
         assert sum(len(adds) for _, adds in plan) == len(pieces)
+
+
+def test_two_stores_buckets_merge_into_one_chain_in_the_order_the_backward_finishes_them():
+    """(store, position) of each bucket: each store's own order kept, the bucket whose first weight is latest taken
+    first, a tie to the first store; computed from the readiness alone, so the same on every rank."""
+    dense, experts = [9, 7, 7, 2, 0], [8, 7, 3]
+    assert merged_order([dense, experts]) == ((0, 0), (1, 0), (0, 1), (0, 2), (1, 1), (1, 2), (0, 3), (0, 4))
+    assert merged_order([[], [4, 1]]) == ((1, 0), (1, 1))
+    # a store's own order stands even where its readiness rises (the native path completes pieces bucket k first)
+    assert merged_order([[1, 5], [3]]) == ((1, 0), (0, 0), (0, 1))
 
 
 def test_gradient_shards_over_a_group_of_one_add_every_gradient_through_small_buckets():

@@ -31,13 +31,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, mint, nn
+from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
 
 from model_core.model.moe import Experts, swiglu_experts
 from model_core.parallel.comm import AllToAll, Group
 from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
-from model_core.parallel.zero import GradientShards
+from model_core.parallel.zero import GradientShards, merged_order
 
 
 class ExpertParallelExperts(nn.Cell):
@@ -97,7 +98,8 @@ class ExpertGradientShards(nn.Cell):
     positions `experts`) over `expert_dp_group`, each into fp32 `buffers`: the dense shard's pieces, then the
     experts'. `piece_params` names the weight of every buffer; `shard_length` and `expert_shard_length` are the
     two shards' (`shard_length`, when given, as for `zero.shard_pieces`: a pipeline's tied table cut alike on
-    both end stages); `bucket_bytes` as for `GradientShards`."""
+    both end stages); `bucket_bytes` as for `GradientShards`. The two stores' buckets run as one chain, merged in
+    the order the backward finishes them (`zero.merged_order`), the same on every rank."""
 
     def __init__(self, weights: Sequence[Parameter], experts: set[int], dp_group: Group, expert_dp_group: Group,
                  shard_length: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
@@ -112,8 +114,22 @@ class ExpertGradientShards(nn.Cell):
             self.expert_positions[p] for p in self.experts.piece_params
         )
         self.shard_length, self.expert_shard_length = self.dense.shard_length, self.experts.shard_length
+        # One chain for both stores, in the order the backward finishes their buckets: two independent chains could
+        # interleave their collectives differently on ranks that share both groups, and each would wait for the other.
+        stores = ((self.dense, self.dense_positions), (self.experts, self.expert_positions))
+        readiness = [[positions[store.ready[k]] if store.ready[k] < len(positions) else len(weights) for k in store.order]
+                     for store, positions in stores]
+        self.chain = tuple((s, stores[s][0].order[at]) for s, at in merged_order(readiness))
+        self.last_sum = Parameter(ops.zeros((1,), ms.float32), name=f"grad_shard.chain_end.{weights[-1].name}",
+                                  requires_grad=False)
 
     def construct(self, grads):
-        self.dense(tuple(grads[i] for i in self.dense_positions))
-        self.experts(tuple(grads[i] for i in self.expert_positions))
-        return True
+        dense_grads = tuple(grads[i] for i in self.dense_positions)
+        expert_grads = tuple(grads[i] for i in self.expert_positions)
+        done, dense_reduced, expert_reduced = ops.zeros((), ms.float32), self.dense.no_sums(), self.experts.no_sums()
+        for store, k in self.chain:
+            if store == 0:
+                done, dense_reduced = self.dense.sum_bucket(k, dense_grads, done, dense_reduced)
+            else:
+                done, expert_reduced = self.experts.sum_bucket(k, expert_grads, done, expert_reduced)
+        return ops.assign(self.last_sum, done.reshape(-1)[:1])  # keeps the whole chain (`GradientShards.finish`)

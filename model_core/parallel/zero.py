@@ -169,7 +169,10 @@ class GradientShards(nn.Cell):
     those of buckets outside its shard included.
 
     `shard_length` (`shard_pieces`) lets two pipeline stages that hold the same tied table first cut it at
-    the same offsets, so its gradient pieces can be summed over the two stages piece by piece."""
+    the same offsets, so its gradient pieces can be summed over the two stages piece by piece.
+
+    The buckets run as one chain, in `order`; `ready[k]` is the first weight bucket k reads, which the backward
+    reaches last: `expert.ExpertGradientShards` merges two stores' chains by it (`merged_order`)."""
 
     def __init__(self, weights: Sequence[Parameter], group: Group, shard_length: int | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
@@ -190,8 +193,8 @@ class GradientShards(nn.Cell):
         self.all_reduced = group.size == 1 or not group.native_reduce_scatter
         if self.all_reduced:
             self.plan = contiguous_buckets(sizes, group.size, self.shard_length, pieces, max(1, bucket_bytes // 4))
-            # jit drops a sum whose result nothing uses: a rank whose shard misses the last buckets would skip their
-            # all-reduces, which the other ranks wait in. Its last sum, written here, keeps the whole chain.
+            self.order = tuple(range(len(self.plan)))  # already last weight first
+            self.ready = tuple(min(i for i, _, _ in units) for units, _ in self.plan)
             self.last_sum = Parameter(ops.zeros((1,), ms.float32), name=f"grad_shard.last_sum.{weights[-1].name}",
                                       requires_grad=False)
         else:
@@ -200,42 +203,65 @@ class GradientShards(nn.Cell):
             self.buckets = buckets
             self.inputs = bucket_inputs(buckets, completions, group.size)
             self.completions = piece_completions(buckets, self.piece_lengths)
+            self.order = tuple(range(len(buckets) - 1, -1, -1))  # the last bucket first: the last weights are first
+            self.ready = tuple(min((i for i, _, _ in parts if i >= 0), default=len(sizes)) for parts in self.inputs)
 
     def construct(self, grads):
-        # A bucket's flat fp32 input is cut from the gradients only once the previous bucket is summed: made as soon
-        # as the gradients exist, every bucket's would be alive at once, waiting for its turn.
-        if self.all_reduced:
-            return self._all_reduce(grads)
-        return self._reduce_scatter(grads)
+        done, reduced = ops.zeros((), ms.float32), self.no_sums()
+        for k in self.order:
+            done, reduced = self.sum_bucket(k, grads, done, reduced)
+        return self.finish(done)
 
-    def _all_reduce(self, grads):
-        done = ops.zeros((), ms.float32)
-        for units, adds in self.plan:
+    def no_sums(self):
+        """The buckets' reduced blocks before any is summed (the native path completes a piece from several)."""
+        return tuple(ops.zeros((), ms.float32) for _ in self.order) if not self.all_reduced else ()
+
+    def finish(self, done):
+        """What the step keeps of the chain of sums: on the all-reduce path its last sum, written into `last_sum`
+        (jit drops a sum whose result nothing uses: a rank whose shard misses the last buckets would skip their
+        all-reduces, which the other ranks wait in)."""
+        if self.all_reduced:
+            return ops.assign(self.last_sum, done.reshape(-1)[:1])
+        return done
+
+    def sum_bucket(self, k, grads, done, reduced):
+        """Bucket k summed over the group once `done` is, and this rank's part added into its piece buffers:
+        returns what the next bucket waits for, and `reduced` with bucket k's block on the native path. A bucket's
+        flat fp32 input is cut from the gradients only then: made as soon as the gradients exist, every bucket's
+        would be alive at once, waiting for its turn."""
+        if self.all_reduced:
+            units, adds = self.plan[k]
             parts = [ops.depend(grads[i], done).reshape(-1)[start:end].astype(ms.float32) for i, start, end in units]
             summed = self.group.all_reduce(ops.cat(parts) if len(parts) > 1 else parts[0])
             done = summed
             for j, at in adds:
                 done = ops.depend(done, ops.assign_add(self.buffers[j], summed[at : at + self.piece_lengths[j]]))
-        return ops.assign(self.last_sum, done.reshape(-1)[:1])
+            return done, reduced
+        parts = []
+        for i, start, end in self.inputs[k]:
+            if i < 0:
+                parts.append(ops.depend(ops.zeros((end - start,), ms.float32), done))
+            else:
+                parts.append(ops.depend(grads[i], done).reshape(-1)[start:end].astype(ms.float32))
+        done = self.group.reduce_scatter(ops.cat(parts) if len(parts) > 1 else parts[0])  # this rank's [lo, hi), summed
+        reduced = reduced[:k] + (done,) + reduced[k + 1:]
+        for j, segments in self.completions[k]:
+            values = [reduced[b][start:end] for b, start, end in segments]
+            ops.assign_add(self.buffers[j], ops.cat(values) if len(values) > 1 else values[0])
+        return done, reduced
 
-    def _reduce_scatter(self, grads):
-        reduced = [None] * len(self.buckets)
-        done = ops.zeros((), ms.float32)
-        # The last bucket first: the backward finishes the last weights' gradients first.
-        for k in range(len(self.buckets) - 1, -1, -1):
-            parts = []
-            for i, start, end in self.inputs[k]:
-                if i < 0:
-                    parts.append(ops.depend(ops.zeros((end - start,), ms.float32), done))
-                else:
-                    parts.append(ops.depend(grads[i], done).reshape(-1)[start:end].astype(ms.float32))
-            flat = ops.cat(parts) if len(parts) > 1 else parts[0]
-            done = self.group.reduce_scatter(flat)  # this rank's [lo, hi), summed over the group
-            reduced[k] = done
-            for j, segments in self.completions[k]:
-                values = [reduced[b][start:end] for b, start, end in segments]
-                ops.assign_add(self.buffers[j], ops.cat(values) if len(values) > 1 else values[0])
-        return done
+
+def merged_order(readiness: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
+    """One chain of several stores' buckets, as (store, position in its `order`): each store's own order kept, and
+    of the stores' next buckets the one the backward finishes first (the highest `ready`; ties to the first store)
+    taken first. Computed from sizes alone, so every rank runs the stores' collectives in the same order."""
+    heads, chain = [0] * len(readiness), []
+    while any(head < len(ready) for head, ready in zip(heads, readiness)):
+        store = max((s for s, ready in enumerate(readiness) if heads[s] < len(ready)),
+                    key=lambda s: (readiness[s][heads[s]], -s))
+        chain.append((store, heads[store]))
+        heads[store] += 1
+    return tuple(chain)
 
 
 def contiguous_buckets(sizes: Sequence[int], shards: int, length: int, pieces: Sequence[Piece], bucket_elements: int
