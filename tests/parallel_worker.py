@@ -248,17 +248,17 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
         "history": result.history, "moment_bytes": held, "gradient_bytes": gradient_bytes,
         "parameter_bytes": parameter_bytes, "checkpoint": str(result.checkpoint),
         "offload_mappings_after_run": len(offload_mappings()),
-        "zero2_all_reduced": _zero2_all_reduced(trainer),
+        "zero2_native_reduce_scatter": _zero2_native(trainer),
     }
     (out_dir / f"rank{trainer.rank}.json").write_text(json.dumps(report))
 
 
-def _zero2_all_reduced(trainer) -> bool | None:
-    """Whether ZeRO-2's (dense) gradient store takes the all-reduce path (False: the native reduce-scatter's);
-    None without one."""
+def _zero2_native(trainer) -> bool | None:
+    """Whether ZeRO-2's (dense) gradient store reduce-scatters through the native operator's path (False: the
+    all-reduce fallback); None without one."""
     shards = getattr(trainer.parallel.accumulate, "shards", None)
     shards = getattr(shards, "dense", shards)  # under expert parallelism, the dense weights' store
-    return getattr(shards, "all_reduced", None)
+    return None if shards is None else bool(shards.group.native_reduce_scatter)
 
 
 def jobs(log_dir: Path, jobs_json: str) -> None:

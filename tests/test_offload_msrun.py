@@ -93,7 +93,8 @@ def test_dp2_zero3_with_param_offload_equals_the_job_without(plain_job, two_work
 
 @pytest.mark.extended
 def test_dp2_zero3_with_param_offload_resumes_bit_exactly(dataset_dir, tmp_path, offload_dir):
-    every_5 = (*layout(3), *PARAM_OFFLOAD, "train.checkpoint_interval=5", "train.eval_interval=5")
+    every_5 = (*layout(3), *PARAM_OFFLOAD, "train.checkpoint_interval=5", "train.eval_interval=5",
+               "train.keep_checkpoints=4")  # step 5's too, which it resumes from
     straight = train_job(tmp_path / "straight", dataset_dir, *every_5)
     start = resume_from_step(checkpoint(tmp_path / "straight").path.parent, 5, tmp_path / "resumed" / "out" / "checkpoints")
     resumed = train_job(tmp_path / "resumed", dataset_dir, *every_5, resume=start)

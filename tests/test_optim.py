@@ -137,8 +137,8 @@ def placed(kinds: dict[str, tuple[str, str | None]], master_apart: bool = False,
 
 def test_the_gradient_scale_applied_inside_the_update_equals_scaled_gradients_whatever_the_placement():
     """The update scales each gradient as it uses it: bit for bit AdamW over gradients scaled beforehand, also for
-    a flat ZeRO-1 shard over a group of one (its pieces cut from the full buffers, its updated shard gathered back in
-    buckets of 64 bytes, so every weight but the smallest from several), for dense shards over dp beside expert
+    a flat ZeRO-1 shard over a group of one (in buckets of 64 bytes: every weight but the smallest in several pieces
+    cut from its full buffer, which the first of them scales, and gathered back from several buckets), for dense shards over dp beside expert
     shards over expert-dp, for kept fp32 masters of that shard, and for ZeRO-2's flat gradient pieces beside whole
     weights that read theirs flat."""
     values, grads = initial_values(), gradient_steps(3)
@@ -152,9 +152,9 @@ def test_the_gradient_scale_applied_inside_the_update_equals_scaled_gradients_wh
     beside = placed({name: (FLAT_SHARD, "dp" if k % 2 == 0 else "expert_dp") for k, name in enumerate(names)})
     mixed = placed({name: (FLAT_SHARD, "dp") if k < 3 else (WHOLE, None) for k, name in enumerate(names)}, True)
 
-    def over(placements):
+    def over(placements, **state):
         return lambda p: AdamW(p, BETAS, EPS, WEIGHT_DECAY, names, RankState(tuple(placements), groups, owners,
-                                                                             bucket_bytes=64))
+                                                                             bucket_bytes=64, **state))
 
     makers = {
         "whole": lambda p: AdamW(p, BETAS, EPS, WEIGHT_DECAY),
@@ -168,7 +168,10 @@ def test_the_gradient_scale_applied_inside_the_update_equals_scaled_gradients_wh
     # ZeRO-2's gradients arrive flat: a shard's pieces over dp, and whole expert stacks beside them (expert-dp of one).
     zero2 = placed({name: (FLAT_SHARD, "dp") if k % 2 == 0 else (WHOLE, None) for k, name in enumerate(names)},
                    gradient_sharded=True)
-    for name, want, got in zip(names, expected, apply_three_steps(over(zero2), values, grads, 0.25, flat=True)):
+    # (the store cut the shard in one bucket, as `GradientShards` with large buckets: one buffer a weight here)
+    one_bucket = {"dp": sum(int(np.prod(SHAPES[name])) for k, name in enumerate(names) if k % 2 == 0)}
+    flat = apply_three_steps(over(zero2, shard_chunks=one_bucket), values, grads, 0.25, flat=True)
+    for name, want, got in zip(names, expected, flat):
         np.testing.assert_array_equal(got, want, err_msg=f"flat gradients: {name}")
 
 

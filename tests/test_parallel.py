@@ -23,13 +23,13 @@ from model_core.parallel.data_parallel import bucket_indices
 from model_core.parallel.launch import launch, launch_training, log_tail
 from model_core.parallel.layout import Layout, ParallelConfigError
 from model_core.parallel.zero import (
+    FlatShards,
     GradientShards,
     bucket_inputs,
-    contiguous_buckets,
+    flat_shards,
     gather_plan,
     merged_order,
     piece_completions,
-    shard_pieces,
 )
 from model_core.parallel.optimizer import RankState
 from model_core.parallel.placement import PARAMETER_SHARD, StatePlacement
@@ -176,30 +176,71 @@ def test_buckets_fill_in_order_and_a_large_item_stands_alone():
     assert bucket_indices([1] * 5, bucket_bytes=100) == [[0, 1, 2, 3, 4]]
 
 
-def test_zero_shards_cover_every_element_exactly_once():
+@pytest.mark.parametrize("bucket_bytes", [4, 20, 36, 1000])
+def test_zero_shards_cover_every_element_exactly_once_in_buckets_of_one_block_a_rank(bucket_bytes):
+    """Rank r keeps block r of every bucket: pieces in flat order, every element in exactly one rank's shard, the
+    padding (past the last element only) under one element a bucket and rank (blocks too small to align)."""
     sizes = [7, 3, 12, 1]
+    offsets = np.cumsum([0, *sizes])
     for shards in (1, 2, 3, 5):
-        covered = []
-        lengths = set()
+        layout = flat_shards(sizes, shards, bucket_bytes)
+        assert layout.shards * layout.chunk * 4 <= max(bucket_bytes, 4 * shards)  # a bucket within bucket_bytes
+        assert layout.buckets * layout.shards * layout.chunk - sum(sizes) < layout.buckets * layout.shards
+        covered = {}
         for shard in range(shards):
-            pieces, length = shard_pieces(sizes, shards, shard)
-            lengths.add(length)
-            offsets = np.cumsum([0, *sizes])
-            covered += [offsets[p.index] + e for p in pieces for e in range(p.start, p.end)]
-            assert sum(p.end - p.start for p in pieces) <= length
-        assert covered == list(range(sum(sizes))) and lengths == {-(-sum(sizes) // shards)}
+            pieces = layout.pieces(sizes, shard)
+            assert sum(p.end - p.start for p in pieces) <= layout.length
+            flat = [offsets[p.index] + e for p in pieces for e in range(p.start, p.end)]
+            assert flat == sorted(flat)
+            for position, element in enumerate(flat):  # where it sits in the shard: block k of bucket k
+                bucket, at = divmod(element, shards * layout.chunk)
+                assert at // layout.chunk == shard and position == bucket * layout.chunk + at % layout.chunk
+                covered[element] = shard
+        assert sorted(covered) == list(range(sum(sizes)))
+        flat = np.arange(sum(sizes), dtype=np.float32)
+        gathered = np.stack([_shard_of(flat, layout, sizes, shard) for shard in range(shards)])
+        np.testing.assert_array_equal(layout.unshard(gathered), np.arange(sum(sizes)))
 
 
-@pytest.mark.parametrize(("shards", "length", "bucket"), [(1, 23, 4), (2, 12, 5), (3, 8, 3), (2, 15, 100)])
-def test_the_bucketed_gather_of_updated_shards_rebuilds_every_weight_once_its_last_bucket_is_in(shards, length, bucket):
-    sizes = [7, 3, 12, 1]  # 23 elements; length may exceed the even split (ZeRO-2 under pp), the rest is padding
-    flat = np.arange(shards * length, dtype=np.float32)
-    buckets, completions = gather_plan(sizes, shards, length, bucket)
-    assert all(hi - lo <= bucket for lo, hi in buckets) and buckets[-1][1] == length
-    gathered = [np.concatenate([flat[r * length + lo : r * length + hi] for r in range(shards)]) for lo, hi in buckets]
+def _shard_of(flat: np.ndarray, layout: FlatShards, sizes, shard: int) -> np.ndarray:
+    """Rank `shard`'s shard of the flat values, zero-padded to the layout's length."""
+    offsets = np.cumsum([0, *sizes])
+    held = [flat[offsets[p.index] + p.start : offsets[p.index] + p.end] for p in layout.pieces(sizes, shard)]
+    out = np.zeros(layout.length, flat.dtype)
+    values = np.concatenate(held) if held else np.zeros(0, flat.dtype)
+    out[: values.size] = values
+    return out
+
+
+def test_large_buckets_cut_blocks_of_whole_vector_lanes():
+    sizes = [4096 * 1000 + 7, 3000, 8]
+    for shards in (2, 3, 8):
+        layout = flat_shards(sizes, shards, 2**20)
+        assert layout.chunk % 64 == 0 and layout.shards * layout.chunk * 4 <= 2**20
+        assert layout.buckets * layout.shards * layout.chunk - sum(sizes) < 64 * layout.buckets * layout.shards
+
+
+def test_a_given_block_cuts_the_leading_weight_alike_whatever_follows_it():
+    """Two pipeline end stages share one block size, so their tied table (first on both) falls into the same pieces."""
+    table = 10
+    for shards in (2, 3):
+        chunk = max(flat_shards([table, 5], shards, 24).chunk, flat_shards([table, 17, 4], shards, 24).chunk)
+        for shard in range(shards):
+            cuts = [[(p.start, p.end) for p in flat_shards(sizes, shards, 24, chunk).pieces(sizes, shard) if p.index == 0]
+                    for sizes in ([table, 5], [table, 17, 4])]
+            assert cuts[0] == cuts[1]
+
+
+@pytest.mark.parametrize(("shards", "bucket_bytes"), [(1, 16), (2, 40), (3, 36), (2, 400), (3, 4)])
+def test_the_bucketed_gather_of_updated_shards_rebuilds_every_weight_once_its_last_bucket_is_in(shards, bucket_bytes):
+    sizes = [7, 3, 12, 1]
+    layout = flat_shards(sizes, shards, bucket_bytes)
+    flat = np.arange(sum(sizes), dtype=np.float32)
+    shards_held = [_shard_of(flat, layout, sizes, shard) for shard in range(shards)]
+    gathered = [np.concatenate([held[lo:hi] for held in shards_held]) for lo, hi in layout.bucket_ranges()]
     offsets = np.cumsum([0, *sizes])
     written = []
-    for k, done in enumerate(completions):
+    for k, done in enumerate(gather_plan(sizes, layout)):
         for index, segments in done:
             assert max(b for b, _, _ in segments) == k  # written as soon as its last bucket arrives
             value = np.concatenate([gathered[b][start:end] for b, start, end in segments])
@@ -208,52 +249,30 @@ def test_the_bucketed_gather_of_updated_shards_rebuilds_every_weight_once_its_la
     assert sorted(written) == list(range(len(sizes)))
 
 
-@pytest.mark.parametrize(("shards", "length", "bucket"), [(1, 23, 4), (2, 12, 5), (3, 8, 3), (3, 10, 4)])
-def test_the_bucketed_reduce_scatter_gives_each_rank_the_sum_of_its_pieces(shards, length, bucket):
+@pytest.mark.parametrize(("shards", "bucket_bytes"), [(1, 16), (2, 40), (3, 36), (3, 48), (2, 400)])
+def test_the_bucketed_reduce_scatter_gives_each_rank_the_sum_of_its_pieces(shards, bucket_bytes):
+    """Each bucket is a contiguous run of the flat gradients (the last one padded), reduce-scattered last first:
+    every rank's pieces end up holding the sum of its shard."""
     sizes = [7, 3, 12, 1]
+    layout = flat_shards(sizes, shards, bucket_bytes)
     rng = np.random.default_rng(0)
     grads = [[rng.standard_normal(size) for size in sizes] for _ in range(shards)]  # each rank's, flattened
     whole = np.concatenate([np.concatenate(rank) for rank in grads]).reshape(shards, -1).sum(axis=0)
-    whole = np.concatenate([whole, np.zeros(shards * length - whole.size)])
-    buckets, completions = gather_plan(sizes, shards, length, bucket)
-    inputs = bucket_inputs(buckets, completions, shards)
+    inputs = bucket_inputs(sizes, layout)
+    assert all(sum(end - start for _, start, end in parts) == shards * layout.chunk for parts in inputs)
     for rank in range(shards):
-        pieces, _ = shard_pieces(sizes, shards, rank, length)
+        pieces = layout.pieces(sizes, rank)
         lengths = [p.end - p.start for p in pieces]
-        buffers, reduced = [np.zeros(n) for n in lengths], [None] * len(buckets)
-        for k in reversed(range(len(buckets))):  # as `GradientShards` reduces them: the last bucket first
-            lo, hi = buckets[k]
+        buffers, reduced = [np.zeros(n) for n in lengths], [None] * layout.buckets
+        completions = piece_completions(layout.bucket_ranges(), lengths)
+        for k in reversed(range(layout.buckets)):  # as `GradientShards` reduces them: the last bucket first
             flat = sum(np.concatenate([np.zeros(end) if i < 0 else mine[i][start:end] for i, start, end in inputs[k]])
                        for mine in grads)
-            reduced[k] = flat[rank * (hi - lo) : (rank + 1) * (hi - lo)]
-            for j, segments in piece_completions(buckets, lengths)[k]:
+            reduced[k] = flat[rank * layout.chunk : (rank + 1) * layout.chunk]
+            for j, segments in completions[k]:
                 buffers[j] += np.concatenate([reduced[b][start:end] for b, start, end in segments])
-        held = np.concatenate(buffers)
-        np.testing.assert_allclose(held, whole[rank * length : rank * length + held.size], rtol=0, atol=1e-12)
-
-
-@pytest.mark.parametrize(("shards", "length", "bucket"), [(1, 23, 4), (2, 12, 5), (3, 8, 3), (3, 10, 4), (2, 15, 100)])
-def test_the_contiguous_all_reduce_buckets_give_each_rank_the_sum_of_its_pieces(shards, length, bucket):
-    sizes = [7, 3, 12, 1]
-    rng = np.random.default_rng(0)
-    grads = [[rng.standard_normal(size) for size in sizes] for _ in range(shards)]  # each rank's, flattened
-    whole = np.concatenate([np.concatenate(rank) for rank in grads]).reshape(shards, -1).sum(axis=0)
-    plans = [contiguous_buckets(sizes, shards, length, shard_pieces(sizes, shards, rank, length)[0], bucket)
-             for rank in range(shards)]
-    assert len({tuple(units for units, _ in plan) for plan in plans}) == 1  # every rank runs the same all-reduces
-    units = [unit for bucket, _ in plans[0] for unit in bucket]
-    assert [i for i, _, _ in units] == sorted((i for i, _, _ in units), reverse=True)  # last weight first
-    assert all(len(members) == 1 or sum(e - s for _, s, e in members) <= bucket for members, _ in plans[0])
-    for rank, plan in enumerate(plans):
-        pieces, _ = shard_pieces(sizes, shards, rank, length)
-        buffers = [np.zeros(p.end - p.start) for p in pieces]
-        for members, adds in plan:
-            summed = sum(np.concatenate([mine[i][start:end] for i, start, end in members]) for mine in grads)
-            for j, at in adds:
-                buffers[j] += summed[at : at + len(buffers[j])]
         held = np.concatenate(buffers) if buffers else np.zeros(0)
-        np.testing.assert_array_equal(held, whole[rank * length : rank * length + held.size])
-        assert sum(len(adds) for _, adds in plan) == len(pieces)
+        np.testing.assert_allclose(held, _shard_of(whole, layout, sizes, rank)[: held.size], rtol=0, atol=1e-12)
 
 
 def test_two_stores_buckets_merge_into_one_chain_in_the_order_the_backward_finishes_them():

@@ -96,24 +96,24 @@ class ExpertGradientShards(nn.Cell):
     """ZeRO-2's two gradient stores under expert parallelism: called with one micro-batch's full gradients of
     `weights`, it reduce-scatters the dense weights' over `dp_group` and the expert shards' (the weights at
     positions `experts`) over `expert_dp_group`, each into fp32 `buffers`: the dense shard's pieces, then the
-    experts'. `piece_params` names the weight of every buffer; `shard_length` and `expert_shard_length` are the
-    two shards' (`shard_length`, when given, as for `zero.shard_pieces`: a pipeline's tied table cut alike on
+    experts'. `piece_params` names the weight of every buffer; `shard_chunks` the two layouts' blocks by group
+    ("dp", "expert_dp"); `chunk`, when given, the dense one (`zero.flat_shards`: a pipeline's tied table cut alike on
     both end stages); `bucket_bytes` as for `GradientShards`. The two stores' buckets run as one chain, merged in
     the order the backward finishes them (`zero.merged_order`), the same on every rank."""
 
     def __init__(self, weights: Sequence[Parameter], experts: set[int], dp_group: Group, expert_dp_group: Group,
-                 shard_length: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 chunk: int | None = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__()
         self.dense_positions = tuple(i for i in range(len(weights)) if i not in experts)
         self.expert_positions = tuple(sorted(experts))
         dense = [weights[i] for i in self.dense_positions]
-        self.dense = GradientShards(dense, dp_group, shard_length, bucket_bytes)
+        self.dense = GradientShards(dense, dp_group, chunk, bucket_bytes)
         self.experts = GradientShards([weights[i] for i in self.expert_positions], expert_dp_group, None, bucket_bytes)
         self.buffers = ParameterTuple((*self.dense.buffers, *self.experts.buffers))
         self.piece_params = tuple(self.dense_positions[p] for p in self.dense.piece_params) + tuple(
             self.expert_positions[p] for p in self.experts.piece_params
         )
-        self.shard_length, self.expert_shard_length = self.dense.shard_length, self.experts.shard_length
+        self.shard_chunks = {"dp": self.dense.layout.chunk, "expert_dp": self.experts.layout.chunk}
         # One chain for both stores, in the order the backward finishes their buckets: two independent chains could
         # interleave their collectives differently on ranks that share both groups, and each would wait for the other.
         stores = ((self.dense, self.dense_positions), (self.experts, self.expert_positions))

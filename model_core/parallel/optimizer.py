@@ -5,11 +5,11 @@ weight), as torchtitan's FSDP2 and Megatron's distributed optimizer read shardin
 chosen per combination of ZeRO stage, expert parallelism, mixed precision and offload. For each weight:
   kept      WHOLE: all of it (the rank's tp or ep block), updated in place in the weight (or in its fp32 master);
             FLAT_SHARD (ZeRO-1/2): the weights of one group (dp, or expert-dp for the expert stacks), flattened and
-            concatenated in order, are cut into group-size equal shards (`zero.shard_pieces`); the rank keeps the
-            moments of its shard, which falls into pieces, one per weight it touches. Each piece is updated in an
-            fp32 copy (made from the weight every step, or kept from step to step as the master where the group
-            holds compute-dtype weights) and the updated shards are all-gathered back into every weight of the
-            group bucket by bucket (`zero.ShardGather`: no buffer of the whole model);
+            concatenated in order, are cut into buckets of group-size equal blocks (`zero.FlatShards`); the rank
+            keeps the moments of its block of every bucket, which fall into pieces, one per weight and bucket.
+            Each piece is updated in an fp32 copy (made from the weight every step, or kept from step to step as
+            the master where the group holds compute-dtype weights) and the updated shards are all-gathered back
+            into every weight of the group bucket by bucket (`zero.ShardGather`: no buffer of the whole model);
             PARAMETER_SHARD (ZeRO-3): the parameter is the flat shard, updated in place, decayed as the whole weight;
   master    apart (mixed precision): the model holds the compute-dtype weight, written (cast) from the updated
             master, the whole one right after its update, a shard's by the gather;
@@ -44,7 +44,7 @@ from model_core.parallel.comm import Group
 from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from model_core.parallel.expert import expert_block, gather_experts
 from model_core.parallel.placement import FLAT_SHARD, PARAMETER_SHARD, WHOLE, StatePlacement
-from model_core.parallel.zero import ShardGather, shard_pieces
+from model_core.parallel.zero import FlatShards, ShardGather, flat_shards
 from model_core.parallel.zero3 import gather_full, take_shard
 from params.schema import OptimizerParams
 
@@ -58,9 +58,10 @@ class RankState:
 
     `groups`: "dp" and "expert_dp", the groups the shards span, and "ep", over which the expert stacks (`experts`,
     by name) are whole. `gradient_owners`: the weight each gradient buffer belongs to, in buffer order (ZeRO-2: the
-    pieces of the shard). `shard_length`: the dp gradient shards' length under ZeRO-2 (a pipeline's tied table is
-    cut alike on both end stages: `zero.shard_pieces`). `masters`: the fp32 master of every weight placed with its
-    master apart, by name (read while the optimizer is built, which keeps only the state its pieces need).
+    pieces of the shard). `shard_chunks`: under ZeRO-2, the block of each group's shards that its gradient store
+    cut (`zero.flat_shards`; a pipeline's tied table is cut alike on both end stages), by group. `masters`: the fp32
+    master of every weight placed with its master apart, by name (read while the optimizer is built, which keeps
+    only the state its pieces need).
     `full_shapes`: a ZeRO-3 shard's whole shape, by name. `weight_files`: under parameter offload, where each
     shard's values live. `bucket_bytes`: the most one all-gathered bucket of updated weights
     holds; `offload_bucket_elements`: the offload file's staging bucket (None: its default)."""
@@ -68,7 +69,7 @@ class RankState:
     placements: tuple[StatePlacement, ...]
     groups: Mapping[str, Group]
     gradient_owners: tuple[int, ...]
-    shard_length: int | None = None
+    shard_chunks: Mapping[str, int] = field(default_factory=dict)
     masters: Mapping[str, Parameter] = field(default_factory=dict)
     full_shapes: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     weight_files: Mapping[str, FileWeight] = field(default_factory=dict)
@@ -151,7 +152,7 @@ class AdamW(nn.Cell):
         self._beta1 = Tensor(self.beta1, ms.float32)
         self._beta2 = Tensor(self.beta2, ms.float32)
         self._fused_update = ops.Adam()
-        self.shard_lengths: dict[str, int] = {}
+        self.shard_layouts: dict[str, FlatShards] = {}
         self.pieces = self._pieces([int(np.prod(shape)) for shape in self.shapes])
         # Groups whose pieces are kept from step to step (they hold masters of compute-dtype weights).
         self.kept_groups = {p.group for p in self.placements if p.kept == FLAT_SHARD and p.master_apart}
@@ -161,8 +162,7 @@ class AdamW(nn.Cell):
         else:
             self._in_memory(parameters, state)
             self.gathers = nn.CellList([
-                ShardGather([parameters[i] for i in members], local, self.shard_lengths[group], state.groups[group],
-                            state.bucket_bytes)
+                ShardGather([parameters[i] for i in members], local, self.shard_layouts[group], state.groups[group])
                 for group, members, local, _ in self._gather_plans()
             ])
             self.gathered = tuple(slots for _, _, _, slots in self._gather_plans())
@@ -191,9 +191,11 @@ class AdamW(nn.Cell):
                 continue
             communicator = self.state.groups[group]
             sharded = self.placements[members[0]].gradient_sharded
-            wanted = self.state.shard_length if group == "dp" and sharded else None
-            found, self.shard_lengths[group] = shard_pieces([sizes[i] for i in members], communicator.size,
-                                                            communicator.index, wanted)
+            wanted = self.state.shard_chunks.get(group) if sharded else None
+            member_sizes = [sizes[i] for i in members]
+            layout = flat_shards(member_sizes, communicator.size, self.state.bucket_bytes, wanted)
+            self.shard_layouts[group] = layout
+            found = layout.pieces(member_sizes, communicator.index)
             if not found:
                 raise ValueError(f"{sum(sizes[i] for i in members)} parameters are too few to shard over "
                                  f"{communicator.size} ranks")
@@ -261,6 +263,10 @@ class AdamW(nn.Cell):
         self.sources, self.working = ParameterTuple(sources), ParameterTuple(working)
         self.copies, self.writes, self.gradient_shapes = tuple(copies), tuple(writes), tuple(gradient_shapes)
         self.gradient_indices = tuple(piece.gradient for piece in self.pieces)
+        first_reader = {}
+        for k, piece in enumerate(self.pieces):
+            first_reader.setdefault(piece.gradient, k)
+        self.scales_buffer = tuple(first_reader[piece.gradient] == k for k, piece in enumerate(self.pieces))
         self.gradient_slices = tuple(piece.gradient_slice for piece in self.pieces)
         self.decays = tuple(self.placements[piece.weight].decays for piece in self.pieces)
         self.exp_avg, self.exp_avg_sq = (
@@ -287,8 +293,8 @@ class AdamW(nn.Cell):
                                           state.offload_bucket_elements)
         plans = self._gather_plans()
         self.gather_weights = GatherUpdatedShards(
-            [ShardGather([parameters[i] for i in members], local, self.shard_lengths[group], state.groups[group],
-                         state.bucket_bytes) for group, members, local, _ in plans],
+            [ShardGather([parameters[i] for i in members], local, self.shard_layouts[group], state.groups[group])
+             for group, members, local, _ in plans],
             [[(members[j], start, end) for j, start, end in local] for _, members, local, _ in plans],
             parameters,
         ) if plans else None
@@ -322,9 +328,11 @@ class AdamW(nn.Cell):
         """Piece k's update, once `after` is done; returns what the next piece waits for."""
         b = self.gradient_indices[k]
         grad = ops.depend(grads[b], after)
-        if grad_scale is not None:
+        if grad_scale is not None and self.scales_buffer[k]:
             # Scaled in place (the caller zeroes the buffer after the update anyway): the compiled graph then
             # keeps no scaled copy. A piece's gradient is scaled whole and then cut: the graph keeps the piece.
+            # A buffer that several pieces read (a weight in several buckets of a ZeRO-1 shard) is scaled by the
+            # first of them, which the others follow.
             grad = ops.assign(grads[b], grad * grad_scale)
         if self.gradient_slices[k] is not None:
             start, end = self.gradient_slices[k]
@@ -378,10 +386,11 @@ class AdamW(nn.Cell):
         for group, members, _, slots in self._gather_plans():
             if values[slots[0]] is None:
                 continue
-            flat = np.zeros(self.shard_lengths[group], np.float32)
+            layout = self.shard_layouts[group]
+            flat = np.zeros(layout.length, np.float32)
             parts = np.concatenate([values[k] for k in slots])
-            flat[: parts.size] = parts
-            gathered = self.state.groups[group].all_gather(Tensor(flat)).asnumpy()
+            flat[: parts.size] = parts  # a shard's real elements come first
+            gathered = layout.unshard(self.state.groups[group].all_gather(Tensor(flat)).asnumpy())
             offset = 0
             for i in members:
                 size = int(np.prod(self.shapes[i]))

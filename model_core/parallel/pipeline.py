@@ -46,7 +46,7 @@ from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES, sum_over
 from model_core.parallel.expert import ExpertGradientShards
 from model_core.parallel.layout import Layout
 from model_core.parallel.tensor import VocabParallelCrossEntropy
-from model_core.parallel.zero import GradientShards
+from model_core.parallel.zero import GradientShards, flat_shards
 from params.schema import ModelParams
 
 SCHEDULES = ("1f1b", "gpipe")
@@ -344,27 +344,30 @@ class _Exchange(nn.Cell):
 
 
 class _PairSum(nn.Cell):
-    """Sum a gradient buffer over a group, in place (the tied embedding's two copies)."""
+    """Sum gradient buffers over a group, in place (the tied embedding's two copies: its buffer, or under ZeRO-2 its
+    pieces of this rank's shard, cut alike on both)."""
 
-    def __init__(self, buffer: Parameter, group: comm.Group) -> None:
+    def __init__(self, buffers: Sequence[Parameter], group: comm.Group) -> None:
         super().__init__()
-        self.buffer = buffer
+        self.buffers = ParameterTuple(buffers)
         self.group = group
 
     @ms.jit
     def construct(self):
-        ops.assign(self.buffer, self.group.all_reduce(self.buffer))
+        done = ops.zeros((), ms.float32)
+        for buffer in self.buffers:  # one after another, in the same order on both ends
+            done = ops.assign(buffer, self.group.all_reduce(ops.depend(buffer, done)))
         return True
 
 
-def _common_shard_length(weights: Sequence[Parameter], group: comm.Group, ends: comm.Group | None) -> int:
-    """ZeRO-2's shard length for this stage: its flat weights split evenly over `group`, or on the two end
-    stages of a tied pipeline the longer of their two even splits, so the table (first on both) is cut alike."""
-    length = -(-sum(int(np.prod(w.shape)) for w in weights) // group.size)
+def _common_chunk(weights: Sequence[Parameter], group: comm.Group, ends: comm.Group | None, bucket_bytes: int) -> int:
+    """ZeRO-2's shard block for this stage (`zero.flat_shards`), or on the two end stages of a tied pipeline the
+    larger of their two, so the table (first on both) is cut alike."""
+    chunk = flat_shards([int(np.prod(w.shape)) for w in weights], group.size, bucket_bytes).chunk
     if ends is None:
-        return length
-    lengths = sum_over(ends, [length if end == ends.index else 0 for end in range(ends.size)])  # each end's
-    return round(max(lengths))
+        return chunk
+    chunks = sum_over(ends, [chunk if end == ends.index else 0 for end in range(ends.size)])  # each end's
+    return round(max(chunks))
 
 
 def _routing_rows(params: ModelParams, sizes: Sequence[int], stage: int) -> tuple[int, int, int] | None:
@@ -423,8 +426,9 @@ class PipelineStage:
 
     With `zero2_group` (ZeRO-2 over the dp group) every backward reduce-scatters its weight gradients over that
     group, `bucket_bytes` (`parallel.gradient_bucket_mb`) at a time, and `buffers` are the pieces of this rank's
-    shard (`zero.GradientShards`: `piece_params`, `shard_length`). A tied table comes first among the end stages' weights and both ends cut shards of one
-    length, so its pieces sit at the same offsets on both and are summed over the pair piece by piece. Under
+    shard (`zero.GradientShards`: `piece_params`, `shard_chunks`). A tied table comes first among the end stages'
+    weights and both ends cut their shards in blocks of one size, so its pieces are the same on both and are summed
+    over the pair piece by piece. Under
     expert parallelism the expert shards among the stage's weights (`experts`: every expert stack's ep block) are
     reduce-scattered over `expert_dp_group` instead (`expert.ExpertGradientShards`: the dense pieces first, the
     table first among them, then the experts'; `shards` is then that pair).
@@ -479,13 +483,13 @@ class PipelineStage:
         held_experts = {i for i, w in enumerate(self.weights) if id(w) in expert_ids}
         if zero2_group is not None:
             dense = [w for i, w in enumerate(self.weights) if i not in held_experts]
-            length = _common_shard_length(dense, zero2_group, ends)
+            chunk = _common_chunk(dense, zero2_group, ends, bucket_bytes)
             self.shards = (
-                ExpertGradientShards(self.weights, held_experts, zero2_group, expert_dp_group, length, bucket_bytes)
-                if held_experts else GradientShards(self.weights, zero2_group, length, bucket_bytes)
+                ExpertGradientShards(self.weights, held_experts, zero2_group, expert_dp_group, chunk, bucket_bytes)
+                if held_experts else GradientShards(self.weights, zero2_group, chunk, bucket_bytes)
             )
             self.buffers = self.shards.buffers
-            self.piece_params, self.shard_length = self.shards.piece_params, self.shards.shard_length
+            self.piece_params, self.shard_chunks = self.shards.piece_params, self.shards.shard_chunks
         else:
             self.buffers = ParameterTuple(
                 Parameter(ops.zeros(w.shape, ms.float32), name=f"grad_accum.{w.name}", requires_grad=False)
@@ -506,7 +510,7 @@ class PipelineStage:
         if self.tied:  # the table is weight 0: its gradient buffer, or under ZeRO-2 its piece of this shard
             owners = self.piece_params if self.shards is not None else range(len(self.weights))
             table_buffers = [buffer for buffer, owner in zip(self.buffers, owners) if owner == 0]
-            self.tied_sum = _PairSum(table_buffers[0], ends) if table_buffers else None
+            self.tied_sum = _PairSum(table_buffers, ends) if table_buffers else None
         self.last_timing = PassTiming()
 
     def counted_in_norm(self, weights: Sequence[Parameter]) -> list[bool]:

@@ -1,23 +1,25 @@
 """ZeRO stages 1 and 2: AdamW moments (1) and gradients too (2) sharded over the data-parallel group.
 
-All parameters, flattened and concatenated in order, are cut into `dp` equal shards (the last one padded,
-`shard_pieces`). A rank keeps Adam moments only for its shard, which falls into pieces, one per parameter it
-touches; `model_core.parallel.optimizer.AdamW` updates them where the placement table says a weight's state is a
-flat shard, and all-gathers the updated shards into every parameter (`ShardGather`). The arithmetic is
-element-wise, so the result is the unsharded update, bit for bit up to the gradient sum.
+All parameters, flattened and concatenated in order, are cut as Megatron's distributed optimizer cuts them
+(`FlatShards`): into buckets of at most `parallel.gradient_bucket_mb`, each split into `dp` equal blocks, a rank
+keeping its block of every bucket. A rank keeps Adam moments only for its shard, which falls into pieces, one per
+parameter and bucket it touches; `model_core.parallel.optimizer.AdamW` updates them where the placement table says
+a weight's state is a flat shard, and all-gathers the updated shards into every parameter bucket by bucket
+(`ShardGather`). The arithmetic is element-wise, so the result is the unsharded update, bit for bit up to the
+gradient sum.
 
 ZeRO-1 sums the full gradients over the group once per step and lets each rank slice its pieces out.
-ZeRO-2 keeps no full gradient buffer: each micro-batch's gradients, flattened the same way, are
-reduce-scattered over the group bucket by bucket (on a backend without a native reduce-scatter, all-reduced in
-contiguous buckets) and only this rank's shard is added into shard-sized buffers, one per piece (`GradientShards`,
-which pipeline stages use too); the gradient norm sums the shards' squares over the group. Both stages write the
-updated shards back into the weights with a bucketed all-gather (`ShardGather`), and AdamW applies the loss scale
-and the clip factor to each gradient piece as it uses it: no buffer the size of the whole model is made at the
-update.
+ZeRO-2 keeps no full gradient buffer: each micro-batch's gradients are reduce-scattered over the group bucket by
+bucket, the last bucket first as soon as the backward has made its gradients, and only this rank's block is added
+into shard-sized buffers, one per piece (`GradientShards`, which pipeline stages use too); the gradient norm sums
+the shards' squares over the group. Both stages write the updated shards back into the weights with the bucketed
+all-gather, and AdamW applies the loss scale and the clip factor to each gradient piece as it uses it: no buffer
+the size of the whole model is made at the update.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -39,63 +41,110 @@ class Piece:
     end: int
 
 
-def shard_pieces(sizes: Sequence[int], shards: int, shard: int, length: int | None = None) -> tuple[list[Piece], int]:
-    """The pieces of shard `shard` of `shards` over parameters of these sizes, and the shard length: the
-    flat parameters split evenly, or into shards of `length` (at least that even split) when given."""
+@dataclass(frozen=True)
+class FlatShards:
+    """How a group's parameters, flattened and concatenated in order (`total` elements), are cut over its `shards`
+    ranks, as Megatron's distributed optimizer cuts them: into buckets of `shards` blocks of `chunk` elements, rank r
+    keeping block r of every bucket (the last bucket zero-padded). A rank's shard is its blocks end to end: `length`
+    = buckets x chunk elements, its real elements first.
+
+    Buckets rather than one block a rank: a bucket is a contiguous run of the flat gradients, reduce-scattered as
+    soon as the backward has made its weights' gradients (the last bucket first), and the update's all-gather of a
+    bucket rebuilds a contiguous run of weights. With one block a rank, every reduce-scatter would join a piece of
+    every rank's block: the first would wait for the backward to reach the end of shard 0, and every fresh gradient
+    made before then would wait with it (at dp32, nearly a whole set)."""
+
+    total: int
+    shards: int
+    chunk: int
+
+    @property
+    def buckets(self) -> int:
+        return max(1, -(-self.total // (self.shards * self.chunk)))
+
+    @property
+    def length(self) -> int:
+        return self.buckets * self.chunk
+
+    def pieces(self, sizes: Sequence[int], shard: int) -> list[Piece]:
+        """The pieces of shard `shard` over parameters of these sizes, in shard order (which is flat order)."""
+        offsets = np.cumsum([0, *sizes]).tolist()
+        pieces = []
+        for bucket in range(self.buckets):
+            lo = (bucket * self.shards + shard) * self.chunk
+            hi = min(lo + self.chunk, self.total)
+            index = bisect.bisect_right(offsets, lo) - 1
+            while lo < hi:
+                end = min(hi, offsets[index + 1])
+                if lo < end:
+                    pieces.append(Piece(index, lo - offsets[index], end - offsets[index]))
+                lo, index = end, index + 1
+        return pieces
+
+    def bucket_ranges(self) -> tuple[tuple[int, int], ...]:
+        """Each bucket's [lo, hi) in a shard: the block a rank sends to (and gets from) the bucket's collective."""
+        return tuple((k * self.chunk, (k + 1) * self.chunk) for k in range(self.buckets))
+
+    def unshard(self, gathered: np.ndarray) -> np.ndarray:
+        """The flat parameters from every rank's shard (`shards` x `length`, in group order)."""
+        blocks = np.asarray(gathered).reshape(self.shards, self.buckets, self.chunk)
+        return blocks.transpose(1, 0, 2).reshape(-1)[: self.total]
+
+
+# Blocks are a multiple of this many elements (where a bucket holds that many a rank): the pieces then start and end
+# on the same vector lanes in the update's kernels whichever way the pieces are grouped (in memory one call a piece,
+# offloaded one call a staging bucket), which keeps the two bit for bit equal.
+BLOCK_ALIGNMENT = 64
+
+
+def flat_shards(sizes: Sequence[int], shards: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                chunk: int | None = None) -> FlatShards:
+    """The `FlatShards` of parameters of these sizes over `shards` ranks: buckets of at most `bucket_bytes` of fp32,
+    as few as that allows, cut evenly in blocks of a multiple of `BLOCK_ALIGNMENT` elements where they hold that
+    many (so the padding is under that many elements a bucket and rank); or in blocks of `chunk` where given (a
+    pipeline's two end stages share one, so their tied table, first on both, is cut alike)."""
     total = sum(sizes)
-    length = max(-(-total // shards), length or 0)
-    first, last = shard * length, min(total, (shard + 1) * length)
-    pieces, offset = [], 0
-    for index, size in enumerate(sizes):
-        start, end = max(first, offset), min(last, offset + size)
-        if start < end:
-            pieces.append(Piece(index, start - offset, end - offset))
-        offset += size
-    return pieces, length
+    if chunk is None:
+        most = max(1, bucket_bytes // (4 * shards))
+        align = BLOCK_ALIGNMENT if min(most, total // shards) >= BLOCK_ALIGNMENT else 1
+        most -= most % align
+        buckets = max(1, -(-total // (shards * most)))
+        chunk = max(1, -(-total // (shards * buckets * align)) * align)
+    return FlatShards(total, shards, chunk)
 
 
-def gather_plan(
-    sizes: Sequence[int], shards: int, length: int, bucket_elements: int
-) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...], ...]]:
-    """How to all-gather `shards` shards of `length` elements (the flat, concatenated parameters of these sizes)
-    in buckets: bucket k gathers elements [lo, hi) of every shard (at most `bucket_elements` of each), so its
-    result holds shard r's at [r (hi - lo), (r + 1)(hi - lo)). Returns the buckets' (lo, hi) and, for each bucket,
-    the parameters it completes: (index, its segments in flat order as (bucket, start, end) of a gathered result)."""
-    buckets = tuple((lo, min(lo + bucket_elements, length)) for lo in range(0, length, bucket_elements))
-    completions: list[list] = [[] for _ in buckets]
+def gather_plan(sizes: Sequence[int], layout: FlatShards) -> tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...]:
+    """For each bucket of `layout` (whose all-gather gives flat elements [k B, (k + 1) B), B = shards x chunk), the
+    parameters it completes when the buckets are gathered first to last: (index, its segments in flat order as
+    (bucket, start, end) of a gathered bucket)."""
+    width = layout.shards * layout.chunk
+    completions: list[list] = [[] for _ in range(layout.buckets)]
     offset = 0
     for index, size in enumerate(sizes):
-        segments = []
-        for shard in range(shards):
-            first, last = max(offset, shard * length), min(offset + size, (shard + 1) * length)
-            for k, (lo, hi) in enumerate(buckets):
-                start, end = max(first - shard * length, lo), min(last - shard * length, hi)
-                if start < end:
-                    base = shard * (hi - lo) - lo
-                    segments.append((k, base + start, base + end))
-        completions[max(k for k, _, _ in segments)].append((index, tuple(segments)))
+        segments = tuple((k, max(offset, k * width) - k * width, min(offset + size, (k + 1) * width) - k * width)
+                         for k in range(offset // width, (offset + size - 1) // width + 1))
+        completions[segments[-1][0]].append((index, segments))
         offset += size
-    return buckets, tuple(tuple(done) for done in completions)
+    return tuple(tuple(done) for done in completions)
 
 
 class ShardGather(nn.Cell):
-    """Every parameter set from the ranks' updated shards, bucket by bucket (`gather_plan`): no buffer of the
-    whole model is made. Each gathered bucket is cut into the parameters' segments before the next is gathered,
-    and a parameter is written once its last segment is in; so besides one bucket, a rank holds the segments of
-    the parameters still incomplete (at most one per shard).
+    """Every parameter set from the ranks' updated shards, bucket by bucket (`FlatShards`: bucket k's all-gather
+    gives a contiguous run of the flat parameters): no buffer of the whole model is made. Each gathered bucket is
+    cut into the parameters' segments before the next is gathered, and a parameter is written once its last
+    segment is in; so besides one bucket, a rank holds the segments of at most one incomplete parameter.
 
-    Called with this rank's pieces (`pieces`: (parameter index, start, end), the pieces of `shard_pieces`) as
+    Called with this rank's pieces (`pieces`: (parameter index, start, end), the pieces of `layout.pieces`) as
     tensors in that order."""
 
-    def __init__(self, parameters: Sequence[Parameter], pieces: Sequence[tuple[int, int, int]], length: int,
-                 group: Group, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def __init__(self, parameters: Sequence[Parameter], pieces: Sequence[tuple[int, int, int]], layout: FlatShards,
+                 group: Group) -> None:
         super().__init__()
         self.parameters = ParameterTuple(parameters)
         self.group = group
         self.shapes = tuple(tuple(p.shape) for p in parameters)
-        sizes = [int(np.prod(shape)) for shape in self.shapes]
-        bucket_elements = max(1, bucket_bytes // (4 * group.size))  # a gathered bucket holds bucket_bytes
-        self.buckets, completions = gather_plan(sizes, group.size, length, bucket_elements)
+        completions = gather_plan([int(np.prod(shape)) for shape in self.shapes], layout)
+        self.buckets = layout.bucket_ranges()
         # Segments are numbered in the order they are cut: bucket by bucket, each bucket's in parameter order.
         cuts = [[] for _ in self.buckets]
         numbered = {}
@@ -130,7 +179,10 @@ class ShardGather(nn.Cell):
             for i, numbers in self.writes[k]:
                 values = [segments[n] for n in numbers]
                 value = ops.cat(values) if len(values) > 1 else values[0]
-                done = ops.assign(self.parameters[i], value.reshape(self.shapes[i]).astype(self.parameters[i].dtype))
+                # Every write, not only the bucket's last, goes before the next gather: a write left for later
+                # keeps its segments alive.
+                done = ops.depend(done, ops.assign(self.parameters[i],
+                                                   value.reshape(self.shapes[i]).astype(self.parameters[i].dtype)))
         return done
 
 
@@ -153,32 +205,26 @@ def shard_fill(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, int, i
 
 
 class GradientShards(nn.Cell):
-    """ZeRO-2's gradient store: fp32 `buffers`, one per piece of this rank's shard of the weights' flattened,
-    concatenated gradients (the pieces the optimizer updates where a weight's state is a flat shard). Called inside
-    a compiled step with one micro-batch's full gradients, it sums them over the group bucket by bucket, each of at
-    most `bucket_bytes` before the reduction, and adds this rank's shard in: no flat copy of all the gradients is
-    made, only one bucket's at a time.
+    """ZeRO-2's gradient store: fp32 `buffers`, one per piece of this rank's shard (`FlatShards`) of the weights'
+    flattened, concatenated gradients (the pieces the optimizer updates where a weight's state is a flat shard).
+    Called inside a compiled step with one micro-batch's full gradients, it reduce-scatters them over the group
+    bucket by bucket, the last bucket first as the backward makes them, and adds this rank's block of each into its
+    pieces: no flat copy of all the gradients is made, only one bucket's at a time, and each bucket goes as soon as
+    its own weights' gradients exist. (Without a native reduce-scatter, the CPU's MCCL, the group all-reduces the
+    bucket and keeps its block: the same buckets, the same bits.)
 
-    With a native reduce-scatter the buckets are those of `gather_plan` (bucket k: elements [lo, hi) of every
-    rank's shard), reduce-scattered. Without one (the CPU's MCCL) a reduce-scatter is an all-reduce of the whole
-    bucket anyway, so the buckets are contiguous runs of the flat gradients instead (`contiguous_buckets`), taken
-    last weight first as the backward makes them; each is all-reduced, and only its parts inside this rank's shard
-    are added in. A `gather_plan` bucket joins the end of one shard with the end of the next, so its first one waits
-    for the backward to reach the middle of the model while the later shards' fresh gradients stay alive; a
-    contiguous bucket is ready as soon as its own weights' gradients are. Every rank runs the same all-reduces,
-    those of buckets outside its shard included.
-
-    `shard_length` (`shard_pieces`) lets two pipeline stages that hold the same tied table first cut it at
-    the same offsets, so its gradient pieces can be summed over the two stages piece by piece.
+    `chunk` (`flat_shards`) lets two pipeline stages that hold the same tied table first cut it alike, so its
+    gradient pieces can be summed over the two stages piece by piece.
 
     The buckets run as one chain, in `order`; `ready[k]` is the first weight bucket k reads, which the backward
     reaches last: `expert.ExpertGradientShards` merges two stores' chains by it (`merged_order`)."""
 
-    def __init__(self, weights: Sequence[Parameter], group: Group, shard_length: int | None = None,
+    def __init__(self, weights: Sequence[Parameter], group: Group, chunk: int | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__()
         sizes = [int(np.prod(w.shape)) for w in weights]
-        pieces, self.shard_length = shard_pieces(sizes, group.size, group.index, shard_length)
+        self.layout = flat_shards(sizes, group.size, bucket_bytes, chunk)
+        pieces = self.layout.pieces(sizes, group.index)
         self.buffers = ParameterTuple(
             Parameter(
                 ops.zeros((p.end - p.start,), ms.float32),
@@ -190,21 +236,15 @@ class GradientShards(nn.Cell):
         self.group = group
         self.piece_params = tuple(p.index for p in pieces)  # the weight each buffer is a piece of
         self.piece_lengths = tuple(p.end - p.start for p in pieces)
-        self.all_reduced = group.size == 1 or not group.native_reduce_scatter
-        if self.all_reduced:
-            self.plan = contiguous_buckets(sizes, group.size, self.shard_length, pieces, max(1, bucket_bytes // 4))
-            self.order = tuple(range(len(self.plan)))  # already last weight first
-            self.ready = tuple(min(i for i, _, _ in units) for units, _ in self.plan)
-            self.last_sum = Parameter(ops.zeros((1,), ms.float32), name=f"grad_shard.last_sum.{weights[-1].name}",
-                                      requires_grad=False)
-        else:
-            buckets, completions = gather_plan(sizes, group.size, self.shard_length,
-                                               max(1, bucket_bytes // (4 * group.size)))
-            self.buckets = buckets
-            self.inputs = bucket_inputs(buckets, completions, group.size)
-            self.completions = piece_completions(buckets, self.piece_lengths)
-            self.order = tuple(range(len(buckets) - 1, -1, -1))  # the last bucket first: the last weights are first
-            self.ready = tuple(min((i for i, _, _ in parts if i >= 0), default=len(sizes)) for parts in self.inputs)
+        self.shard_chunks = {"dp": self.layout.chunk}
+        self.inputs = bucket_inputs(sizes, self.layout)
+        self.completions = piece_completions(self.layout.bucket_ranges(), self.piece_lengths)
+        self.order = tuple(range(self.layout.buckets - 1, -1, -1))  # the last weights' gradients are made first
+        self.ready = tuple(min((i for i, _, _ in parts if i >= 0), default=len(sizes)) for parts in self.inputs)
+        # jit drops a sum whose result nothing uses: on a rank whose shard misses the last buckets the chain's end
+        # would be unused, and the rank would skip collectives the others wait in. Written here, it is kept.
+        self.last_sum = Parameter(ops.zeros((1,), ms.float32), name=f"grad_shard.last_sum.{weights[-1].name}",
+                                  requires_grad=False)
 
     def construct(self, grads):
         done, reduced = ops.zeros((), ms.float32), self.no_sums()
@@ -213,41 +253,28 @@ class GradientShards(nn.Cell):
         return self.finish(done)
 
     def no_sums(self):
-        """The buckets' reduced blocks before any is summed (the native path completes a piece from several)."""
-        return tuple(ops.zeros((), ms.float32) for _ in self.order) if not self.all_reduced else ()
+        """The buckets' reduced blocks before any is summed (a piece may be completed from several)."""
+        return tuple(ops.zeros((), ms.float32) for _ in self.order)
 
     def finish(self, done):
-        """What the step keeps of the chain of sums: on the all-reduce path its last sum, written into `last_sum`
-        (jit drops a sum whose result nothing uses: a rank whose shard misses the last buckets would skip their
-        all-reduces, which the other ranks wait in)."""
-        if self.all_reduced:
-            return ops.assign(self.last_sum, done.reshape(-1)[:1])
-        return done
+        """The end of the chain of sums, written into `last_sum`."""
+        return ops.assign(self.last_sum, done.reshape(-1)[:1])
 
     def sum_bucket(self, k, grads, done, reduced):
-        """Bucket k summed over the group once `done` is, and this rank's part added into its piece buffers:
-        returns what the next bucket waits for, and `reduced` with bucket k's block on the native path. A bucket's
-        flat fp32 input is cut from the gradients only then: made as soon as the gradients exist, every bucket's
-        would be alive at once, waiting for its turn."""
-        if self.all_reduced:
-            units, adds = self.plan[k]
-            parts = [ops.depend(grads[i], done).reshape(-1)[start:end].astype(ms.float32) for i, start, end in units]
-            summed = self.group.all_reduce(ops.cat(parts) if len(parts) > 1 else parts[0])
-            done = summed
-            for j, at in adds:
-                done = ops.depend(done, ops.assign_add(self.buffers[j], summed[at : at + self.piece_lengths[j]]))
-            return done, reduced
+        """Bucket k reduce-scattered once `done` is, and the pieces it completes added into their buffers: returns
+        what the next bucket waits for, and `reduced` with bucket k's block. A bucket's flat fp32 input is cut from
+        the gradients only then: made as soon as the gradients exist, every bucket's would be alive at once."""
         parts = []
         for i, start, end in self.inputs[k]:
             if i < 0:
                 parts.append(ops.depend(ops.zeros((end - start,), ms.float32), done))
             else:
                 parts.append(ops.depend(grads[i], done).reshape(-1)[start:end].astype(ms.float32))
-        done = self.group.reduce_scatter(ops.cat(parts) if len(parts) > 1 else parts[0])  # this rank's [lo, hi), summed
+        done = self.group.reduce_scatter(ops.cat(parts) if len(parts) > 1 else parts[0])  # this rank's block, summed
         reduced = reduced[:k] + (done,) + reduced[k + 1:]
-        for j, segments in self.completions[k]:
+        for j, segments in self.completions[k]:  # the next bucket waits for these adds, or the blocks would wait too
             values = [reduced[b][start:end] for b, start, end in segments]
-            ops.assign_add(self.buffers[j], ops.cat(values) if len(values) > 1 else values[0])
+            done = ops.depend(done, ops.assign_add(self.buffers[j], ops.cat(values) if len(values) > 1 else values[0]))
         return done, reduced
 
 
@@ -264,54 +291,22 @@ def merged_order(readiness: Sequence[Sequence[int]]) -> tuple[tuple[int, int], .
     return tuple(chain)
 
 
-def contiguous_buckets(sizes: Sequence[int], shards: int, length: int, pieces: Sequence[Piece], bucket_elements: int
-                       ) -> tuple[tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int], ...]], ...]:
-    """The all-reduce buckets of `GradientShards` without a native reduce-scatter: each weight's flat gradient (of
-    these sizes) cut at the boundaries of `shards` shards of `length` into units inside one shard each, taken last
-    weight first and grouped, consecutive, into buckets of at most `bucket_elements` (a larger unit stands alone).
-    Per bucket: its units (weight, start, end) in order, and this rank's `pieces` (`shard_pieces`) among them as
-    (piece, offset in the bucket); a unit of this rank's shard is one whole piece."""
+def bucket_inputs(sizes: Sequence[int], layout: FlatShards) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """What each bucket of `layout` is made of, in order: (weight, start, end) of a flattened gradient (of these
+    sizes), or (-1, 0, n) for n zeros (the padding past the last weight)."""
+    width = layout.shards * layout.chunk
     offsets = np.cumsum([0, *sizes]).tolist()
-    mine = {(p.index, p.start): j for j, p in enumerate(pieces)}
-    units = []
-    for index in reversed(range(len(sizes))):
-        for shard in range(shards):
-            start = max(offsets[index], shard * length) - offsets[index]
-            end = min(offsets[index + 1], (shard + 1) * length) - offsets[index]
-            if start < end:
-                units.append((index, start, end))
-    plan = []
-    for bucket in bucket_indices([end - start for _, start, end in units], bucket_elements):
-        members, adds, at = tuple(units[u] for u in bucket), [], 0
-        for index, start, end in members:
-            if (index, start) in mine:
-                adds.append((mine[(index, start)], at))
-            at += end - start
-        plan.append((members, tuple(adds)))
-    return tuple(plan)
-
-
-def bucket_inputs(buckets, completions, shards: int) -> tuple[tuple[tuple[int, int, int], ...], ...]:
-    """What each bucket of a reduce-scatter is made of, in order: (weight, start, end) of a flattened gradient, or
-    (-1, 0, n) for n zeros (padding past the last weight): the `gather_plan` layout of `shards` shards read
-    backwards, so that block r of bucket k is elements [lo, hi) of shard r."""
-    placed: list[list[tuple[int, int, int, int]]] = [[] for _ in buckets]  # (position, weight, start, end)
-    for done in completions:
-        for index, segments in done:
-            offset = 0
-            for b, start, end in segments:
-                placed[b].append((start, index, offset, offset + end - start))
-                offset += end - start
     inputs = []
-    for (lo, hi), items in zip(buckets, placed):
-        parts, position = [], 0
-        for at, index, start, end in sorted(items):
-            if at > position:
-                parts.append((-1, 0, at - position))
-            parts.append((index, start, end))
-            position = at + end - start
-        if position < shards * (hi - lo):
-            parts.append((-1, 0, shards * (hi - lo) - position))
+    for k in range(layout.buckets):
+        lo, hi, parts = k * width, (k + 1) * width, []
+        index = bisect.bisect_right(offsets, lo) - 1
+        while index < len(sizes) and offsets[index] < hi:
+            start, end = max(lo, offsets[index]), min(hi, offsets[index + 1])
+            if start < end:
+                parts.append((index, start - offsets[index], end - offsets[index]))
+            index += 1
+        if min(hi, layout.total) < hi:
+            parts.append((-1, 0, hi - max(lo, layout.total)))
         inputs.append(tuple(parts))
     return tuple(inputs)
 
@@ -337,14 +332,14 @@ class ShardedAccumulateGradients(AccumulateGradients):
     """ZeRO-2 accumulation: forward + backward of one micro-batch, its gradients reduce-scattered into `shards`, a
     store over `model`'s trainable weights: `GradientShards` over dp, or under expert parallelism
     `expert.ExpertGradientShards` (the expert stacks' over expert-dp). Its fp32 buffers, one per piece of this
-    rank's shard, are the ones the optimizer updates; `buffers`, `piece_params` and the (dense) `shard_length` are
+    rank's shard, are the ones the optimizer updates; `buffers`, `piece_params` and `shard_chunks` (by group) are
     the store's. `loss` as for `AccumulateGradients` (tensor parallelism passes its vocab-parallel one)."""
 
     def __init__(self, model: nn.Cell, shards: nn.Cell, loss: nn.Cell | None = None) -> None:
         super().__init__(model, shards.buffers, loss)
         self.shards = shards
         self.piece_params = shards.piece_params
-        self.shard_length = shards.shard_length
+        self.shard_chunks = shards.shard_chunks
 
     @ms.jit
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
