@@ -29,7 +29,7 @@ from model_core.parallel.zero import (
     flat_shards,
     gather_plan,
     merged_order,
-    piece_completions,
+    block_pieces,
 )
 from model_core.parallel.optimizer import RankState
 from model_core.parallel.placement import PARAMETER_SHARD, StatePlacement
@@ -263,14 +263,14 @@ def test_the_bucketed_reduce_scatter_gives_each_rank_the_sum_of_its_pieces(shard
     for rank in range(shards):
         pieces = layout.pieces(sizes, rank)
         lengths = [p.end - p.start for p in pieces]
-        buffers, reduced = [np.zeros(n) for n in lengths], [None] * layout.buckets
-        completions = piece_completions(layout.bucket_ranges(), lengths)
+        buffers = [np.zeros(n) for n in lengths]
+        adds = block_pieces(layout.bucket_ranges(), lengths)
         for k in reversed(range(layout.buckets)):  # as `GradientShards` reduces them: the last bucket first
             flat = sum(np.concatenate([np.zeros(end) if i < 0 else mine[i][start:end] for i, start, end in inputs[k]])
                        for mine in grads)
-            reduced[k] = flat[rank * layout.chunk : (rank + 1) * layout.chunk]
-            for j, segments in completions[k]:
-                buffers[j] += np.concatenate([reduced[b][start:end] for b, start, end in segments])
+            block = flat[rank * layout.chunk : (rank + 1) * layout.chunk]
+            for j, start, end in adds[k]:
+                buffers[j] += block[start:end]
         held = np.concatenate(buffers) if buffers else np.zeros(0)
         np.testing.assert_allclose(held, _shard_of(whole, layout, sizes, rank)[: held.size], rtol=0, atol=1e-12)
 

@@ -126,10 +126,10 @@ class ExpertGradientShards(nn.Cell):
     def construct(self, grads):
         dense_grads = tuple(grads[i] for i in self.dense_positions)
         expert_grads = tuple(grads[i] for i in self.expert_positions)
-        done, dense_reduced, expert_reduced = ops.zeros((), ms.float32), self.dense.no_sums(), self.experts.no_sums()
+        done = ops.zeros((), ms.float32)
         for store, k in self.chain:
             if store == 0:
-                done, dense_reduced = self.dense.sum_bucket(k, dense_grads, done, dense_reduced)
+                done = self.dense.sum_bucket(k, dense_grads, done)
             else:
-                done, expert_reduced = self.experts.sum_bucket(k, expert_grads, done, expert_reduced)
+                done = self.experts.sum_bucket(k, expert_grads, done)
         return ops.assign(self.last_sum, done.reshape(-1)[:1])  # keeps the whole chain (`GradientShards.finish`)

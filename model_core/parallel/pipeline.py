@@ -428,8 +428,7 @@ class PipelineStage:
     group, `bucket_bytes` (`parallel.gradient_bucket_mb`) at a time, and `buffers` are the pieces of this rank's
     shard (`zero.GradientShards`: `piece_params`, `shard_chunks`). A tied table comes first among the end stages'
     weights and both ends cut their shards in blocks of one size, so its pieces are the same on both and are summed
-    over the pair piece by piece. Under
-    expert parallelism the expert shards among the stage's weights (`experts`: every expert stack's ep block) are
+    over the pair piece by piece. Under expert parallelism the expert shards among the stage's weights (`experts`: every expert stack's ep block) are
     reduce-scattered over `expert_dp_group` instead (`expert.ExpertGradientShards`: the dense pieces first, the
     table first among them, then the experts'; `shards` is then that pair).
 

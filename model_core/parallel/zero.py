@@ -238,7 +238,7 @@ class GradientShards(nn.Cell):
         self.piece_lengths = tuple(p.end - p.start for p in pieces)
         self.shard_chunks = {"dp": self.layout.chunk}
         self.inputs = bucket_inputs(sizes, self.layout)
-        self.completions = piece_completions(self.layout.bucket_ranges(), self.piece_lengths)
+        self.adds = block_pieces(self.layout.bucket_ranges(), self.piece_lengths)
         self.order = tuple(range(self.layout.buckets - 1, -1, -1))  # the last weights' gradients are made first
         self.ready = tuple(min((i for i, _, _ in parts if i >= 0), default=len(sizes)) for parts in self.inputs)
         # jit drops a sum whose result nothing uses: on a rank whose shard misses the last buckets the chain's end
@@ -247,35 +247,30 @@ class GradientShards(nn.Cell):
                                   requires_grad=False)
 
     def construct(self, grads):
-        done, reduced = ops.zeros((), ms.float32), self.no_sums()
+        done = ops.zeros((), ms.float32)
         for k in self.order:
-            done, reduced = self.sum_bucket(k, grads, done, reduced)
+            done = self.sum_bucket(k, grads, done)
         return self.finish(done)
-
-    def no_sums(self):
-        """The buckets' reduced blocks before any is summed (a piece may be completed from several)."""
-        return tuple(ops.zeros((), ms.float32) for _ in self.order)
 
     def finish(self, done):
         """The end of the chain of sums, written into `last_sum`."""
         return ops.assign(self.last_sum, done.reshape(-1)[:1])
 
-    def sum_bucket(self, k, grads, done, reduced):
-        """Bucket k reduce-scattered once `done` is, and the pieces it completes added into their buffers: returns
-        what the next bucket waits for, and `reduced` with bucket k's block. A bucket's flat fp32 input is cut from
-        the gradients only then: made as soon as the gradients exist, every bucket's would be alive at once."""
+    def sum_bucket(self, k, grads, done):
+        """Bucket k reduce-scattered once `done` is, and its block added into the pieces it holds: returns what the
+        next bucket waits for. A bucket's flat fp32 input is cut from the gradients only then: made as soon as the
+        gradients exist, every bucket's would be alive at once."""
         parts = []
         for i, start, end in self.inputs[k]:
             if i < 0:
                 parts.append(ops.depend(ops.zeros((end - start,), ms.float32), done))
             else:
                 parts.append(ops.depend(grads[i], done).reshape(-1)[start:end].astype(ms.float32))
-        done = self.group.reduce_scatter(ops.cat(parts) if len(parts) > 1 else parts[0])  # this rank's block, summed
-        reduced = reduced[:k] + (done,) + reduced[k + 1:]
-        for j, segments in self.completions[k]:  # the next bucket waits for these adds, or the blocks would wait too
-            values = [reduced[b][start:end] for b, start, end in segments]
-            done = ops.depend(done, ops.assign_add(self.buffers[j], ops.cat(values) if len(values) > 1 else values[0]))
-        return done, reduced
+        block = self.group.reduce_scatter(ops.cat(parts) if len(parts) > 1 else parts[0])  # this rank's, summed
+        done = block
+        for j, start, end in self.adds[k]:  # the next bucket waits for these adds, or every block would wait too
+            done = ops.depend(done, ops.assign_add(self.buffers[j], block[start:end]))
+        return done
 
 
 def merged_order(readiness: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
@@ -311,21 +306,20 @@ def bucket_inputs(sizes: Sequence[int], layout: FlatShards) -> tuple[tuple[tuple
     return tuple(inputs)
 
 
-def piece_completions(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, tuple[tuple[int, int, int], ...]], ...], ...]:
-    """For each bucket, the pieces of this rank's shard (of these lengths, laid end to end from its start) that
-    the bucket completes when the buckets are reduced last first: (piece, its segments as (bucket, start, end) of
-    the buckets' reduced blocks)."""
-    completions: list[list] = [[] for _ in buckets]
+def block_pieces(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
+    """For each bucket [lo, hi) of a shard, the pieces of this rank's shard (of these lengths, laid end to end from
+    its start) inside its block: (piece, start, end) of the bucket's reduced block. `FlatShards.pieces` cuts a piece
+    inside one block, so each piece is in exactly one bucket."""
+    adds: list[list] = [[] for _ in buckets]
     offset = 0
     for j, length in enumerate(lengths):
-        segments = []
-        for k, (lo, hi) in enumerate(buckets):
-            first, last = max(lo, offset), min(hi, offset + length)
-            if first < last:
-                segments.append((k, first - lo, last - lo))
-        completions[min(k for k, _, _ in segments)].append((j, tuple(segments)))
+        k = next(k for k, (lo, hi) in enumerate(buckets) if lo <= offset < hi)
+        lo, hi = buckets[k]
+        if offset + length > hi:
+            raise ValueError(f"piece {j} [{offset}, {offset + length}) crosses the block [{lo}, {hi})")
+        adds[k].append((j, offset - lo, offset + length - lo))
         offset += length
-    return tuple(tuple(done) for done in completions)
+    return tuple(tuple(bucket) for bucket in adds)
 
 
 class ShardedAccumulateGradients(AccumulateGradients):
