@@ -13,7 +13,8 @@ the report says which phase of which step reached the rank's peak and how much R
 glibc's view of the heap (mallinfo2: bytes in use and free bytes it keeps) at those points. Resetting VmHWM also
 resets `ru_maxrss`, so the rank's peak is the largest of the build window's and the phases' high-water marks.
 At the end, after the figures are taken, `malloc_trim(0)` shows how much of the resident memory was freed heap
-glibc had kept (a diagnostic: the measured peak is not changed by it).
+glibc had kept (a diagnostic: the measured peak is not changed by it), and the bytes of every Parameter the process
+holds are counted (`every_parameter_bytes`).
 """
 
 from __future__ import annotations
@@ -186,6 +187,23 @@ def held_bytes(*cells) -> list[int]:
     return totals
 
 
+def every_parameter_bytes() -> int:
+    """Bytes of every Parameter alive in the process, each counted once: the weights, masters, gradient buffers,
+    shard copies and moments, wherever a cell or the optimizer keeps them. On an accelerator these are device
+    memory; the rest of a rank's device memory is the runtime's pool, which the parent reads from MindSpore's own
+    statistics at exit."""
+    from mindspore import Parameter
+
+    held = {}
+    for obj in gc.get_objects():
+        try:
+            if isinstance(obj, Parameter):
+                held[id(obj)] = obj
+        except ReferenceError:  # a weak proxy whose object is gone
+            continue
+    return sum(int(param.nbytes) for param in held.values())
+
+
 def largest_full_tensor_bytes(model, weights: Path) -> tuple[int, list[str]]:
     """The largest tensor of the checkpoint, at its full size, of which `model` holds a part (matched by
     parameter path), and the model's parameter paths the checkpoint does not name."""
@@ -243,6 +261,7 @@ def main() -> None:
     _LIBC.malloc_trim(0)
     at_end["rss_after_malloc_trim_bytes"] = rss_bytes()
     param_bytes, optimizer_bytes = held_bytes(trainer.model, trainer.optimizer)
+    every_parameter = every_parameter_bytes()
     largest, unmatched = largest_full_tensor_bytes(trainer.model, args.weights)
     report = {
         "rank": rank,
@@ -253,6 +272,7 @@ def main() -> None:
         "build_window_closed_by": window.closed_by,
         "param_bytes": param_bytes,
         "optimizer_bytes": optimizer_bytes,
+        "every_parameter_bytes": every_parameter,
         "largest_full_tensor_bytes": largest,
         "parameters_not_in_checkpoint": unmatched,
         "peak_rss_bytes": peak,

@@ -32,9 +32,15 @@ converted checkpoint. A rank's measured model-state bytes are its peak RSS minus
 model (the runtime, the joined job and the imports are the baseline; what the step's graph and its small
 activations add counts against us). Printed per rank with the planner's CPU estimate of its peak and the paper's
 bytes for the stage, a P + b P / dp: fp32 16, 8 + 8/dp, 4 + 12/dp, 16/dp; mixed precision 16, 4 + 12/dp,
-2 + 14/dp, 16/dp. The last line: `fp32_states_over_paper` and `mixed_states_over_paper` (the worst stage's
-measured over paper bytes; issue 32's targets 1.15 and 1.25) and `planner_error` (the largest relative error of
-the planner's peak against the measured peak RSS; target 0.10).
+2 + 14/dp, 16/dp. Beside them, what the rank would hold in an accelerator's memory: every Parameter it holds
+(weights, masters, gradient buffers, shard copies, moments) plus the peak of MindSpore's memory pool over the run
+(fresh gradients, communication buffers, the update's temporaries, activations), which MindSpore prints at exit
+(MS_DEV_RUNTIME_CONF=memory_statistics:True, set for the workers). Peak RSS also holds what on an accelerator is
+host memory: the compiled graphs, the CPU kernels' own buffers and the free heap glibc keeps. The last line:
+`fp32_states_over_paper` and `mixed_states_over_paper` (the worst stage's measured peak RSS states over paper
+bytes; issue 32's targets 1.15 and 1.25), `fp32_device_states_over_paper` and `mixed_device_states_over_paper`
+(the same with the device bytes) and `planner_error` (the largest relative error of the planner's peak against the
+measured peak RSS; target 0.10).
 
     flock /tmp/cpu.lock python benchmarks/rank_memory.py --states [--layouts fp32-zero1,mixed-zero2,...]
 
@@ -50,6 +56,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -123,6 +131,10 @@ def main() -> None:
     args = parser.parse_args()
     extra = args.overrides
     runs = STATES if args.states else LAYOUTS
+    if args.states:  # MindSpore prints its memory pool's peak at exit (`pool_peak_bytes`)
+        conf = os.environ.get("MS_DEV_RUNTIME_CONF", "")
+        if POOL_STATISTICS not in conf:
+            os.environ["MS_DEV_RUNTIME_CONF"] = f"{conf},{POOL_STATISTICS}" if conf else POOL_STATISTICS
     names = args.layouts.split(",") if args.layouts else list(runs)
     steps = args.steps or (3 if args.states else 2)
     unknown = sorted(set(names) - set(runs))
@@ -195,8 +207,22 @@ def run_layout(name: str, dataset: Path, weights: Path, out: Path, steps: int, e
         with open(out / "rank0.log", "w") as echo:
             launch(command, workers, out / "logs", echo=echo)
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(workers)]
+    if name in STATES:
+        for rank, report in enumerate(reports):
+            report["pool_peak_bytes"] = pool_peak_bytes(out / "logs" / f"worker_{rank}.log")
     print(f"{name}: {len(reports)} rank(s) measured", file=sys.stderr, flush=True)
     return reports
+
+
+POOL_PEAK = re.compile(r"actual peak used mem:(\d+)M")
+POOL_STATISTICS = "memory_statistics:True"
+
+
+def pool_peak_bytes(log: Path) -> int | None:
+    """The peak of MindSpore's device memory pool over a rank's run, from the statistics MindSpore prints at exit
+    when MS_DEV_RUNTIME_CONF has memory_statistics:True (in MiB); None where the log has none."""
+    found = [int(value) for value in POOL_PEAK.findall(log.read_text(errors="replace"))] if log.exists() else []
+    return max(found) * 2**20 if found else None
 
 
 def add_planner_figures(name: str, report: dict, extra: list[str]) -> None:
@@ -228,14 +254,17 @@ def add_state_figures(name: str, report: dict, extra: list[str]) -> None:
     report["parameters"] = parameters
     report["paper_state_bytes"] = a * parameters + b * parameters / parallel.data_parallel
     report["state_bytes"] = report["peak_rss_bytes"] - report["rss_before_bytes"]
+    pool = report.get("pool_peak_bytes")
+    report["device_state_bytes"] = None if pool is None else report["every_parameter_bytes"] + pool
     candidate = Candidate(parallel.data_parallel, 1, 1, parallel.zero_stage, "none")
     report["planned_peak_rss_bytes"] = stage_memory(params, candidate, 0, CPU, CPU.runtime_bytes).total
 
 
 def print_states_table(ranks: dict[str, list[dict]]) -> None:
     header = ["run", "rank", "skipped", "before", "peak", "plan peak", "error", "states", "paper", "states/paper",
-              "bytes/P"]
-    print("MB (10^6 bytes) per rank; states = peak RSS - RSS before the model was built")
+              "bytes/P", "parameters", "pool", "device", "device/paper"]
+    print("MB (10^6 bytes) per rank; states = peak RSS - RSS before the model was built; device = every Parameter "
+          "the rank holds + the peak of MindSpore's memory pool")
     print("".join(f"{cell:>13}" for cell in header))
     for name, reports in ranks.items():
         for r in reports:
@@ -244,7 +273,11 @@ def print_states_table(ranks: dict[str, list[dict]]) -> None:
                 f"{r['planned_peak_rss_bytes'] / MB:.0f}", f"{relative_error(r['planned_peak_rss_bytes'], r['peak_rss_bytes']):.3f}",
                 f"{r['state_bytes'] / MB:.0f}", f"{r['paper_state_bytes'] / MB:.0f}",
                 f"{r['state_bytes'] / r['paper_state_bytes']:.2f}", f"{r['state_bytes'] / r['parameters']:.1f}",
+                f"{r['every_parameter_bytes'] / MB:.0f}",
             ]
+            device = r["device_state_bytes"]
+            cells += ["-", "-", "-"] if device is None else [
+                f"{r['pool_peak_bytes'] / MB:.0f}", f"{device / MB:.0f}", f"{device / r['paper_state_bytes']:.2f}"]
             print("".join(f"{cell:>13}" for cell in cells))
 
 
@@ -268,15 +301,19 @@ def print_phases(ranks: dict[str, list[dict]]) -> None:
 
 
 def states_summary(ranks: dict[str, list[dict]]) -> dict:
-    def worst(precision: str) -> float | None:
-        ratios = [r["state_bytes"] / r["paper_state_bytes"] for name, reports in ranks.items()
+    def worst(precision: str, measured: str = "state_bytes") -> float | None:
+        ratios = [r[measured] / r["paper_state_bytes"] for name, reports in ranks.items()
                   if name.startswith(precision) for r in reports]
-        return round(max(ratios), 3) if ratios else None
+        if not ratios or None in ratios:
+            return None
+        return round(max(ratios), 3)
 
     every = [report for reports in ranks.values() for report in reports]
     return {
         "fp32_states_over_paper": worst("fp32"),
         "mixed_states_over_paper": worst("mixed"),
+        "fp32_device_states_over_paper": worst("fp32", "device_state_bytes"),
+        "mixed_device_states_over_paper": worst("mixed", "device_state_bytes"),
         "planner_error": round(max(relative_error(r["planned_peak_rss_bytes"], r["peak_rss_bytes"]) for r in every), 3),
         "runs": ranks,
     }

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore.ops.primitive import constexpr
 
 from model_core.optim.adamw import adamw_scalars, applies_weight_decay
 from model_core.optim.offload import FileWeight, OffloadedMoments, Slot
@@ -49,6 +50,21 @@ from model_core.parallel.zero3 import gather_full, take_shard
 from params.schema import OptimizerParams
 
 PREFIXES = ("adam_m", "adam_v")
+
+
+def _marker():
+    return 0
+
+
+@constexpr(check=False)
+def _lost(function) -> bool:
+    return function is None
+
+
+def _compiled() -> bool:
+    """Whether the calling code is being compiled (jit) rather than run eagerly: the graph compiler hands a constexpr a
+    Python function as None (MindSpore's own `_run_in_jit` does the same)."""
+    return _lost(_marker)
 
 
 @dataclass(frozen=True)
@@ -152,6 +168,7 @@ class AdamW(nn.Cell):
         self._beta1 = Tensor(self.beta1, ms.float32)
         self._beta2 = Tensor(self.beta2, ms.float32)
         self._fused_update = ops.Adam()
+        self.in_place = ms.get_context("device_target") in ("CPU", "Ascend")  # InplaceMul kernels (`_scale`)
         self.shard_layouts: dict[str, FlatShards] = {}
         self.pieces = self._pieces([int(np.prod(shape)) for shape in self.shapes])
         # Groups whose pieces are kept from step to step (they hold masters of compute-dtype weights).
@@ -333,7 +350,7 @@ class AdamW(nn.Cell):
             # keeps no scaled copy. A piece's gradient is scaled whole and then cut: the graph keeps the piece.
             # A buffer that several pieces read (a weight in several buckets of a ZeRO-1 shard) is scaled by the
             # first of them, which the others follow.
-            grad = ops.assign(grads[b], grad * grad_scale)
+            grad = self._scale(grads[b], grad_scale, after)
         if self.gradient_slices[k] is not None:
             start, end = self.gradient_slices[k]
             grad = grad.reshape(-1)[start:end]
@@ -343,7 +360,7 @@ class AdamW(nn.Cell):
             j, start, end = self.copies[k]
             ops.assign(self.targets[k], self.sources[j].reshape(-1)[start:end])
         if self.decays[k]:
-            ops.assign(self.targets[k], self.targets[k] * keep)
+            self._scale(self.targets[k], keep, grad)
         done = self._fused_update(
             self.targets[k], self.exp_avg[k], self.exp_avg_sq[k],
             beta1_power, beta2_power, lr, self._beta1, self._beta2, eps_t, grad,
@@ -352,6 +369,18 @@ class AdamW(nn.Cell):
         if j >= 0:
             done = ops.assign(self.working[j], ops.depend(self.targets[k], done).astype(self.working[j].dtype))
         return done
+
+    def _scale(self, parameter, factor, after):
+        """parameter * factor, written into the parameter once `after` exists; returns the parameter.
+
+        In place where the backend has the kernel. The other form, assign(p, p * factor), reads p through a Load,
+        and the compiled graph copies every Load of a Parameter that it writes later (TensorMove) at once at its
+        start, whatever `after` says: the copies of every buffer and every decayed weight, 4 bytes a parameter
+        each, were alive together (benchmarks/README.md, "Model states against the ZeRO paper")."""
+        if self.in_place and _compiled():  # PyNative's InplaceMul is unregistered, its mul_ a silent no-op
+            parameter.mul_(ops.depend(factor, after))
+            return parameter
+        return ops.assign(parameter, ops.depend(parameter, after) * factor)
 
     # --------------------------------------------------------------------------- state, whole over layouts
     def moment_bytes(self) -> int:
