@@ -20,9 +20,14 @@ which compiles) are printed, with `llmflow plan`'s CPU estimate of the busiest r
 
     flock /tmp/cpu.lock python benchmarks/long_context.py [--layouts cp1,cp2,tp2,tp2-sp,tp4,tp4-sp] [--steps 4]
 
+Beside the RSS figures, the same difference of each rank's MindSpore memory pool peak (`_memory_pool.py`): the
+activations an accelerator's memory would hold, without the host memory that RSS also holds and that grows with
+the sequence too (the CPU kernels' own buffers, the free heap glibc keeps).
+
 The last line is one JSON object: `cp2_activation_ratio` (a cp2 rank's activation bytes over cp1's; issue 35's
 target <= 0.6), `sp_activation_ratio` (tp2-sp over tp2; target <= 0.75; null when tp2-sp was skipped), `sp_activation_ratio_tp4`
-(tp4-sp over tp4; null unless both ran),
+(tp4-sp over tp4; null unless both ran), `cp2_device_activation_ratio`, `sp_device_activation_ratio` and
+`sp_device_activation_ratio_tp4` (the same over the pool differences),
 `planner_error` (the largest relative error of the planner's peak against the measured peak RSS over the layouts
 at 2048 tokens; target <= 0.10), and the per-layout figures.
 """
@@ -39,6 +44,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from _memory_pool import pool_peak_bytes, record_pool_peaks  # noqa: E402  (beside this file)
 
 LONG, SHORT = 2048, 256
 MODEL = [
@@ -78,6 +85,7 @@ def main() -> None:
         run_worker(name, int(seq), dataset, Path(out), args.steps, args.overrides)
         return
     names = [name for name in args.layouts.split(",") if runnable(name)]
+    record_pool_peaks()
     with tempfile.TemporaryDirectory(prefix="long-context-") as workdir:
         figures = measure(Path(workdir), args.steps, names, args.overrides)
     print(f"{'layout':<8}{'rank':>5}{'peak MB':>10}{'at 256 MB':>11}{'activations MB':>16}{'tokens/s':>10}{'plan MB':>10}")
@@ -89,8 +97,12 @@ def main() -> None:
         "cp2_activation_ratio": ratio(figures, "cp2", "cp1"),
         "sp_activation_ratio": ratio(figures, "tp2-sp", "tp2"),
         "sp_activation_ratio_tp4": ratio(figures, "tp4-sp", "tp4"),
+        "cp2_device_activation_ratio": ratio(figures, "cp2", "cp1", "device_activation_bytes"),
+        "sp_device_activation_ratio": ratio(figures, "tp2-sp", "tp2", "device_activation_bytes"),
+        "sp_device_activation_ratio_tp4": ratio(figures, "tp4-sp", "tp4", "device_activation_bytes"),
         "planner_error": round(max(abs(r["planned_peak_bytes"] / max(r["peak_bytes"]) - 1) for r in figures.values()), 3),
         "layouts": {name: {"activation_bytes": r["activation_bytes"], "peak_bytes": r["peak_bytes"],
+                           "device_activation_bytes": r["device_activation_bytes"],
                            "tokens_per_second": round(r["tokens_per_second"], 1)} for name, r in figures.items()},
     }
     print(json.dumps(summary))
@@ -107,10 +119,10 @@ def runnable(name: str) -> bool:
     return True
 
 
-def ratio(figures: dict, over: str, under: str) -> float | None:
-    if over not in figures or under not in figures:
+def ratio(figures: dict, over: str, under: str, measured: str = "activation_bytes") -> float | None:
+    if over not in figures or under not in figures or None in figures[over][measured] + figures[under][measured]:
         return None
-    return round(max(figures[over]["activation_bytes"]) / max(figures[under]["activation_bytes"]), 3)
+    return round(max(figures[over][measured]) / max(figures[under][measured]), 3)
 
 
 def measure(workdir: Path, steps: int, names: list[str], overrides: list[str]) -> dict[str, dict]:
@@ -120,10 +132,12 @@ def measure(workdir: Path, steps: int, names: list[str], overrides: list[str]) -
         long = run_layout(name, LONG, datasets[LONG], workdir / f"{name}-{LONG}", steps, overrides)
         short = run_layout(name, SHORT, datasets[SHORT], workdir / f"{name}-{SHORT}", steps, overrides)
         peaks, short_peaks = [r["peak_bytes"] for r in long], [r["peak_bytes"] for r in short]
+        pools = [(a["pool_peak_bytes"], b["pool_peak_bytes"]) for a, b in zip(long, short)]
         history = long[0]["history"][1:]  # the first step compiles
         figures[name] = {
             "peak_bytes": peaks, "short_peak_bytes": short_peaks,
             "activation_bytes": [peak - base for peak, base in zip(peaks, short_peaks)],
+            "device_activation_bytes": [None if None in pair else pair[0] - pair[1] for pair in pools],
             "tokens_per_second": statistics.median(record["tokens_per_second"] for record in history),
             "planned_peak_bytes": planned_peak(name, overrides),
         }
@@ -173,15 +187,20 @@ def run_layout(name: str, seq: int, dataset: Path, out: Path, steps: int, overri
     workers = LAYOUTS[name][0]
     command = [str(Path(__file__)), "--long-context-worker", f"{name}:{seq}", "--steps", str(steps),
                *(item for override in overrides for item in ("--set", override)), str(dataset), str(out)]
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     if workers == 1:
-        subprocess.run([sys.executable, *command], check=True, cwd=REPO)
+        with open(logs / "worker_0.log", "w") as log:
+            subprocess.run([sys.executable, *command], check=True, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     else:
         from model_core.parallel.launch import launch
 
-        out.mkdir(parents=True, exist_ok=True)
         with open(out.with_suffix(".log"), "w") as echo:
-            launch(command, workers, out / "logs", echo=echo)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(workers)]
+            launch(command, workers, logs, echo=echo)
+    reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(workers)]
+    for rank, report in enumerate(reports):
+        report["pool_peak_bytes"] = pool_peak_bytes(logs / f"worker_{rank}.log")
+    return reports
 
 
 def run_worker(name: str, seq: int, dataset: str, out: Path, steps: int, overrides: list[str]) -> None:

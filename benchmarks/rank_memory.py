@@ -56,8 +56,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
 import subprocess
 import sys
 import tempfile
@@ -65,6 +63,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from _memory_pool import pool_peak_bytes, record_pool_peaks  # noqa: E402  (beside this file)
 
 MODEL = [
     "model.vocab_size=8000", "model.hidden_size=512", "model.num_layers=8", "model.num_heads=8",
@@ -131,10 +131,8 @@ def main() -> None:
     args = parser.parse_args()
     extra = args.overrides
     runs = STATES if args.states else LAYOUTS
-    if args.states:  # MindSpore prints its memory pool's peak at exit (`pool_peak_bytes`)
-        conf = os.environ.get("MS_DEV_RUNTIME_CONF", "")
-        if POOL_STATISTICS not in conf:
-            os.environ["MS_DEV_RUNTIME_CONF"] = f"{conf},{POOL_STATISTICS}" if conf else POOL_STATISTICS
+    if args.states:
+        record_pool_peaks()
     names = args.layouts.split(",") if args.layouts else list(runs)
     steps = args.steps or (3 if args.states else 2)
     unknown = sorted(set(names) - set(runs))
@@ -212,17 +210,6 @@ def run_layout(name: str, dataset: Path, weights: Path, out: Path, steps: int, e
             report["pool_peak_bytes"] = pool_peak_bytes(out / "logs" / f"worker_{rank}.log")
     print(f"{name}: {len(reports)} rank(s) measured", file=sys.stderr, flush=True)
     return reports
-
-
-POOL_PEAK = re.compile(r"actual peak used mem:(\d+)M")
-POOL_STATISTICS = "memory_statistics:True"
-
-
-def pool_peak_bytes(log: Path) -> int | None:
-    """The peak of MindSpore's device memory pool over a rank's run, from the statistics MindSpore prints at exit
-    when MS_DEV_RUNTIME_CONF has memory_statistics:True (in MiB); None where the log has none."""
-    found = [int(value) for value in POOL_PEAK.findall(log.read_text(errors="replace"))] if log.exists() else []
-    return max(found) * 2**20 if found else None
 
 
 def add_planner_figures(name: str, report: dict, extra: list[str]) -> None:
