@@ -3,7 +3,8 @@ a step's tensors (activations, fresh gradients, buffers), without the host memor
 (compiled graphs, kernel objects, the free heap glibc keeps).
 
 `record_pool_peaks()` makes every MindSpore process started after it print its pool's statistics at exit
-(MS_DEV_RUNTIME_CONF=memory_statistics:True); `pool_peak_bytes(log)` reads the peak from such a process's output.
+(MS_DEV_RUNTIME_CONF=memory_statistics:True); `pool_peaks(logs, workers)` reads each rank's peak from its log
+(`worker_<rank>.log`, as `model_core.parallel.launch` names them).
 """
 
 from __future__ import annotations
@@ -27,3 +28,8 @@ def pool_peak_bytes(log: Path) -> int | None:
     log has none."""
     found = [int(value) for value in PEAK.findall(log.read_text(errors="replace"))] if log.exists() else []
     return max(found) * 2**20 if found else None
+
+
+def pool_peaks(logs: Path, workers: int) -> list[int | None]:
+    """Each rank's pool peak, from the worker logs in `logs`."""
+    return [pool_peak_bytes(logs / f"worker_{rank}.log") for rank in range(workers)]

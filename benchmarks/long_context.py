@@ -45,7 +45,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from _memory_pool import pool_peak_bytes, record_pool_peaks  # noqa: E402  (beside this file)
+from _memory_pool import pool_peaks, record_pool_peaks  # noqa: E402  (beside this file)
 
 LONG, SHORT = 2048, 256
 MODEL = [
@@ -191,15 +191,18 @@ def run_layout(name: str, seq: int, dataset: Path, out: Path, steps: int, overri
     logs.mkdir(parents=True, exist_ok=True)
     if workers == 1:
         with open(logs / "worker_0.log", "w") as log:
-            subprocess.run([sys.executable, *command], check=True, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+            finished = subprocess.run([sys.executable, *command], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        if finished.returncode != 0:
+            raise SystemExit(f"{name} at {seq} tokens failed (exit {finished.returncode}); its output: "
+                             f"{logs / 'worker_0.log'}")
     else:
         from model_core.parallel.launch import launch
 
         with open(out.with_suffix(".log"), "w") as echo:
             launch(command, workers, logs, echo=echo)
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(workers)]
-    for rank, report in enumerate(reports):
-        report["pool_peak_bytes"] = pool_peak_bytes(logs / f"worker_{rank}.log")
+    for report, peak in zip(reports, pool_peaks(logs, workers)):
+        report["pool_peak_bytes"] = peak
     return reports
 
 

@@ -64,7 +64,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from _memory_pool import pool_peak_bytes, record_pool_peaks  # noqa: E402  (beside this file)
+from _memory_pool import pool_peaks, record_pool_peaks  # noqa: E402  (beside this file)
 
 MODEL = [
     "model.vocab_size=8000", "model.hidden_size=512", "model.num_layers=8", "model.num_heads=8",
@@ -206,8 +206,8 @@ def run_layout(name: str, dataset: Path, weights: Path, out: Path, steps: int, e
             launch(command, workers, out / "logs", echo=echo)
     reports = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(workers)]
     if name in STATES:
-        for rank, report in enumerate(reports):
-            report["pool_peak_bytes"] = pool_peak_bytes(out / "logs" / f"worker_{rank}.log")
+        for report, peak in zip(reports, pool_peaks(out / "logs", workers)):
+            report["pool_peak_bytes"] = peak
     print(f"{name}: {len(reports)} rank(s) measured", file=sys.stderr, flush=True)
     return reports
 
