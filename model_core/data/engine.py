@@ -10,13 +10,14 @@ back lazily; prep reports progress as each one arrives.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import multiprocessing
 import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import ProcessPoolExecutor
 from typing import Any
+
+from model_core.host_memory import release_free_heap
 
 Mapper = Callable[[str, Callable[[Any], Any], list[Any]], Iterable[Any]]
 
@@ -68,11 +69,4 @@ def _run_and_trim(function: Callable[[Any], Any], job: Any) -> Any:
     try:
         return function(job)
     finally:
-        _malloc_trim()
-
-
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
+        release_free_heap()

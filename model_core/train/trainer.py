@@ -30,6 +30,7 @@ import numpy as np
 
 from model_core.data import open_split, read_manifest
 from model_core.data.mixture import MixtureSource, mixture_sources
+from model_core.host_memory import release_free_heap
 from model_core.model.moe import router_noise
 from model_core.model.weights import WeightMismatchError
 from model_core.optim.step import scalar
@@ -147,6 +148,7 @@ class Trainer:
         self.last_routing: dict[str, float] = {}  # a mixture-of-experts model's routing metrics of the last step
         self.flops_per_token = flops_per_token(params.model)
         self.peak = peak_flops_for_current_device(params.precision.compute_dtype)
+        self.compiled: set[str] = set()  # the phases whose graphs have been compiled (`_after_phase`)
 
     # ------------------------------------------------------------------------------------------ resume
 
@@ -230,6 +232,7 @@ class Trainer:
 
     def _run(self, on_metrics: MetricsCallback | None, resume: str | Path) -> TrainResult:
         resumed_from = self.resume(resume)
+        self._after_phase("resume", always=True)  # a checkpoint's arrays, read and placed
         history: list[dict[str, float]] = []
         train = self.params.train
         last_checkpoint = resumed_from
@@ -276,6 +279,7 @@ class Trainer:
         scale = scalar(self.loss_scale.scale / max(counted, 1))
         noise = self._router_noise(len(rows), size, micro[0].tokens.shape[1])
         summed = self.parallel.gradients([_micro_batch(batch, n) for batch, n in zip(micro, noise)], scale)
+        self._after_phase("gradients")
         routing = self.parallel.routing_statistics()
         # One host all-reduce carries the summed loss and the routing statistics together.
         summed, *routing_sums = sum_over(self.dp_group, [summed, *(routing if routing is not None else [])])
@@ -284,6 +288,7 @@ class Trainer:
             self.last_routing = routing_metrics(routing_sums, counted, self.params.model)
         heartbeat.phase("gradient norm")
         grad_norm = self.parallel.gradient_norm(scalar(1.0 / self.loss_scale.scale))
+        self._after_phase("gradient norm")
         finite = math.isfinite(loss) and math.isfinite(grad_norm)
         self.loss_scale.update(finite)
         counters = self.counters
@@ -295,6 +300,7 @@ class Trainer:
             self.last_lr = lr
             heartbeat.phase("update")
             self.parallel.apply(scalar(lr), scalar(step + 1), scalar(coefficient / self.loss_scale.scale))
+            self._after_phase("update")
             counters.consecutive_nonfinite = 0
             if math.isnan(counters.initial_loss):
                 counters.initial_loss = loss
@@ -314,6 +320,14 @@ class Trainer:
         tokens = sum(batch.tokens.size for batch in micro) * self.dp_group.size
         counters.tokens_seen += tokens
         return loss, grad_norm, tokens
+
+    def _after_phase(self, phase: str, always: bool = False) -> None:
+        """Return the heap's free pages to the system after a phase's first call (which compiled its graph: the
+        compiler's scratch, hundreds of MB on a large model, is freed but kept by glibc, and the next step's peak
+        would land on top of it), or after every call where `always` (a checkpoint's arrays)."""
+        if always or phase not in self.compiled:
+            self.compiled.add(phase)
+            release_free_heap()
 
     def _router_noise(self, rows: int, size: int, seq: int) -> list[ms.Tensor | None]:
         """The router jitter factors of each of this step's micro-batches (`size` of its `rows` rows of `seq`
@@ -398,6 +412,7 @@ class Trainer:
             )
         finally:
             self.model.set_train(True)
+        self._after_phase("validation")
         total, counted = sum_over(self.dp_group, [total, counted])
         return total / counted if counted else math.nan
 
@@ -439,10 +454,14 @@ class Trainer:
             "lora": self.parallel.table.lora.model_dump(mode="json") if self.parallel.table.lora else None,
             "rng": {"seed": self.params.train.seed},
         }
-        return ckpt.save_shards(
-            self.checkpoint_dir, self.counters.step, shards, state, self.layout,
-            keep=self.params.train.keep_checkpoints, barrier=comm.barrier,
-        )
+        try:
+            return ckpt.save_shards(
+                self.checkpoint_dir, self.counters.step, shards, state, self.layout,
+                keep=self.params.train.keep_checkpoints, barrier=comm.barrier,
+            )
+        finally:
+            del weights, moments, shards
+            self._after_phase("checkpoint", always=True)
 
 
 def _join_layout(params: PipelineParams) -> tuple[Layout, int]:
