@@ -39,8 +39,9 @@ bytes for the stage, a P + b P / dp: fp32 16, 8 + 8/dp, 4 + 12/dp, 16/dp; mixed 
 host memory: the compiled graphs, the CPU kernels' own buffers and the free heap glibc keeps. The last line:
 `fp32_states_over_paper` and `mixed_states_over_paper` (the worst stage's measured peak RSS states over paper
 bytes; issue 32's targets 1.15 and 1.25), `fp32_device_states_over_paper` and `mixed_device_states_over_paper`
-(the same with the device bytes) and `planner_error` (the largest relative error of the planner's peak against the
-measured peak RSS; target 0.10).
+(the same with the device bytes), `planner_error` (the largest relative error of the planner's peak against the
+measured peak RSS; target 0.10) and `accelerator_planner_error` (the same for the planner's accelerator count, the
+`acc plan` column, against the device bytes: how well `llmflow plan` counts what a device would hold).
 
     flock /tmp/cpu.lock python benchmarks/rank_memory.py --states [--layouts fp32-zero1,mixed-zero2,...]
 
@@ -231,7 +232,7 @@ def add_planner_figures(name: str, report: dict, extra: list[str]) -> None:
 
 def add_state_figures(name: str, report: dict, extra: list[str]) -> None:
     """The paper's model-state bytes for this run's stage and precision, and the planner's CPU estimate of the peak."""
-    from model_core.parallel.planner import CPU, Candidate, stage_memory, stage_parameters
+    from model_core.parallel.planner import ACCELERATOR, CPU, Candidate, stage_memory, stage_parameters
 
     params = layout_params(name, extra)
     parallel = params.parallel
@@ -245,11 +246,12 @@ def add_state_figures(name: str, report: dict, extra: list[str]) -> None:
     report["device_state_bytes"] = None if pool is None else report["every_parameter_bytes"] + pool
     candidate = Candidate(parallel.data_parallel, 1, 1, parallel.zero_stage, "none")
     report["planned_peak_rss_bytes"] = stage_memory(params, candidate, 0, CPU, CPU.runtime_bytes).total
+    report["accelerator_plan_bytes"] = stage_memory(params, candidate, 0, ACCELERATOR, 0).total
 
 
 def print_states_table(ranks: dict[str, list[dict]]) -> None:
     header = ["run", "rank", "skipped", "before", "peak", "plan peak", "error", "states", "paper", "states/paper",
-              "bytes/P", "parameters", "pool", "device", "device/paper"]
+              "bytes/P", "parameters", "pool", "device", "device/paper", "acc plan", "acc error"]
     print("MB (10^6 bytes) per rank; states = peak RSS - RSS before the model was built; device = every Parameter "
           "the rank holds + the peak of MindSpore's memory pool")
     print("".join(f"{cell:>13}" for cell in header))
@@ -263,8 +265,9 @@ def print_states_table(ranks: dict[str, list[dict]]) -> None:
                 f"{r['every_parameter_bytes'] / MB:.0f}",
             ]
             device = r["device_state_bytes"]
-            cells += ["-", "-", "-"] if device is None else [
-                f"{r['pool_peak_bytes'] / MB:.0f}", f"{device / MB:.0f}", f"{device / r['paper_state_bytes']:.2f}"]
+            cells += ["-", "-", "-", "-", "-"] if device is None else [
+                f"{r['pool_peak_bytes'] / MB:.0f}", f"{device / MB:.0f}", f"{device / r['paper_state_bytes']:.2f}",
+                f"{r['accelerator_plan_bytes'] / MB:.0f}", f"{relative_error(r['accelerator_plan_bytes'], device):.3f}"]
             print("".join(f"{cell:>13}" for cell in cells))
 
 
@@ -289,8 +292,8 @@ def print_phases(ranks: dict[str, list[dict]]) -> None:
 
 def states_summary(ranks: dict[str, list[dict]]) -> dict:
     def worst(precision: str, measured: str = "state_bytes") -> float | None:
-        ratios = [r[measured] / r["paper_state_bytes"] for name, reports in ranks.items()
-                  if name.startswith(precision) for r in reports]
+        ratios = [None if r[measured] is None else r[measured] / r["paper_state_bytes"]
+                  for name, reports in ranks.items() if name.startswith(precision) for r in reports]
         if not ratios or None in ratios:
             return None
         return round(max(ratios), 3)
@@ -302,6 +305,8 @@ def states_summary(ranks: dict[str, list[dict]]) -> dict:
         "fp32_device_states_over_paper": worst("fp32", "device_state_bytes"),
         "mixed_device_states_over_paper": worst("mixed", "device_state_bytes"),
         "planner_error": round(max(relative_error(r["planned_peak_rss_bytes"], r["peak_rss_bytes"]) for r in every), 3),
+        "accelerator_planner_error": None if any(r["device_state_bytes"] is None for r in every) else round(
+            max(relative_error(r["accelerator_plan_bytes"], r["device_state_bytes"]) for r in every), 3),
         "runs": ranks,
     }
 

@@ -340,7 +340,7 @@ def test_planner_recommends_cp_only_when_no_layout_without_it_fits():
     params = load_params("llama2_7b_32k")
     roomy = plan(params, 8, 64 * 2**30)
     assert roomy.recommended.candidate.cp == 1 and all(e.candidate.cp == 1 for e in roomy.estimates)
-    tight = plan(params, 8, 24 * 2**30)
+    tight = plan(params, 8, 20 * 2**30)
     assert tight.recommended.candidate.cp > 1
     assert not any(tight.advisable(e) for e in tight.estimates if e.candidate.cp == 1)
     table = format_plan_table(tight)

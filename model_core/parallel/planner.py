@@ -19,9 +19,11 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
     gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward the fresh gradients alive at once:
                    two layers' (`FRESH_GRADIENT_LAYERS`) and those of the weights outside the layers (the embedding,
                    the final norm, the head; a tied table two: the head's and the lookup's), in the weights' dtypes
-                   and of the compute-dtype ones also their fp32 casts (ZeRO-3: 4P/dp fresh shards). ZeRO-2 adds
-                   every bucket's flat fp32 input to its reduce-scatter, 4P. Where matmuls run in fp32 on casts of
-                   the compute-dtype weights (CPU), the casts the compiled step keeps, `matmul_cast_bytes` Pm. The
+                   and of the compute-dtype ones also their fp32 casts (ZeRO-2: the cast is its bucket's input;
+                   ZeRO-3: none beside the shards). What only a CPU rank's peak RSS holds, the CPU kind adds:
+                   ZeRO-2's every bucket's flat fp32 input to its reduce-scatter, 4P; ZeRO-3's fresh gradient
+                   shards, 4P/dp; where matmuls run in fp32 on casts of the compute-dtype weights, the casts the
+                   compiled step keeps, `matmul_cast_bytes` Pm. The
                    update scales each gradient buffer in place as AdamW takes it; ZeRO-1 then cuts its shard's
                    pieces out, held by its compiled update: 4P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and the optimizer's fp32
@@ -57,15 +59,16 @@ Adam; fp32 training keeps no separate master):
     stage   fp32, llmflow   fp32, paper    mixed (c = 2), llmflow   mixed, paper
     0       16              16             18                       16
     1       8 + 12/dp       8 + 8/dp       6 + 12/dp                4 + 12/dp
-    2       8 + 16/dp       4 + 12/dp      6 + 16/dp                2 + 14/dp
-    3       20/dp           16/dp          20/dp                    16/dp
+    2       4 + 16/dp       4 + 12/dp      2 + 16/dp                2 + 14/dp
+    3       16/dp           16/dp          16/dp                    16/dp
 
 (mixed: every parameter a matmul weight; the fp32 embedding and norms count 4 where the table counts c. ZeRO-1's
 update adds its 4/dp pieces.) What is left over the paper: a full fp32 gradient buffer under ZeRO-1 where the
-paper reduce-scatters, and fp32 gradients (4) where its mixed precision counts 2; ZeRO-2's fp32 bucket inputs (4);
-fp32 training's ZeRO-1/2 copy of the shard for AdamW and ZeRO-3's fresh gradient shards (4/dp each); mixed ZeRO-0
-the fp32 masters beside the compute-dtype weights. On CPU the compiled step also keeps the fp32 casts of the
-compute-dtype weights (4 a matmul parameter) and a fixed graph cost per layer (ZeRO-3: more).
+paper reduce-scatters, and fp32 gradients (4) where its mixed precision counts 2; fp32 training's ZeRO-1/2 copy of
+the shard for AdamW (4/dp); mixed ZeRO-0 the fp32 masters beside the compute-dtype weights. On CPU peak RSS also
+holds ZeRO-2's fp32 bucket inputs (4), ZeRO-3's fresh gradient shards (4/dp), the fp32 casts of the compute-dtype
+weights (4 a matmul parameter) and a fixed graph cost per layer (ZeRO-3: more), none of them in MindSpore's
+memory pool.
 benchmarks/README.md ("Model states against the ZeRO paper") measures them.
 
 Optimizer offload (`parallel.optimizer_offload`, `model_core/optim/offload.py`) is one more candidate for
@@ -192,6 +195,11 @@ class DeviceKind:
     # fp32 on casts (`fused.LinearFunction` on CPU); 0 where the device multiplies the compute dtype itself.
     matmul_cast_bytes: int = 0
     zero3_bytes_per_layer: int = 0  # what a layer's ZeRO-3 gathers and reduce-scatters add to the compiled step
+    # What the compiled backward keeps of reduce-scatter inputs, bytes a parameter of the stage (ZeRO-2: every bucket's
+    # flat fp32 input) or of its shard (ZeRO-3: the fresh gradient shards). Peak RSS on CPU holds them; MindSpore's
+    # memory pool, what a device would hold, does not (benchmarks/rank_memory.py --states, the `acc plan` column).
+    zero2_bucket_input_bytes: int = 0
+    zero3_fresh_shard_bytes: int = 0
 
 
 # Fitted (least squares on relative error) to the peak RSS of single-process training steps (model_core.optim.step
@@ -221,6 +229,8 @@ CPU = DeviceKind(
     # beyond the counted states, and per ZeRO-3 layer beyond ZeRO-0's.
     matmul_cast_bytes=4,
     zero3_bytes_per_layer=72 * 2**20,
+    zero2_bucket_input_bytes=4,
+    zero3_fresh_shard_bytes=4,
 )
 # Accelerators are counted, not measured: exactly the tensors the module docstring lists, and the four
 # logits-sized fp32 tensors TokenNLLFunction's backward holds at once (logits, probabilities, one-hot, their
@@ -659,11 +669,13 @@ def stage_phases(
     if candidate.pp > 1:  # a stage compiles a forward-only graph too (its backward recomputes the forward)
         recompute_graph += kind.recompute_bytes_per_layer * layers
     accumulated = 4 * (shard if zero >= 2 else held)  # the fp32 buffers the micro-batches add into
-    fresh = 4 * shard if zero == 3 else fresh_gradient_bytes(params, candidate, stage, apart)
+    bucket_inputs = kind.zero2_bucket_input_bytes * held if zero == 2 else 0
+    fresh = (kind.zero3_fresh_shard_bytes * shard if zero == 3
+             else fresh_gradient_bytes(params, candidate, stage, apart))
     if apart:  # where matmuls run in fp32 on casts of the compute-dtype weights, what the compiled step keeps of them
         fresh += kind.matmul_cast_bytes * matmul
-    if zero == 2:  # every bucket's flat fp32 input to its reduce-scatter, for the whole model (they scale with P)
-        fresh += 4 * held
+    if bucket_inputs:  # every bucket's flat fp32 input to its reduce-scatter, for the whole model (they scale with P)
+        fresh += bucket_inputs
         if apart:  # measured on CPU: no more than one of the two 4-byte sets of the matmul weights (not explained)
             fresh -= kind.matmul_cast_bytes * matmul
     state = {
@@ -705,8 +717,8 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
     embedding, the final norm, the head; a tied table has two, the head's and the lookup's), not a set for the
     whole model (benchmarks/README.md, "Model states against the ZeRO paper": the backward's memory grows with
     the layers by a fixed graph cost, not by their gradients). Each is in its weight's dtype and, where
-    `apart`, a compute-dtype one also as its fp32 cast (under ZeRO-2 the casts are counted with the bucket
-    inputs, `stage_phases`)."""
+    `apart`, a compute-dtype one also as its fp32 cast, except under ZeRO-2, where the cast is its bucket's input
+    (counted as communication, and on CPU as the bucket inputs the compiled backward keeps, `stage_phases`)."""
     c = _DTYPE_BYTES[params.precision.compute_dtype]
     table = placement_table(params.model, Layout(dp=candidate.ep, tp=candidate.tp, pp=candidate.pp, ep=candidate.ep))
     rows = [row for row in table.on_stage(stage) if row.trainable]
@@ -721,7 +733,7 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
     for row in kept:
         n = math.prod(row.block_shape(candidate.tp, candidate.ep))  # an expert stack: this rank's 1/ep
         matmul = apart and not row.expert and (row.name.endswith("_proj.weight") or row.name == "lm_head.weight")
-        per_element = c + (4 if candidate.zero_stage != 2 else 0) if matmul else 4  # ZeRO-2: the casts are bucket inputs
+        per_element = c + (4 if candidate.zero_stage != 2 else 0) if matmul else 4
         total += per_element * n
         if row.name == "embed_tokens.weight" and params.model.tie_embeddings:
             total += 4 * n  # the tied head's gradient of the same table
