@@ -243,10 +243,15 @@ def train(out_dir: Path, dataset_dir: str, *options: str) -> None:
     held = optimizer.moment_bytes()
     gradient_bytes = sum(buffer.asnumpy().nbytes for buffer in trainer.parallel.accumulate.buffers)
     parameter_bytes = sum(param.asnumpy().nbytes for param in named_weights(trainer.model).values())
+    weights = {id(param) for param in trainer.model.get_parameters()}
+    # What the optimizer holds besides the model's weights: moments, masters, update buffers (its groups' integer
+    # one-hot rows of their ranks aside).
+    optimizer_bytes = sum(param.asnumpy().nbytes for param in optimizer.get_parameters()
+                          if id(param) not in weights and param.dtype == ms.float32)
     np.savez(out_dir / f"rank{trainer.rank}_final.npz", **model_weights(trainer.model))
     report = {
         "history": result.history, "moment_bytes": held, "gradient_bytes": gradient_bytes,
-        "parameter_bytes": parameter_bytes, "checkpoint": str(result.checkpoint),
+        "optimizer_bytes": optimizer_bytes, "parameter_bytes": parameter_bytes, "checkpoint": str(result.checkpoint),
         "offload_mappings_after_run": len(offload_mappings()),
         "zero2_native_reduce_scatter": _zero2_native(trainer),
     }

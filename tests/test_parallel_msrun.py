@@ -186,11 +186,16 @@ def test_dp2_matches_one_process_on_the_global_batch(two_worker_jobs, single_pro
         assert_same_metrics(rank["history"], single_process["history"])
     held = [rank["moment_bytes"] for rank in ranks]
     full_moment_bytes = single_process["moment_bytes"]
-    if zero_stage:  # halves, up to the padding of the last bucket, which the last rank's block may hold
+    if zero_stage:
+        # Its block of every bucket: half the moments and the last bucket's padding. Besides them the fp32 update
+        # holds one block of scratch, no copy of the rank's shard.
         bucket_bytes = 2**16 if zero_stage == 2 else 2**25  # SMALL_BUCKETS; the default
-        assert sum(held) == full_moment_bytes and max(held) - min(held) <= 8 * padding(full_moment_bytes // 8, bucket_bytes)
+        layout = flat_shards([full_moment_bytes // 8], 2, bucket_bytes)
+        assert held == [8 * layout.length] * 2, (held, full_moment_bytes)
+        assert [rank["optimizer_bytes"] for rank in ranks] == [8 * layout.length + 4 * layout.chunk] * 2
     else:
         assert held == [full_moment_bytes] * 2
+        assert [rank["optimizer_bytes"] for rank in ranks] == [full_moment_bytes] * 2
 
 
 def test_dp2_sums_gradients_inside_the_backward_or_after_it_to_the_same_bits(two_worker_jobs):

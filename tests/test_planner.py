@@ -131,9 +131,15 @@ def test_zero1_holds_one_dp_th_of_the_optimizer_state():
     held = stage_parameters(params.model, 1, 1, 0)
     unsharded = stage_memory(params, Candidate(1, 1, 1, 0, "none"), 0, ACCELERATOR, 0).optimizer
     assert unsharded == 8 * held  # AdamW m and v, fp32
+    mixed = _small_model("precision.compute_dtype=float16")
     for dp in (2, 4, 8):
-        sharded = stage_memory(params, Candidate(dp, 1, 1, 1, "none"), 0, ACCELERATOR, 0).optimizer
-        assert sharded == 12 * math.ceil(held / dp)  # m, v and ZeRO-1's fp32 copy of its shard
+        shard = math.ceil(held / dp)
+        for zero in (1, 2):
+            fp32 = stage_memory(params, Candidate(dp, 1, 1, zero, "none"), 0, ACCELERATOR, 0).optimizer
+            # m and v of its shard, and the one block of a bucket in which the fp32 update runs
+            assert fp32 == 8 * shard + min(params.parallel.gradient_bucket_mb * 2**20 // dp, 4 * shard)
+            masters = stage_memory(mixed, Candidate(dp, 1, 1, zero, "none"), 0, ACCELERATOR, 0).optimizer
+            assert masters == 12 * shard  # m, v and the fp32 masters of its shard
 
 
 def test_zero3_holds_its_shard_as_the_weight_and_the_moments_of_that_shard_alone():

@@ -45,7 +45,7 @@ from model_core.parallel.comm import Group
 from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 from model_core.parallel.expert import expert_block, gather_experts
 from model_core.parallel.placement import FLAT_SHARD, PARAMETER_SHARD, WHOLE, StatePlacement
-from model_core.parallel.zero import FlatShards, ShardGather, flat_shards
+from model_core.parallel.zero import FlatShards, ShardGather, flat_shards, shard_fill
 from model_core.parallel.zero3 import gather_full, take_shard
 from params.schema import OptimizerParams
 
@@ -178,11 +178,6 @@ class AdamW(nn.Cell):
             self._offload(parameters, state)
         else:
             self._in_memory(parameters, state)
-            self.gathers = nn.CellList([
-                ShardGather([parameters[i] for i in members], local, self.shard_layouts[group], state.groups[group])
-                for group, members, local, _ in self._gather_plans()
-            ])
-            self.gathered = tuple(slots for _, _, _, slots in self._gather_plans())
         # The whole masters have been read: ZeRO-0's are now targets, which keep them; ZeRO-1/2 took their shard's
         # pieces. Kept here, the mapping would hold every whole master of ZeRO-1/2 alive beside those pieces.
         self.state = dataclasses.replace(state, masters={})
@@ -249,22 +244,27 @@ class AdamW(nn.Cell):
         return plans
 
     def _in_memory(self, parameters: Sequence[Parameter], state: RankState) -> None:
-        """The fp32 values each piece updates (the weight itself, its master, or a copy of its piece), the moments
-        beside them, and where the updated values go."""
-        targets, sources, working = [], [], []
-        copies, writes, gradient_shapes = [], [], []
-        for piece in self.pieces:
+        """The fp32 values each piece updates, the moments beside them, and where the updated values go.
+
+        A whole weight is updated in itself or in its master, and a piece of a group that keeps masters in its own
+        Parameter (the master's piece): one fused call a piece (`_update_piece`). The pieces of a group of fp32
+        weights are updated a bucket at a time (`_update_block`): this rank's block of the bucket is copied from the
+        weights into one scratch buffer of a block, updated there with the bucket's moments and all-gathered back,
+        so fp32 training keeps one fp32 copy of its weights (a copy of every piece, kept from step to step, would
+        hold 4 bytes a parameter over dp more)."""
+        plans = self._gather_plans()
+        blocked = [plan for plan in plans if plan[0] not in self.kept_groups]
+        in_blocks = {k for plan in blocked for k in plan[3]}
+        self.alone = tuple(k for k in range(len(self.pieces)) if k not in in_blocks)
+        targets, working, writes, gradient_shapes = [], [], [], []
+        for k in self.alone:
+            piece = self.pieces[k]
             placement = self.placements[piece.weight]
             name, weight = self.param_names[piece.weight], parameters[piece.weight]
-            copy, write = None, -1
-            if placement.kept == FLAT_SHARD:
-                if placement.group in self.kept_groups:  # the master's piece, taken from it once
-                    whole = state.masters.get(name, weight)
-                    values = Tensor(whole.asnumpy().reshape(-1)[piece.start : piece.end].copy())
-                else:  # refreshed from the fp32 weight at every step
-                    values = ops.zeros((piece.end - piece.start,), ms.float32)
-                    copy = (len(sources), piece.start, piece.end)
-                    sources.append(weight)
+            write = -1
+            if placement.kept == FLAT_SHARD:  # the master's piece, taken from it once
+                whole = state.masters.get(name, weight)
+                values = Tensor(whole.asnumpy().reshape(-1)[piece.start : piece.end].copy())
                 targets.append(Parameter(values, name=f"zero.{name}.{piece.start}", requires_grad=False))
             elif placement.master_apart:
                 targets.append(state.masters[name])
@@ -272,13 +272,11 @@ class AdamW(nn.Cell):
                 working.append(weight)
             else:
                 targets.append(weight)
-            copies.append(copy)
             writes.append(write)
             # A whole weight whose gradient arrives flat (ZeRO-2 over a group of one) is read in the weight's shape.
             gradient_shapes.append(tuple(targets[-1].shape) if placement.kept == WHOLE else None)
-        self.targets = ParameterTuple(targets)
-        self.sources, self.working = ParameterTuple(sources), ParameterTuple(working)
-        self.copies, self.writes, self.gradient_shapes = tuple(copies), tuple(writes), tuple(gradient_shapes)
+        self.targets, self.working = ParameterTuple(targets), ParameterTuple(working)
+        self.writes, self.gradient_shapes = tuple(writes), tuple(gradient_shapes)
         self.gradient_indices = tuple(piece.gradient for piece in self.pieces)
         first_reader = {}
         for k, piece in enumerate(self.pieces):
@@ -290,10 +288,68 @@ class AdamW(nn.Cell):
             ParameterTuple(
                 Parameter(ops.zeros(tuple(target.shape), ms.float32), name=f"{prefix}.{self._key(k)}",
                           requires_grad=False)
-                for k, target in enumerate(targets)
+                for k, target in zip(self.alone, targets)
             )
             for prefix in PREFIXES
         )
+        position = {k: i for i, k in enumerate(self.alone)}
+        self.gathers = nn.CellList([
+            ShardGather([parameters[i] for i in members], local, self.shard_layouts[group], state.groups[group])
+            for group, members, local, _ in plans if group in self.kept_groups
+        ])
+        self.gathered = tuple(tuple(position[k] for k in slots) for group, _, _, slots in plans
+                              if group in self.kept_groups)
+        self._blocks(parameters, state, blocked)
+
+    def _blocks(self, parameters: Sequence[Parameter], state: RankState, blocked) -> None:
+        """For each group of fp32 weights (`blocked`: its gather plans): its scratch block, the moments of each of
+        its buckets, and what fills each bucket's block (`block_parts`: per piece (weight source, start, end,
+        gradient buffer, start, end in it, 1 if decayed), then the padding's length)."""
+        sources, source_of = [], {}
+        scratch, gathers, parts_of, padding_of, scales_of, firsts = [], [], [], [], [], [0]
+        moments = {prefix: [] for prefix in PREFIXES}
+        self.block_slots = []
+        for group, members, local, slots in blocked:
+            layout = self.shard_layouts[group]
+            gathers.append(ShardGather([parameters[i] for i in members], local, layout, state.groups[group]))
+            scratch.append(Parameter(ops.zeros((layout.chunk,), ms.float32), name=f"zero.{group}.block",
+                                     requires_grad=False))
+            lengths = [self.pieces[k].end - self.pieces[k].start for k in slots]
+            group_parts, group_padding, group_scales = [], [], []
+            for b, fill in enumerate(shard_fill(layout.bucket_ranges(), lengths)):
+                bucket = []
+                for j, start, end in fill:
+                    if j < 0:
+                        continue
+                    k = slots[j]
+                    piece = self.pieces[k]
+                    if (start, end) != (0, piece.end - piece.start):
+                        raise ValueError(f"{self.param_names[piece.weight]}: a piece crosses bucket {b}'s block")
+                    weight = parameters[piece.weight]
+                    if id(weight) not in source_of:
+                        source_of[id(weight)] = len(sources)
+                        sources.append(weight)
+                    cut = piece.gradient_slice or (0, end - start)
+                    bucket.append((source_of[id(weight)], piece.start, piece.end, piece.gradient, *cut,
+                                   int(self.decays[k])))
+                group_parts.append(tuple(bucket))
+                group_padding.append(sum(end - start for j, start, end in fill if j < 0))
+                group_scales.append(tuple(self.gradient_indices[slots[j]] for j, _, _ in fill
+                                          if j >= 0 and self.scales_buffer[slots[j]]))
+                for prefix in PREFIXES:
+                    moments[prefix].append(Parameter(ops.zeros((layout.chunk,), ms.float32),
+                                                     name=f"{prefix}.{group}.block.{b}", requires_grad=False))
+            parts_of.append(tuple(group_parts))
+            padding_of.append(tuple(group_padding))
+            scales_of.append(tuple(group_scales))
+            firsts.append(firsts[-1] + len(group_parts))
+            self.block_slots.append(tuple(slots))
+        self.block_slots = tuple(self.block_slots)
+        self.sources, self.scratch = ParameterTuple(sources), ParameterTuple(scratch)
+        self.block_gathers = nn.CellList(gathers)
+        self.block_parts, self.block_padding, self.block_scales = tuple(parts_of), tuple(padding_of), tuple(scales_of)
+        self.block_first = tuple(firsts)
+        self.block_m, self.block_v = (ParameterTuple(moments[prefix]) for prefix in PREFIXES)
 
     def _offload(self, parameters: Sequence[Parameter], state: RankState) -> None:
         """Moments in the offload file: every piece is updated in place in its weight (or in the parameter offload
@@ -335,40 +391,66 @@ class AdamW(nn.Cell):
         done = t
         # One call a piece keeps each piece's branches inside it: branches in the loop's own body would nest one
         # graph call per branch and piece, and a deep model's pieces would pass MindSpore's call depth limit.
-        for k in range(len(self.pieces)):
-            done = self._update_piece(k, grads, lr, grad_scale, beta1_power, beta2_power, eps_t, keep, done)
+        for i in range(len(self.alone)):
+            done = self._update_piece(i, grads, lr, grad_scale, beta1_power, beta2_power, eps_t, keep, done)
         for g in range(len(self.gathers)):
-            done = self.gathers[g](tuple(self.targets[k] for k in self.gathered[g]), done)
+            done = self.gathers[g](tuple(self.targets[i] for i in self.gathered[g]), done)
+        for s in range(len(self.scratch)):
+            segments = ()
+            for b in range(len(self.block_parts[s])):
+                done = self._update_block(s, b, grads, lr, grad_scale, beta1_power, beta2_power, eps_t, keep, done)
+                segments, done = self.block_gathers[s].bucket(b, ops.depend(self.scratch[s], done), segments, done)
         return ops.depend(t, done)
 
-    def _update_piece(self, k, grads, lr, grad_scale, beta1_power, beta2_power, eps_t, keep, after):
-        """Piece k's update, once `after` is done; returns what the next piece waits for."""
+    def _update_piece(self, i, grads, lr, grad_scale, beta1_power, beta2_power, eps_t, keep, after):
+        """The update of piece `alone[i]`, once `after` is done; returns what the next piece waits for."""
+        k = self.alone[i]
         b = self.gradient_indices[k]
         grad = ops.depend(grads[b], after)
         if grad_scale is not None and self.scales_buffer[k]:
             # Scaled in place (the caller zeroes the buffer after the update anyway): the compiled graph then
             # keeps no scaled copy. A piece's gradient is scaled whole and then cut: the graph keeps the piece.
-            # A buffer that several pieces read (a weight in several buckets of a ZeRO-1 shard) is scaled by the
-            # first of them, which the others follow.
+            # A buffer that several pieces read is scaled by the first of them, which the others follow.
             grad = self._scale(grads[b], grad_scale, after)
         if self.gradient_slices[k] is not None:
             start, end = self.gradient_slices[k]
             grad = grad.reshape(-1)[start:end]
-        if self.gradient_shapes[k] is not None:
-            grad = grad.reshape(self.gradient_shapes[k])
-        if self.copies[k] is not None:
-            j, start, end = self.copies[k]
-            ops.assign(self.targets[k], self.sources[j].reshape(-1)[start:end])
+        if self.gradient_shapes[i] is not None:
+            grad = grad.reshape(self.gradient_shapes[i])
         if self.decays[k]:
-            self._scale(self.targets[k], keep, grad)
+            self._scale(self.targets[i], keep, grad)
         done = self._fused_update(
-            self.targets[k], self.exp_avg[k], self.exp_avg_sq[k],
+            self.targets[i], self.exp_avg[i], self.exp_avg_sq[i],
             beta1_power, beta2_power, lr, self._beta1, self._beta2, eps_t, grad,
         )[0]
-        j = self.writes[k]
+        j = self.writes[i]
         if j >= 0:
-            done = ops.assign(self.working[j], ops.depend(self.targets[k], done).astype(self.working[j].dtype))
+            done = ops.assign(self.working[j], ops.depend(self.targets[i], done).astype(self.working[j].dtype))
         return done
+
+    def _update_block(self, s, b, grads, lr, grad_scale, beta1_power, beta2_power, eps_t, keep, after):
+        """This rank's block of bucket b of fp32 group s, updated in the group's scratch buffer once `after` (the
+        previous bucket's gather) is done: the weights' pieces, decayed where they decay, copied in; the
+        gradients' pieces, their buffers scaled in place first; then one fused update with the bucket's moments.
+        Returns what the bucket's gather waits for."""
+        if grad_scale is not None:
+            for g in self.block_scales[s][b]:  # the buffers this bucket reads first (a ZeRO-1 weight's spans buckets)
+                after = ops.depend(after, self._scale(grads[g], grad_scale, after))
+        values, gradients = [], []
+        for w, start, end, g, gradient_start, gradient_end, decayed in self.block_parts[s][b]:
+            value = ops.depend(self.sources[w], after).reshape(-1)[start:end]
+            values.append((value, value * keep)[decayed])  # the in-place decay's product, element for element
+            gradients.append(ops.depend(grads[g], after).reshape(-1)[gradient_start:gradient_end])
+        padding = self.block_padding[s][b]
+        if padding:
+            values.append(ops.zeros((padding,), ms.float32))
+            gradients.append(ops.zeros((padding,), ms.float32))
+        q = self.block_first[s] + b
+        scratch = ops.assign(self.scratch[s], ops.cat(values))
+        return self._fused_update(
+            self.scratch[s], self.block_m[q], self.block_v[q],
+            beta1_power, beta2_power, lr, self._beta1, self._beta2, eps_t, ops.depend(ops.cat(gradients), scratch),
+        )[0]
 
     def _scale(self, parameter, factor, after):
         """parameter * factor, written into the parameter once `after` exists; returns the parameter.
@@ -388,15 +470,27 @@ class AdamW(nn.Cell):
         offload the staging bucket, not the file."""
         if self.offloaded is not None:
             return self.offloaded.resident_bytes()
-        return sum(moment.asnumpy().nbytes for moment in (*self.exp_avg, *self.exp_avg_sq))
+        return sum(moment.asnumpy().nbytes for moment in (*self.exp_avg, *self.exp_avg_sq, *self.block_m, *self.block_v))
 
     def _local_moments(self) -> dict[str, list[np.ndarray]]:
         """Each piece's m and v, flat, by prefix."""
         if self.offloaded is not None:
             local = self.offloaded.local_state()
             return {prefix: [local[(prefix, k)] for k in range(len(self.pieces))] for prefix in PREFIXES}
-        return {prefix: [m.asnumpy().reshape(-1) for m in moments]
-                for prefix, moments in zip(PREFIXES, (self.exp_avg, self.exp_avg_sq))}
+        local = {}
+        for prefix, alone, blocks in zip(PREFIXES, (self.exp_avg, self.exp_avg_sq), (self.block_m, self.block_v)):
+            values = [None] * len(self.pieces)
+            for i, k in enumerate(self.alone):
+                values[k] = alone[i].asnumpy().reshape(-1)
+            for s, slots in enumerate(self.block_slots):  # a group's pieces lie end to end in its buckets' blocks
+                shard = np.concatenate([blocks[q].asnumpy() for q in range(self.block_first[s], self.block_first[s + 1])])
+                offset = 0
+                for k in slots:
+                    size = self.pieces[k].end - self.pieces[k].start
+                    values[k] = shard[offset : offset + size]
+                    offset += size
+            local[prefix] = values
+        return local
 
     def _whole(self, values: Sequence[np.ndarray | None]) -> dict[str, np.ndarray]:
         """Whole tensors by weight name from each piece's flat `values` (None: not asked for), gathered over the
@@ -475,10 +569,17 @@ class AdamW(nn.Cell):
         if self.offloaded is not None:
             self.offloaded.load_local_state(local)
             return
-        for prefix, moments in zip(PREFIXES, (self.exp_avg, self.exp_avg_sq)):
-            for k, moment in enumerate(moments):
+        for prefix, alone, blocks in zip(PREFIXES, (self.exp_avg, self.exp_avg_sq), (self.block_m, self.block_v)):
+            for i, k in enumerate(self.alone):
                 # in place: set_data would detach already-compiled graphs
-                ops.assign(moment, Tensor(local[(prefix, k)].reshape(tuple(moment.shape))))
+                ops.assign(alone[i], Tensor(local[(prefix, k)].reshape(tuple(alone[i].shape))))
+            for s, slots in enumerate(self.block_slots):
+                first, last = self.block_first[s], self.block_first[s + 1]
+                shard = np.zeros((last - first) * self.scratch[s].shape[0], np.float32)
+                real = np.concatenate([local[(prefix, k)] for k in slots])
+                shard[: real.size] = real
+                for q, block in zip(range(first, last), np.split(shard, last - first)):
+                    ops.assign(blocks[q], Tensor(block))
 
     def _keeps_master(self, piece: Piece) -> bool:
         placement = self.placements[piece.weight]
@@ -489,8 +590,10 @@ class AdamW(nn.Cell):
         ZeRO-1/2, every weight of a group that holds such masters); empty when there are none. Collective."""
         if self.offloaded is not None:
             return {}
-        values = [self.targets[k].asnumpy().reshape(-1) if self._keeps_master(piece) else None
-                  for k, piece in enumerate(self.pieces)]
+        values = [None] * len(self.pieces)
+        for i, k in enumerate(self.alone):
+            if self._keeps_master(self.pieces[k]):
+                values[k] = self.targets[i].asnumpy().reshape(-1)
         return self._whole(values)
 
     def load_master_weights(self, weights: Mapping[str, np.ndarray]) -> None:
@@ -498,7 +601,8 @@ class AdamW(nn.Cell):
         caller's: `load_weights` casts them). Nothing to do where no masters are kept apart."""
         if self.offloaded is not None:
             return
-        for k, piece in enumerate(self.pieces):
+        for i, k in enumerate(self.alone):
+            piece = self.pieces[k]
             if self._keeps_master(piece):
                 value = self._part(piece, np.asarray(weights[self.param_names[piece.weight]], np.float32))
-                ops.assign(self.targets[k], Tensor(value.reshape(tuple(self.targets[k].shape))))
+                ops.assign(self.targets[i], Tensor(value.reshape(tuple(self.targets[i].shape))))

@@ -26,8 +26,9 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    compiled step keeps, `matmul_cast_bytes` Pm. The
                    update scales each gradient buffer in place as AdamW takes it; ZeRO-1 then cuts its shard's
                    pieces out, held by its compiled update: 4P/dp.
-    optimizer      8P AdamW moments m and v; ZeRO-1 and up: 12P/dp (1/dp of the moments and the optimizer's fp32
-                   copy of its shard: the master weights under mixed precision)
+    optimizer      8P AdamW moments m and v; ZeRO-1 and up: 8P/dp (1/dp of the moments), and under ZeRO-1/2 with
+                   compute-dtype weights 4P/dp more, the fp32 master weights of the shard; fp32 weights are updated
+                   a bucket at a time in one scratch block of a bucket (parallel.gradient_bucket_mb / dp)
     activations    per layer and micro-batch, what the hand-written backwards of model_core.model.fused keep:
                    2 BTH fp32 (RMSNorm inputs) + 2 BTH c (the normed inputs of q/k/v and of gate/up)
                    + (4 BTH + 3 BTF) c / tp (q, k, v at all heads, the o_proj input; gate, up, the down input);
@@ -58,14 +59,14 @@ Adam; fp32 training keeps no separate master):
 
     stage   fp32, llmflow   fp32, paper    mixed (c = 2), llmflow   mixed, paper
     0       16              16             18                       16
-    1       8 + 12/dp       8 + 8/dp       6 + 12/dp                4 + 12/dp
-    2       4 + 16/dp       4 + 12/dp      2 + 16/dp                2 + 14/dp
+    1       8 + 8/dp        8 + 8/dp       6 + 12/dp                4 + 12/dp
+    2       4 + 12/dp       4 + 12/dp      2 + 16/dp                2 + 14/dp
     3       16/dp           16/dp          16/dp                    16/dp
 
 (mixed: every parameter a matmul weight; the fp32 embedding and norms count 4 where the table counts c. ZeRO-1's
 update adds its 4/dp pieces.) What is left over the paper: a full fp32 gradient buffer under ZeRO-1 where the
-paper reduce-scatters, and fp32 gradients (4) where its mixed precision counts 2; fp32 training's ZeRO-1/2 copy of
-the shard for AdamW (4/dp); mixed ZeRO-0 the fp32 masters beside the compute-dtype weights. On CPU peak RSS also
+paper reduce-scatters, and fp32 gradients (4) where its mixed precision counts 2; mixed ZeRO-0 the fp32 masters
+beside the compute-dtype weights. On CPU peak RSS also
 holds ZeRO-2's fp32 bucket inputs (4), ZeRO-3's fresh gradient shards (4/dp), the fp32 casts of the compute-dtype
 weights (4 a matmul parameter) and a fixed graph cost per layer (ZeRO-3: more), none of them in MindSpore's
 memory pool.
@@ -73,8 +74,7 @@ benchmarks/README.md ("Model states against the ZeRO paper") measures them.
 
 Optimizer offload (`parallel.optimizer_offload`, `model_core/optim/offload.py`) is one more candidate for
 layouts with ZeRO-2 or 3: the moments leave the device for host memory (on the CPU backend a memory-mapped
-file on local disk), and the update streams them through 3 staging buckets of 4 MiB; ZeRO-1/2 then keep no fp32
-copy of their shard either. Each step reads and writes them, 2 x 8P/dp bytes, timed at the stated offload
+file on local disk), and the update streams them through 3 staging buckets of 4 MiB. Each step reads and writes them, 2 x 8P/dp bytes, timed at the stated offload
 bandwidth. Offload comes after every layout that fits without it, and is recommended only when the same
 layout without it needs at most `OFFLOAD_GAP` (20%) more than the device has: a larger gap means the layout
 is wrong (more tensor or pipeline parallelism, more devices), which is what the plan then says. Under ZeRO-3
@@ -679,10 +679,12 @@ def stage_phases(
         if apart:  # measured on CPU: no more than one of the two 4-byte sets of the matmul weights (not explained)
             fresh -= kind.matmul_cast_bytes * matmul
     state = {
-        # AdamW's two moments of what this rank updates; ZeRO-1/2 also keep an fp32 copy of their shard to update
-        # (the weights stay whole), while under ZeRO-3 the shard is the weight itself.
+        # AdamW's two moments of what this rank updates; ZeRO-1/2 also keep the fp32 masters of their shard where
+        # the weights are in the compute dtype, and otherwise update their fp32 weights' shard a bucket at a time
+        # in one scratch block; under ZeRO-3 the shard is the weight itself.
         "optimizer": OFFLOAD_STAGING_BYTES if candidate.offload
-        else 8 * shard + (4 * shard if zero in (1, 2) else 0) if zero >= 1 else 8 * held,
+        else 8 * shard + ((4 * shard if apart else update_block_bytes(params, dp, shard)) if zero in (1, 2) else 0)
+        if zero >= 1 else 8 * held,
         "runtime": runtime + kind.runtime_bytes_per_layer * layers + recompute_graph
         + collective_graph_bytes(params, candidate, kind, layers)
         + (kind.zero3_bytes_per_layer * layers if zero == 3 else 0),
@@ -756,6 +758,12 @@ def collective_graph_bytes(params: PipelineParams, candidate: Candidate, kind: D
 
 def bucket_bytes(params: PipelineParams) -> int:
     return int(params.parallel.gradient_bucket_mb * 2**20)
+
+
+def update_block_bytes(params: PipelineParams, dp: int, shard: int) -> int:
+    """The scratch buffer in which ZeRO-1/2 update a shard of fp32 weights, a bucket at a time: a rank's block of
+    one bucket (`zero.flat_shards`), at most its whole shard."""
+    return min(math.ceil(bucket_bytes(params) / dp), 4 * shard)
 
 
 def shard_gather_bytes(sizes: list[int], dp: int, bucket: int) -> int:

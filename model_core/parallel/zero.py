@@ -165,25 +165,32 @@ class ShardGather(nn.Cell):
 
     def construct(self, pieces, after=None):
         """Write the weights from `pieces`, once `after` (the update that made them), when given, is done."""
-        segments = []
+        segments = ()
         done = ops.zeros((), ms.float32)
         if after is not None:
             done = ops.depend(done, after)
         for k in range(len(self.buckets)):
             parts = [pieces[j].reshape(-1)[a:b] if j >= 0 else ops.zeros((b - a,), ms.float32) for j, a, b in self.local[k]]
             mine = ops.cat(parts) if len(parts) > 1 else parts[0]
-            bucket = self.group.all_gather(ops.depend(mine, done))
-            for start, end in self.cuts[k]:
-                segments.append(bucket[start:end])
-                done = ops.depend(done, segments[-1])  # the next gather waits until this bucket is cut up
-            for i, numbers in self.writes[k]:
-                values = [segments[n] for n in numbers]
-                value = ops.cat(values) if len(values) > 1 else values[0]
-                # Every write, not only the bucket's last, goes before the next gather: a write left for later
-                # keeps its segments alive.
-                done = ops.depend(done, ops.assign(self.parameters[i],
-                                                   value.reshape(self.shapes[i]).astype(self.parameters[i].dtype)))
+            segments, done = self.bucket(k, mine, segments, done)
         return done
+
+    def bucket(self, k, mine, segments, done):
+        """Bucket k gathered from this rank's block of it (`mine`, once `done` exists), cut into segments that join
+        the earlier buckets' (`segments`), and every weight it completes written; returns (segments, done). The
+        optimizer calls it directly where it updates the blocks one bucket at a time in one scratch buffer."""
+        bucket = self.group.all_gather(ops.depend(mine, done))
+        for start, end in self.cuts[k]:
+            segments = segments + (bucket[start:end],)
+            done = ops.depend(done, segments[-1])  # the next gather waits until this bucket is cut up
+        for i, numbers in self.writes[k]:
+            values = [segments[n] for n in numbers]
+            value = ops.cat(values) if len(values) > 1 else values[0]
+            # Every write, not only the bucket's last, goes before the next gather: a write left for later
+            # keeps its segments alive.
+            done = ops.depend(done, ops.assign(self.parameters[i],
+                                               value.reshape(self.shapes[i]).astype(self.parameters[i].dtype)))
+        return segments, done
 
 
 def shard_fill(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
