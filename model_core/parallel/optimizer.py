@@ -7,14 +7,17 @@ chosen per combination of ZeRO stage, expert parallelism, mixed precision and of
             FLAT_SHARD (ZeRO-1/2): the weights of one group (dp, or expert-dp for the expert stacks), flattened and
             concatenated in order, are cut into buckets of group-size equal blocks (`zero.FlatShards`); the rank
             keeps the moments of its block of every bucket, which fall into pieces, one per weight and bucket.
-            Each piece is updated in an fp32 copy (made from the weight every step, or kept from step to step as
-            the master where the group holds compute-dtype weights) and the updated shards are all-gathered back
-            into every weight of the group bucket by bucket (`zero.ShardGather`: no buffer of the whole model);
+            Where the group holds compute-dtype weights each piece is updated in its fp32 master, kept from step
+            to step, and the updated shards are all-gathered back into every weight of the group bucket by bucket
+            (`zero.ShardGather`: no buffer of the whole model). Where its weights are fp32 the rank's block of
+            each bucket is copied into one scratch block, updated there and gathered before the next bucket:
+            fp32 training keeps no second fp32 copy of the shard;
             PARAMETER_SHARD (ZeRO-3): the parameter is the flat shard, updated in place, decayed as the whole weight;
   master    apart (mixed precision): the model holds the compute-dtype weight, written (cast) from the updated
             master, the whole one right after its update, a shard's by the gather;
   gradient  one full buffer a weight (sliced for a piece), or under ZeRO-2 one buffer a piece of the shard;
-  moments   in memory (Parameters `adam_m.<name>`, `adam_v.<name>`, a piece's with its start) or in the rank's
+  moments   in memory (Parameters `adam_m.<name>`, `adam_v.<name>`, a piece's with its start, a bucket's block
+            `adam_m.<group>.block.<k>`) or in the rank's
             offload file (`model_core.optim.offload.OffloadedMoments`), which stages them through memory a bucket
             at a time; then the pieces are updated in place in the weights (or in the parameter offload file) and
             gathered the same way. Offload is where the moments live, not another optimizer.

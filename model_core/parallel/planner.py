@@ -656,7 +656,7 @@ def stage_phases(
     apart = masters_apart(params, candidate)
     if apart:
         # The model holds its matmul weights in the compute dtype and the rest in fp32; the fp32 masters of the
-        # matmul weights are the optimizer's: ZeRO-0 all of them, ZeRO-1/2 the shard copy counted under "optimizer".
+        # matmul weights are the optimizer's: ZeRO-0 all of them, ZeRO-1/2 their shard's, counted under "optimizer".
         matmul = stage_matmul_parameters(params.model, candidate.tp, stage)
         working = c * matmul + 4 * (held - matmul)
         masters = working + (4 * matmul if zero == 0 else 0)
