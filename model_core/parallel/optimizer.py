@@ -437,7 +437,7 @@ class AdamW(nn.Cell):
         gradients' pieces, their buffers scaled in place first; then one fused update with the bucket's moments.
         Returns what the bucket's gather waits for."""
         if grad_scale is not None:
-            for g in self.block_scales[s][b]:  # the buffers this bucket reads first (a ZeRO-1 weight's spans buckets)
+            for g in self.block_scales[s][b]:  # the buffers first read here (a ZeRO-1 weight's buffer can span buckets)
                 after = ops.depend(after, self._scale(grads[g], grad_scale, after))
         values, gradients = [], []
         for w, start, end, g, gradient_start, gradient_end, decayed in self.block_parts[s][b]:

@@ -29,7 +29,7 @@ from mindspore import Parameter, ParameterTuple, nn, ops
 
 from model_core.optim.step import AccumulateGradients
 from model_core.parallel.comm import Group
-from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES, bucket_indices
+from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 
 
 @dataclass(frozen=True)
