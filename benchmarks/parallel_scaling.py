@@ -6,6 +6,7 @@ seq 256, tied) on the same global batch of 8 sequences (2048 tokens) with the re
   dp1  one process, 2 threads;
   dp2  two workers of 1 thread, each 4 sequences, the gradient sum inside the backward graph
        (`parallel.overlap_gradient_reduction`, the default); `dp2_after`: the same, summed after the backward;
+       `dp2_zero2`: dp2 under ZeRO-2 (gradients reduced bucket by bucket into shards, the update a bucket at a time);
   tp2  two workers of 1 thread, each all 8 sequences and half of every large matrix;
   pp2  two workers of 1 thread, each 4 of the 8 layers, the 8 sequences as 4 micro-batches of 2 through
        the 1F1B schedule (`pp2_gpipe`: the same through GPipe).
@@ -24,8 +25,8 @@ median over the timed steps, next to the lock-step model's figure for the same s
 
     python benchmarks/parallel_scaling.py [--steps 8] [--warmup 3] [--layouts dp1,pp2,...]
 
-The last line printed is one JSON object: tokens/s keyed by layout (`dp1`, `dp2`, `tp2`, `pp2`, `pp2_gpipe`),
-`communication_share` per multi-worker layout, per data-parallel layout `communication_seconds` (the gradient
+The last line printed is one JSON object: tokens/s keyed by layout (`dp1`, `dp2`, `dp2_zero2`, `tp2`, `pp2`,
+`pp2_gpipe`), `communication_share` per multi-worker layout but `dp2_zero2`, per data-parallel layout `communication_seconds` (the gradient
 sum alone) and `hidden_share`, and per pipeline layout `pipeline_bubble` and
 `pipeline_sent_bytes` (what rank 0's stage sent its neighbour in a step's pass: each message goes only to the
 rank that needs it).
@@ -54,11 +55,16 @@ LAYOUTS = {
     "dp2": (2, 1, ["train.micro_batch_size=4", "parallel.data_parallel=2"]),
     "dp2_after": (2, 1, ["train.micro_batch_size=4", "parallel.data_parallel=2",
                          "parallel.overlap_gradient_reduction=false"]),
+    "dp2_zero2": (2, 1, ["train.micro_batch_size=4", "parallel.data_parallel=2", "parallel.zero_stage=2"]),
     "tp2": (2, 1, ["train.micro_batch_size=8", "parallel.tensor_parallel=2"]),
     "pp2": (2, 1, ["train.micro_batch_size=2", "parallel.pipeline_parallel=2", "parallel.micro_batches=4"]),
     "pp2_gpipe": (2, 1, ["train.micro_batch_size=2", "parallel.pipeline_parallel=2", "parallel.micro_batches=4",
                          "parallel.pipeline_schedule=gpipe"]),
 }
+
+# Layouts whose collectives change shapes (ZeRO-2 reduces into and gathers from shards): an identity cannot stand in
+# for them, so they have no compute-only rerun and no communication share.
+RESHAPING_COLLECTIVES = {"dp2_zero2"}
 
 
 def main() -> None:
@@ -114,7 +120,7 @@ def measure(workdir: Path, steps: int, warmup: int, names: list[str]) -> dict[st
             figures[name]["pipeline_bubble"] = statistics.median(r["pipeline_bubble"] for r in history[warmup:])
             figures[name]["modelled_bubble"] = modelled_bubble(name)
             figures[name]["pipeline_sent_bytes"] = history[-1]["pipeline_sent_bytes"]  # rank 0, a step's pass
-        if workers > 1:
+        if workers > 1 and name not in RESHAPING_COLLECTIVES:
             alone = median_step_seconds(run_layout(name, workers, dataset, workdir / f"{name}-alone", steps, True), warmup)
             figures[name]["communication_share"] = max(0.0, 1 - alone / step_seconds)
             if "gradient_sum_seconds" in history[-1]:
@@ -174,7 +180,7 @@ def run_worker(name: str, dataset: str, out: Path, steps: int, no_communication:
     trainer.save = lambda: None
     trainer.evaluate = lambda: float("nan")
     history = trainer.run().history
-    if trainer.dp_group.size > 1 and not no_communication:
+    if trainer.dp_group.size > 1 and not no_communication and params.parallel.zero_stage < 2:  # ZeRO-2: shards
         history[-1]["gradient_sum_seconds"] = time_gradient_sum(trainer)
     if trainer.is_reporting:
         out.mkdir(parents=True, exist_ok=True)

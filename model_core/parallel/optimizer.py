@@ -320,7 +320,7 @@ class AdamW(nn.Cell):
             lengths = [self.pieces[k].end - self.pieces[k].start for k in slots]
             group_parts, group_padding, group_scales = [], [], []
             for b, fill in enumerate(shard_fill(layout.bucket_ranges(), lengths)):
-                bucket = []
+                bucket, scaled = [], []
                 for j, start, end in fill:
                     if j < 0:
                         continue
@@ -335,10 +335,11 @@ class AdamW(nn.Cell):
                     cut = piece.gradient_slice or (0, end - start)
                     bucket.append((source_of[id(weight)], piece.start, piece.end, piece.gradient, *cut,
                                    int(self.decays[k])))
+                    if self.scales_buffer[k]:
+                        scaled.append(piece.gradient)
                 group_parts.append(tuple(bucket))
                 group_padding.append(sum(end - start for j, start, end in fill if j < 0))
-                group_scales.append(tuple(self.gradient_indices[slots[j]] for j, _, _ in fill
-                                          if j >= 0 and self.scales_buffer[slots[j]]))
+                group_scales.append(tuple(scaled))
                 for prefix in PREFIXES:
                     moments[prefix].append(Parameter(ops.zeros((layout.chunk,), ms.float32),
                                                      name=f"{prefix}.{group}.block.{b}", requires_grad=False))
@@ -437,7 +438,8 @@ class AdamW(nn.Cell):
         gradients' pieces, their buffers scaled in place first; then one fused update with the bucket's moments.
         Returns what the bucket's gather waits for."""
         if grad_scale is not None:
-            for g in self.block_scales[s][b]:  # the buffers first read here (a ZeRO-1 weight's buffer can span buckets)
+            # The buffers first read here (a ZeRO-1 weight's buffer can span buckets).
+            for g in self.block_scales[s][b]:
                 after = ops.depend(after, self._scale(grads[g], grad_scale, after))
         values, gradients = [], []
         for w, start, end, g, gradient_start, gradient_end, decayed in self.block_parts[s][b]:
@@ -473,7 +475,8 @@ class AdamW(nn.Cell):
         offload the staging bucket, not the file."""
         if self.offloaded is not None:
             return self.offloaded.resident_bytes()
-        return sum(moment.asnumpy().nbytes for moment in (*self.exp_avg, *self.exp_avg_sq, *self.block_m, *self.block_v))
+        moments = (*self.exp_avg, *self.exp_avg_sq, *self.block_m, *self.block_v)
+        return sum(moment.asnumpy().nbytes for moment in moments)
 
     def _local_moments(self) -> dict[str, list[np.ndarray]]:
         """Each piece's m and v, flat, by prefix."""
@@ -486,7 +489,8 @@ class AdamW(nn.Cell):
             for i, k in enumerate(self.alone):
                 values[k] = alone[i].asnumpy().reshape(-1)
             for s, slots in enumerate(self.block_slots):  # a group's pieces lie end to end in its buckets' blocks
-                shard = np.concatenate([blocks[q].asnumpy() for q in range(self.block_first[s], self.block_first[s + 1])])
+                first, last = self.block_first[s], self.block_first[s + 1]
+                shard = np.concatenate([blocks[q].asnumpy() for q in range(first, last)])
                 offset = 0
                 for k in slots:
                     size = self.pieces[k].end - self.pieces[k].start

@@ -66,18 +66,18 @@ Adam; fp32 training keeps no separate master):
 (mixed: every parameter a matmul weight; the fp32 embedding and norms count 4 where the table counts c. ZeRO-1's
 update adds its 4/dp pieces.) What is left over the paper: a full fp32 gradient buffer under ZeRO-1 where the
 paper reduce-scatters, and fp32 gradients (4) where its mixed precision counts 2; mixed ZeRO-0 the fp32 masters
-beside the compute-dtype weights. On CPU peak RSS also
-holds ZeRO-2's fp32 bucket inputs (4), ZeRO-3's fresh gradient shards (4/dp), the fp32 casts of the compute-dtype
-weights (4 a matmul parameter) and a fixed graph cost per layer (ZeRO-3: more), none of them in MindSpore's
-memory pool.
+beside the compute-dtype weights. On CPU peak RSS also holds ZeRO-2's fp32 bucket inputs (4), ZeRO-3's fresh
+gradient shards (4/dp), the fp32 casts of the compute-dtype weights (4 a matmul parameter) and a fixed graph cost
+per layer (ZeRO-3: more), none of them in MindSpore's memory pool.
 benchmarks/README.md ("Model states against the ZeRO paper") measures them.
 
 Optimizer offload (`parallel.optimizer_offload`, `model_core/optim/offload.py`) is one more candidate for
 layouts with ZeRO-2 or 3: the moments leave the device for host memory (on the CPU backend a memory-mapped
-file on local disk), and the update streams them through 3 staging buckets of 4 MiB. Each step reads and writes them, 2 x 8P/dp bytes, timed at the stated offload
-bandwidth. Offload comes after every layout that fits without it, and is recommended only when the same
-layout without it needs at most `OFFLOAD_GAP` (20%) more than the device has: a larger gap means the layout
-is wrong (more tensor or pipeline parallelism, more devices), which is what the plan then says. Under ZeRO-3
+file on local disk), and the update streams them through 3 staging buckets of 4 MiB. Each step reads and
+writes them, 2 x 8P/dp bytes, timed at the stated offload bandwidth. Offload comes after every layout that fits
+without it, and is recommended only when the same layout without it needs at most `OFFLOAD_GAP` (20%) more
+than the device has: a larger gap means the layout is wrong (more tensor or pipeline parallelism, more devices),
+which is what the plan then says. Under ZeRO-3
 without pipeline stages parameter offload (`parallel.param_offload`, `model_core/parallel/param_offload.py`) comes
 after it: the rank's fp32 parameter shards (4P/dp) leave the device too, each read back for the forward's and
 the backward's gather of every micro-batch and read and written by the update: 4P/dp x (2 x micro-batches + 2)
