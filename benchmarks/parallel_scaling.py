@@ -4,8 +4,8 @@ machine's cores.
 Every layout trains the same reference-size Llama (vocab 8000, hidden 512, 8 layers, 8 heads, FFN 1376,
 seq 256, tied) on the same global batch of 8 sequences (2048 tokens) with the real `Trainer`, fp32:
   dp1  one process, 2 threads;
-  dp2  two workers of 1 thread, each 4 sequences, the gradient sum inside the backward graph
-       (`parallel.overlap_gradient_reduction`, the default); `dp2_after`: the same, summed after the backward;
+  dp2  two workers of 1 thread, each 4 sequences, the gradient sum after the backward (the default);
+       `dp2_inside`: the same, summed inside the backward graph (`parallel.overlap_gradient_reduction`);
        `dp2_zero2`: dp2 under ZeRO-2 (gradients reduced bucket by bucket into shards, the update a bucket at a time);
   tp2  two workers of 1 thread, each all 8 sequences and half of every large matrix;
   pp2  two workers of 1 thread, each 4 of the 8 layers, the 8 sequences as 4 micro-batches of 2 through
@@ -53,8 +53,8 @@ MODEL = [
 LAYOUTS = {
     "dp1": (1, 2, ["train.micro_batch_size=8"]),
     "dp2": (2, 1, ["train.micro_batch_size=4", "parallel.data_parallel=2"]),
-    "dp2_after": (2, 1, ["train.micro_batch_size=4", "parallel.data_parallel=2",
-                         "parallel.overlap_gradient_reduction=false"]),
+    "dp2_inside": (2, 1, ["train.micro_batch_size=4", "parallel.data_parallel=2",
+                          "parallel.overlap_gradient_reduction=true"]),
     "dp2_zero2": (2, 1, ["train.micro_batch_size=4", "parallel.data_parallel=2", "parallel.zero_stage=2"]),
     "tp2": (2, 1, ["train.micro_batch_size=8", "parallel.tensor_parallel=2"]),
     "pp2": (2, 1, ["train.micro_batch_size=2", "parallel.pipeline_parallel=2", "parallel.micro_batches=4"]),

@@ -470,13 +470,15 @@ class ParallelParams(StrictModel):
         "does nothing at tensor_parallel=1 (a warning); dense models only.",
     )
     overlap_gradient_reduction: bool = Field(
-        True,
+        False,
         description="In a step of one micro-batch per rank, sum its gradients over dp (and tp, expert-dp where the "
-        "layout sums them) inside its backward graph, bucket by bucket as the backward finishes them, so the "
-        "collectives can run while earlier layers' gradients still compute; false sums after the backward. Same "
-        "result either way. Steps of several micro-batches always sum after the backward: a second compiled "
-        "backward graph would hold as much memory again. Applies where gradients are summed once per step "
-        "(ZeRO 0/1, no pipeline).",
+        "layout sums them) inside its backward graph, bucket by bucket in backward order, instead of after it. Same "
+        "result either way. Off by default: MindSpore's kernel-by-kernel execution order runs what follows a "
+        "collective only once the compute ready beside it has run, so every bucket after the first waits for the "
+        "end of the backward with its gradients alive, a share of a whole fresh set that grows with depth "
+        "(benchmarks/README.md, 'Model states'), and on CPU the sum hides no time. Applies where "
+        "gradients are summed once per step (ZeRO 0/1, no pipeline); steps of several micro-batches always sum "
+        "after the backward.",
     )
     gradient_bucket_mb: float = Field(
         32,

@@ -142,10 +142,10 @@ SMALL_BUCKETS = "parallel.gradient_bucket_mb=0.0625"
 ONE_MICRO_BATCH = ("parallel.micro_batches=1", "train.micro_batch_size=4")
 TWO_WORKER_JOBS.update({
     "dp2-zero0": zero_job(0, SMALL_BUCKETS),
-    "dp2-zero0-one-micro-batch": zero_job(0, SMALL_BUCKETS, *ONE_MICRO_BATCH),
-    "dp2-zero0-summed-after-backward": zero_job(
-        0, SMALL_BUCKETS, *ONE_MICRO_BATCH, "parallel.overlap_gradient_reduction=false"
+    "dp2-zero0-summed-in-backward": zero_job(
+        0, SMALL_BUCKETS, *ONE_MICRO_BATCH, "parallel.overlap_gradient_reduction=true"
     ),
+    "dp2-zero0-one-micro-batch": zero_job(0, SMALL_BUCKETS, *ONE_MICRO_BATCH),
     "dp2-zero1": zero_job(1), "dp2-zero2": zero_job(2, SMALL_BUCKETS), "dp2-zero3": zero_job(3),
     # ZeRO-2 as on Ascend and GPU: the buckets reduce-scattered by the native operator, here its stand-in
     "dp2-zero2-native-reduce-scatter": zero_job(2, SMALL_BUCKETS, "--emulate=reduce_scatter"),
@@ -199,11 +199,11 @@ def test_dp2_matches_one_process_on_the_global_batch(two_worker_jobs, single_pro
 
 
 def test_dp2_sums_gradients_inside_the_backward_or_after_it_to_the_same_bits(two_worker_jobs):
-    """parallel.overlap_gradient_reduction (the default) sums a step's gradients in its backward graph, bucket by
-    bucket, where the step is one micro-batch; summed after the backward instead (in the same buckets), the job
-    gives the same losses, gradient norms and final weights, bit for bit."""
-    overlapped_out, overlapped = two_worker_jobs["dp2-zero0-one-micro-batch"]
-    after_out, after = two_worker_jobs["dp2-zero0-summed-after-backward"]
+    """parallel.overlap_gradient_reduction sums a step's gradients in its backward graph, bucket by bucket, where the
+    step is one micro-batch; summed after the backward instead (the default, in the same buckets), the job gives the
+    same losses, gradient norms and final weights, bit for bit."""
+    overlapped_out, overlapped = two_worker_jobs["dp2-zero0-summed-in-backward"]
+    after_out, after = two_worker_jobs["dp2-zero0-one-micro-batch"]
     assert_resumed_tail(overlapped, after, after=0)
     for rank in (0, 1):
         final = [np.load(out / "out" / f"rank{rank}_final.npz") for out in (overlapped_out, after_out)]

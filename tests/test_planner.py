@@ -181,6 +181,27 @@ def test_what_only_cpu_peak_rss_holds_is_counted_for_the_cpu_kind_alone():
         assert (on_cpu.parameters, on_cpu.optimizer) == (on_device.parameters, on_device.optimizer)
 
 
+def test_gradients_summed_inside_the_backward_are_counted_for_every_layer():
+    """With `parallel.overlap_gradient_reduction` a step of one micro-batch sums its gradients inside its backward,
+    where every bucket after the first waits for the backward's end with its gradients (benchmarks/README.md,
+    "Model states against the ZeRO paper"): the backward counts every layer's fresh gradients, not the last two
+    layers'. Nothing changes where the sum runs after the backward anyway (several micro-batches, ZeRO-2, one rank)."""
+    one = ("parallel.micro_batches=1",)
+    params = _small_model(*one)
+    inside = _small_model(*one, "parallel.overlap_gradient_reduction=true")
+    layer = stage_parameters(params.model, 1, 1, 0) - stage_parameters(_small_model(*one, "model.num_layers=7").model,
+                                                                       1, 1, 0)
+    for zero in (0, 1):
+        after, _ = stage_phases(params, Candidate(2, 1, 1, zero, "none"), 0, ACCELERATOR, 0)
+        summed, _ = stage_phases(inside, Candidate(2, 1, 1, zero, "none"), 0, ACCELERATOR, 0)
+        assert summed.gradients - after.gradients == 4 * layer * (8 - 2)  # fp32: six more layers' gradients
+    several = _small_model("parallel.overlap_gradient_reduction=true")  # 4 micro-batches
+    for candidate, same in ((Candidate(2, 1, 1, 1, "none"), several), (Candidate(2, 1, 1, 2, "none"), inside),
+                            (Candidate(1, 1, 1, 0, "none"), inside)):
+        assert (stage_phases(same, candidate, 0, ACCELERATOR, 0)[0].gradients
+                == stage_phases(_small_model(*one), candidate, 0, ACCELERATOR, 0)[0].gradients)
+
+
 def test_the_zero_update_holds_no_whole_model_buffer():
     """The update scales each gradient in place and gathers the updated shards in buckets: a 7B dp8 ZeRO-1/2 rank
     holds, beyond its weights and optimizer state, the accumulated gradients (ZeRO-1: and its pieces of them, cut

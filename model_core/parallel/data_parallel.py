@@ -7,13 +7,16 @@ gradient of the mean loss over the global batch, as one process training on all 
 The sum runs over a few flat buckets (`bucket_bytes` each, parameters in model order) rather than one
 all-reduce per parameter: each collective has a fixed latency, whatever its size.
 
-With `parallel.overlap_gradient_reduction`, in a step of one micro-batch, the sum is part of its backward graph
-(`AccumulateAndSumGradients`; with several micro-batches the sum runs after them, since a second compiled
-backward beside the plain accumulation's would keep as much memory again): each bucket, taken in the order the
-backward finishes gradients (last layers first), is summed as soon as its own gradients exist, so the graph
-runtime can run the collective while the backward of the earlier layers still computes, as Megatron's and
-PyTorch DDP's bucketed reducers do with backward hooks. The arithmetic is the same: (buffer + the micro-batch's
-gradient), summed over the group.
+With `parallel.overlap_gradient_reduction` (off by default), in a step of one micro-batch, the sum is part of its
+backward graph (`AccumulateAndSumGradients`; with several micro-batches the sum runs after them, since a second
+compiled backward beside the plain accumulation's would keep as much memory again): each bucket, taken in the
+order the backward finishes gradients (last layers first), is summed once its own gradients exist, as Megatron's
+and PyTorch DDP's bucketed reducers do with backward hooks. The arithmetic is the same: (buffer + the
+micro-batch's gradient), summed over the group. What it buys depends on the execution order the graph compiler
+builds: MindSpore's kernel-by-kernel order runs a collective's successors only once the compute that is ready
+beside it has run, so each bucket after the first (its flat input waits for the previous bucket's write-back)
+is summed only after the backward, its gradients alive until then. Summed after the backward, in a graph of its
+own, a step holds at most a bucket beside the buffers.
 A communication thread has no such place to start from: the backward is one compiled graph, so its gradients
 reach Python together when it ends; a thread could only sum the earlier micro-batches' gradients while the
 last one computes, moving twice the bytes in another summation order.

@@ -17,15 +17,14 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    only their shard's, counted under optimizer). Other mixed layouts: 4P fp32 + cP compute-dtype
                    copies the matmuls keep for the backward. ZeRO-3: 4P/dp
     gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward the fresh gradients alive at once:
-                   two layers' (`FRESH_GRADIENT_LAYERS`) and those of the weights outside the layers (the embedding,
-                   the final norm, the head; a tied table two: the head's and the lookup's), in the weights' dtypes
-                   and of the compute-dtype ones also their fp32 casts (ZeRO-2: the cast is its bucket's input;
-                   ZeRO-3: none beside the shards). What only a CPU rank's peak RSS holds, the CPU kind adds:
-                   ZeRO-2's every bucket's flat fp32 input to its reduce-scatter, 4P; ZeRO-3's fresh gradient
-                   shards, 4P/dp; where matmuls run in fp32 on casts of the compute-dtype weights, the casts the
-                   compiled step keeps, `matmul_cast_bytes` Pm. The
-                   update scales each gradient buffer in place as AdamW takes it; ZeRO-1 then cuts its shard's
-                   pieces out, held by its compiled update: 4P/dp.
+                   two layers' (`FRESH_GRADIENT_LAYERS`; every layer's where a step of one micro-batch sums them
+                   inside its backward, `overlap_gradient_reduction`) and those of the weights outside the layers
+                   (the embedding, the final norm, the head; a tied table two: the head's and the lookup's), in
+                   the weights' dtypes and of the compute-dtype ones also their fp32 casts (ZeRO-2: the cast is its
+                   bucket's input; ZeRO-3: none beside the shards). What only a CPU rank's peak RSS holds, the CPU
+                   kind adds: ZeRO-2's every bucket's flat fp32 input to its reduce-scatter, 4P; ZeRO-3's fresh
+                   gradient shards, 4P/dp. The update scales each gradient buffer in place as AdamW takes it;
+                   ZeRO-1 then cuts its shard's pieces out, held by its compiled update: 4P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 8P/dp (1/dp of the moments), and under ZeRO-1/2 with
                    compute-dtype weights 4P/dp more, the fp32 master weights of the shard; fp32 weights are updated
                    a bucket at a time in one scratch block of a bucket (parallel.gradient_bucket_mb / dp)
@@ -191,9 +190,6 @@ class DeviceKind:
     tensor_parallel_bytes_per_layer: int = 0
     sequence_parallel_bytes_per_layer: int = 0
     context_parallel_bytes_per_layer: int = 0
-    # Bytes per compute-dtype matmul weight element that the compiled step keeps as fp32 casts, where matmuls run in
-    # fp32 on casts (`fused.LinearFunction` on CPU); 0 where the device multiplies the compute dtype itself.
-    matmul_cast_bytes: int = 0
     zero3_bytes_per_layer: int = 0  # what a layer's ZeRO-3 gathers and reduce-scatters add to the compiled step
     # What the compiled backward keeps of reduce-scatter inputs, bytes a parameter of the stage (ZeRO-2: every bucket's
     # flat fp32 input) or of its shard (ZeRO-3: the fresh gradient shards). Peak RSS on CPU holds them; MindSpore's
@@ -225,9 +221,7 @@ CPU = DeviceKind(
     sequence_parallel_bytes_per_layer=24 * 2**20,
     context_parallel_bytes_per_layer=34 * 2**20,
     # Fitted to benchmarks/rank_memory.py --states at two layer shapes and two depths each (benchmarks/README.md,
-    # "Model states against the ZeRO paper"): what the peak grows by per matmul parameter under mixed precision
-    # beyond the counted states, and per ZeRO-3 layer beyond ZeRO-0's.
-    matmul_cast_bytes=4,
+    # "Model states against the ZeRO paper"): what the peak grows by per ZeRO-3 layer beyond ZeRO-0's.
     zero3_bytes_per_layer=72 * 2**20,
     zero2_bucket_input_bytes=4,
     zero3_fresh_shard_bytes=4,
@@ -670,14 +664,14 @@ def stage_phases(
         recompute_graph += kind.recompute_bytes_per_layer * layers
     accumulated = 4 * (shard if zero >= 2 else held)  # the fp32 buffers the micro-batches add into
     bucket_inputs = kind.zero2_bucket_input_bytes * held if zero == 2 else 0
+    # Summed inside the backward (`parallel.overlap_gradient_reduction`), a bucket's gradients wait for the end of
+    # the backward (`data_parallel`): counted as every layer's, the bound they approach with depth.
+    summed_inside = (params.parallel.overlap_gradient_reduction and zero < 2 and candidate.pp == 1
+                     and params.parallel.micro_batches == 1 and dp * candidate.tp > 1)
     fresh = (kind.zero3_fresh_shard_bytes * shard if zero == 3
-             else fresh_gradient_bytes(params, candidate, stage, apart))
-    if apart:  # where matmuls run in fp32 on casts of the compute-dtype weights, what the compiled step keeps of them
-        fresh += kind.matmul_cast_bytes * matmul
+             else fresh_gradient_bytes(params, candidate, stage, apart, every_layer=summed_inside))
     if bucket_inputs:  # every bucket's flat fp32 input to its reduce-scatter, for the whole model (they scale with P)
         fresh += bucket_inputs
-        if apart:  # measured on CPU: no more than one of the two 4-byte sets of the matmul weights (not explained)
-            fresh -= kind.matmul_cast_bytes * matmul
     state = {
         # AdamW's two moments of what this rank updates; ZeRO-1/2 also keep the fp32 masters of their shard where
         # the weights are in the compute dtype, and otherwise update their fp32 weights' shard a bucket at a time
@@ -712,7 +706,8 @@ def stage_phases(
     return backward, update
 
 
-def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: int, apart: bool) -> int:
+def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: int, apart: bool,
+                         every_layer: bool = False) -> int:
     """What a ZeRO-0/1/2 backward holds of fresh gradients beside the fp32 buffers: the backward adds each gradient
     into its buffer (ZeRO-2: into its bucket) last weight first, as it makes them, and frees it, so what is alive
     at once is `FRESH_GRADIENT_LAYERS` layers' gradients and those of the weights outside the layers (the
@@ -720,7 +715,8 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
     whole model (benchmarks/README.md, "Model states against the ZeRO paper": the backward's memory grows with
     the layers by a fixed graph cost, not by their gradients). Each is in its weight's dtype and, where
     `apart`, a compute-dtype one also as its fp32 cast, except under ZeRO-2, where the cast is its bucket's input
-    (counted as communication, and on CPU as the bucket inputs the compiled backward keeps, `stage_phases`)."""
+    (counted as communication, and on CPU as the bucket inputs the compiled backward keeps, `stage_phases`).
+    `every_layer`: every layer's gradients, where the backward also sums them (`overlap_gradient_reduction`)."""
     c = _DTYPE_BYTES[params.precision.compute_dtype]
     table = placement_table(params.model, Layout(dp=candidate.ep, tp=candidate.tp, pp=candidate.pp, ep=candidate.ep))
     rows = [row for row in table.on_stage(stage) if row.trainable]
@@ -729,7 +725,8 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
         if row.name.startswith("layers."):
             layer_rows.setdefault(row.name.split(".")[1], []).append(row)
     kept = [row for row in rows if not row.name.startswith("layers.")]
-    for index in sorted(layer_rows, key=int)[-FRESH_GRADIENT_LAYERS:]:  # the backward starts at the last layer
+    held_layers = sorted(layer_rows, key=int)
+    for index in held_layers if every_layer else held_layers[-FRESH_GRADIENT_LAYERS:]:  # the backward starts last
         kept += layer_rows[index]
     total = 0
     for row in kept:
