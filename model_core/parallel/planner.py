@@ -220,9 +220,10 @@ CPU = DeviceKind(
     tensor_parallel_bytes_per_layer=8 * 2**20,
     sequence_parallel_bytes_per_layer=24 * 2**20,
     context_parallel_bytes_per_layer=34 * 2**20,
-    # Fitted to benchmarks/rank_memory.py --states at two layer shapes and two depths each (benchmarks/README.md,
-    # "Model states against the ZeRO paper"): what the peak grows by per ZeRO-3 layer beyond ZeRO-0's.
-    zero3_bytes_per_layer=72 * 2**20,
+    # Fitted to benchmarks/rank_memory.py --states at two layer shapes and two depths each, then to its 8-layer model
+    # (benchmarks/README.md, "Model states against the ZeRO paper"): what the peak grows by per ZeRO-3 layer beyond
+    # ZeRO-0's.
+    zero3_bytes_per_layer=56 * 2**20,
     zero2_bucket_input_bytes=4,
     zero3_fresh_shard_bytes=4,
 )
