@@ -25,6 +25,7 @@ order (see its docstring) and returns a `Parallelized`: the one object the train
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,6 +34,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
+from model_core.host_memory import release_free_heap
 from model_core.model.init import deferred, deferred_weights, shape_of
 from model_core.model.llama import Linear, Llama
 from model_core.model.lora import LoraSummary, apply_lora
@@ -61,7 +63,6 @@ from model_core.parallel.zero3 import ShardedParameters, shard_parameters, take_
 from model_core.storage import WEIGHTS, read_block, tensor_shapes
 from params.rules import check_run
 from params.schema import LoraParams, ModelParams, PipelineParams
-
 
 GRAPH_CALLS_PER_WEIGHT = 4  # twice what an unrolled loop takes: some loops carry branches
 
@@ -267,7 +268,12 @@ def parallelize(
         accumulate.weights, params.optimizer, weight_names,
         rank_state(table, weight_names, groups, accumulate, masters, zero3, bucket_bytes),
     )
-    del masters  # the optimizer holds them (ZeRO-1/2 only its shard's pieces)
+    if masters:  # the optimizer holds them (ZeRO-1/2 only its shard's pieces)
+        del masters
+        # A MindSpore Parameter and its ParamInfo refer to each other, so only the collector frees the whole masters
+        # ZeRO-1/2 drop; glibc would then keep their pages, and the first step's peak land on top of them.
+        gc.collect()
+        release_free_heap()
     # The weight each gradient buffer belongs to: under ZeRO-2 the buffers are pieces of this rank's shard.
     owners = accumulate.piece_params if zero_stage == 2 else range(len(weight_names))
     counted = pipeline.counted_in_norm(accumulate.weights) if pipeline is not None else [True] * len(weight_names)

@@ -19,7 +19,6 @@ micro-batch size or global batch: the data position is the number of samples of 
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
@@ -120,11 +119,6 @@ class Trainer:
         self.layout, self.rank = _join_layout(params)
         ms.set_seed(params.train.seed)
         self.parallel = parallelize(params, self.layout, self.rank, self.initial_weights, lora)
-        # Building drops what this rank does not keep (under mixed-precision ZeRO-1/2 the whole fp32 masters, once
-        # the optimizer has cut its shard's pieces), some of it in reference cycles that only the collector frees;
-        # glibc would then keep those pages, and the first step's peak land on top of them.
-        gc.collect()
-        release_free_heap()
         self.model, self.optimizer = self.parallel.model, self.parallel.optimizer
         self.adaptation = self.parallel.adaptation
         self.dp_group = self.parallel.dp_group  # dp x cp: the ranks that sum token counts and losses
