@@ -66,8 +66,7 @@ Adam; fp32 training keeps no separate master):
 update adds its 4/dp pieces.) What is left over the paper: a full fp32 gradient buffer under ZeRO-1 where the
 paper reduce-scatters, and fp32 gradients (4) where its mixed precision counts 2; mixed ZeRO-0 the fp32 masters
 beside the compute-dtype weights. On CPU peak RSS also holds ZeRO-2's fp32 bucket inputs (4), ZeRO-3's fresh
-gradient shards (4/dp), the fp32 casts of the compute-dtype weights (4 a matmul parameter) and a fixed graph cost
-per layer (ZeRO-3: more), none of them in MindSpore's memory pool.
+gradient shards (4/dp) and a fixed graph cost per layer (ZeRO-3: more), none of them in MindSpore's memory pool.
 benchmarks/README.md ("Model states against the ZeRO paper") measures them.
 
 Optimizer offload (`parallel.optimizer_offload`, `model_core/optim/offload.py`) is one more candidate for
