@@ -147,6 +147,8 @@ class Group(nn.Cell):
         self.native_broadcast = "broadcast" in native
         self.native_p2p = "p2p" in native
         self.native_max = "max" in native
+        self.backend_name = name
+        self.stand_ins = frozenset(stand_ins)
         self._sum = ops.AllReduce(ops.ReduceOp.SUM, name)
         self._is_me = Parameter(  # one-hot over members: the fallbacks' root test, read at run time
             Tensor(np.eye(self.size, dtype=np.int32)[self.index]), name=f"{name}.is_me", requires_grad=False
@@ -226,6 +228,39 @@ class Group(nn.Cell):
         if self.native_broadcast:
             return self._broadcasts[root_index]((x,))[0]
         return self._sum(broadcast_contribution(x, self._is_me[root_index]))
+
+
+_fusion_ids = iter(range(1, 2**31))
+
+
+class ReleasingReduceScatter(nn.Cell):
+    """`Group.reduce_scatter` (axis 0) through a collective of its own, for one bucket of a chain of gradient sums
+    inside a backward graph, where what reads each bucket's result must run while the backward goes on.
+
+    MindSpore's kernel-by-kernel execution order (`ExecOrderBuilder`) queues what reads a plain collective's result
+    only once no other computation is ready: inside a backward, once the backward has ended, every bucket's result
+    and everything that waits for it alive until then. What reads a collective that carries a non-zero `fusion`
+    attribute is queued as soon as the next such collective of its group is issued. Each of these collectives
+    carries an id of its own, so the attribute's other use, merging the collectives that share an id into one,
+    never applies."""
+
+    def __init__(self, group: Group) -> None:
+        super().__init__()
+        self.size, self.index = group.size, group.index
+        if self.size == 1:
+            return
+        self.native = group.native_reduce_scatter and "reduce_scatter" not in group.stand_ins
+        operator = (ops.ReduceScatter(ops.ReduceOp.SUM, group.backend_name) if self.native
+                    else ops.AllReduce(ops.ReduceOp.SUM, group.backend_name))
+        operator.add_prim_attr("fusion", next(_fusion_ids))
+        self.operator = operator
+
+    def construct(self, x):
+        if self.size == 1:
+            return x
+        if self.native:
+            return self.operator(x)
+        return own_block(self.operator(x), self.index, self.size)
 
 
 class StandIn(nn.Cell):

@@ -127,9 +127,10 @@ class ExpertGradientShards(nn.Cell):
         dense_grads = tuple(grads[i] for i in self.dense_positions)
         expert_grads = tuple(grads[i] for i in self.expert_positions)
         done = ops.zeros((), ms.float32)
+        previous = done
         for store, k in self.chain:
             if store == 0:
-                done = self.dense.sum_bucket(k, dense_grads, done)
+                previous, done = self.dense.sum_bucket(k, dense_grads, previous, done)
             else:
-                done = self.experts.sum_bucket(k, expert_grads, done)
+                previous, done = self.experts.sum_bucket(k, expert_grads, previous, done)
         return ops.assign(self.last_sum, done.reshape(-1)[:1])  # keeps the whole chain (`GradientShards.finish`)

@@ -28,7 +28,7 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, nn, ops
 
 from model_core.optim.step import AccumulateGradients
-from model_core.parallel.comm import Group
+from model_core.parallel.comm import Group, ReleasingReduceScatter
 from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
 
 
@@ -220,6 +220,12 @@ class GradientShards(nn.Cell):
     its own weights' gradients exist. (Without a native reduce-scatter, the CPU's MCCL, the group all-reduces the
     bucket and keeps its block: the same buckets, the same bits.)
 
+    A bucket's flat input is cut from the gradients once the bucket before's input exists, not once its block has
+    been added: every rank then issues the collectives in the chain's order, and no bucket waits for a collective's
+    result. Each bucket's collective is a `comm.ReleasingReduceScatter`, so its block is added, and its gradients
+    freed, while the backward goes on (with the group's plain collective the additions, and every later bucket's
+    gradients, waited for the backward's end).
+
     `chunk` (`flat_shards`) lets two pipeline stages that hold the same tied table first cut it alike, so its
     gradient pieces can be summed over the two stages piece by piece.
 
@@ -252,32 +258,36 @@ class GradientShards(nn.Cell):
         # would be unused, and the rank would skip collectives the others wait in. Written here, it is kept.
         self.last_sum = Parameter(ops.zeros((1,), ms.float32), name=f"grad_shard.last_sum.{weights[-1].name}",
                                   requires_grad=False)
+        self.sums = nn.CellList([ReleasingReduceScatter(group) for _ in range(self.layout.buckets)])
 
     def construct(self, grads):
         done = ops.zeros((), ms.float32)
+        previous = done
         for k in self.order:
-            done = self.sum_bucket(k, grads, done)
+            previous, done = self.sum_bucket(k, grads, previous, done)
         return self.finish(done)
 
     def finish(self, done):
         """The end of the chain of sums, written into `last_sum`."""
         return ops.assign(self.last_sum, done.reshape(-1)[:1])
 
-    def sum_bucket(self, k, grads, done):
-        """Bucket k reduce-scattered once `done` is, and its block added into the pieces it holds: returns what the
-        next bucket waits for. A bucket's flat fp32 input is cut from the gradients only then: made as soon as the
-        gradients exist, every bucket's would be alive at once."""
+    def sum_bucket(self, k, grads, previous, done):
+        """Bucket k's flat fp32 input, cut from the gradients once `previous` (the chain's last input) exists,
+        reduce-scattered, and its block added into the pieces it holds: returns (the input, `done` joined with the
+        additions). The wait for `previous` also keeps the inputs from being cut as soon as the gradients exist,
+        which would make every bucket's at once."""
         parts = []
         for i, start, end in self.inputs[k]:
             if i < 0:
-                parts.append(ops.depend(ops.zeros((end - start,), ms.float32), done))
+                parts.append(ops.depend(ops.zeros((end - start,), ms.float32), previous))
             else:
-                parts.append(ops.depend(grads[i], done).reshape(-1)[start:end].astype(ms.float32))
-        block = self.group.reduce_scatter(ops.cat(parts) if len(parts) > 1 else parts[0])  # this rank's, summed
-        done = block
-        for j, start, end in self.adds[k]:  # the next bucket waits for these adds, or every block would wait too
+                parts.append(ops.depend(grads[i], previous).reshape(-1)[start:end].astype(ms.float32))
+        flat = ops.cat(parts) if len(parts) > 1 else parts[0]
+        block = self.sums[k](flat)  # this rank's, summed
+        done = ops.depend(done, block)  # kept where this rank holds no piece of the bucket (see `last_sum`)
+        for j, start, end in self.adds[k]:
             done = ops.depend(done, ops.assign_add(self.buffers[j], block[start:end]))
-        return done
+        return flat, done
 
 
 def merged_order(readiness: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
