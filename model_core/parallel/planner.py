@@ -65,8 +65,9 @@ Adam; fp32 training keeps no separate master):
 (mixed: every parameter a matmul weight; the fp32 embedding and norms count 4 where the table counts c. ZeRO-1's
 update adds its 4/dp pieces.) What is left over the paper: a full fp32 gradient buffer under ZeRO-1 where the
 paper reduce-scatters, and fp32 gradients (4) where its mixed precision counts 2; mixed ZeRO-0 the fp32 masters
-beside the compute-dtype weights. On CPU peak RSS also holds ZeRO-2's fp32 bucket inputs (4), ZeRO-3's fresh
-gradient shards (4/dp) and a fixed graph cost per layer (ZeRO-3: more), none of them in MindSpore's memory pool.
+beside the compute-dtype weights. On CPU peak RSS also holds the heap ZeRO-2's bucket chain leaves (2.7, fitted),
+ZeRO-3's fresh gradient shards (4/dp) and a fixed graph cost per layer (ZeRO-3: more), none of them in MindSpore's
+memory pool.
 benchmarks/README.md ("Model states against the ZeRO paper") measures them.
 
 Optimizer offload (`parallel.optimizer_offload`, `model_core/optim/offload.py`) is one more candidate for
@@ -190,10 +191,11 @@ class DeviceKind:
     sequence_parallel_bytes_per_layer: int = 0
     context_parallel_bytes_per_layer: int = 0
     zero3_bytes_per_layer: int = 0  # what a layer's ZeRO-3 gathers and reduce-scatters add to the compiled step
-    # What the compiled backward keeps of reduce-scatter inputs, bytes a parameter of the stage (ZeRO-2: every bucket's
-    # flat fp32 input) or of its shard (ZeRO-3: the fresh gradient shards). Peak RSS on CPU holds them; MindSpore's
-    # memory pool, what a device would hold, does not (benchmarks/rank_memory.py --states, the `acc plan` column).
-    zero2_bucket_input_bytes: int = 0
+    # What peak RSS on CPU holds of the reduce-scatters' host memory beyond the counted tensors, bytes a parameter of
+    # the stage (ZeRO-2: the heap its bucket chain's flat fp32 inputs and sums leave behind the backward, on which the
+    # update's first compile then sits; fitted) or of its shard (ZeRO-3: the fresh gradient shards). MindSpore's
+    # memory pool, what a device would hold, does not hold them (benchmarks/rank_memory.py --states, `acc plan`).
+    zero2_bucket_input_bytes: float = 0
     zero3_fresh_shard_bytes: int = 0
 
 
@@ -223,7 +225,9 @@ CPU = DeviceKind(
     # (benchmarks/README.md, "Model states against the ZeRO paper"): what the peak grows by per ZeRO-3 layer beyond
     # ZeRO-0's.
     zero3_bytes_per_layer=56 * 2**20,
-    zero2_bucket_input_bytes=4,
+    # Fitted to the same model's ZeRO-2 ranks once each bucket's block was added during the backward (fp32 +7%,
+    # mixed -6%); 4, every bucket's input, while the additions waited for the backward's end.
+    zero2_bucket_input_bytes=2.7,
     zero3_fresh_shard_bytes=4,
 )
 # Accelerators are counted, not measured: exactly the tensors the module docstring lists, and the four
@@ -663,14 +667,14 @@ def stage_phases(
     if candidate.pp > 1:  # a stage compiles a forward-only graph too (its backward recomputes the forward)
         recompute_graph += kind.recompute_bytes_per_layer * layers
     accumulated = 4 * (shard if zero >= 2 else held)  # the fp32 buffers the micro-batches add into
-    bucket_inputs = kind.zero2_bucket_input_bytes * held if zero == 2 else 0
+    bucket_inputs = int(kind.zero2_bucket_input_bytes * held) if zero == 2 else 0
     # Summed inside the backward (`parallel.overlap_gradient_reduction`), a bucket's gradients wait for the end of
     # the backward (`data_parallel`): counted as every layer's, the bound they approach with depth.
     summed_inside = (params.parallel.overlap_gradient_reduction and zero < 2 and candidate.pp == 1
                      and params.parallel.micro_batches == 1 and dp * candidate.tp > 1)
     fresh = (kind.zero3_fresh_shard_bytes * shard if zero == 3
              else fresh_gradient_bytes(params, candidate, stage, apart, every_layer=summed_inside))
-    if bucket_inputs:  # every bucket's flat fp32 input to its reduce-scatter, for the whole model (they scale with P)
+    if bucket_inputs:  # the bucket chain's host memory (`DeviceKind.zero2_bucket_input_bytes`; it scales with P)
         fresh += bucket_inputs
     state = {
         # AdamW's two moments of what this rank updates; ZeRO-1/2 also keep the fp32 masters of their shard where
@@ -715,7 +719,7 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
     whole model (benchmarks/README.md, "Model states against the ZeRO paper": the backward's memory grows with
     the layers by a fixed graph cost, not by their gradients). Each is in its weight's dtype and, where
     `apart`, a compute-dtype one also as its fp32 cast, except under ZeRO-2, where the cast is its bucket's input
-    (counted as communication, and on CPU as the bucket inputs the compiled backward keeps, `stage_phases`).
+    (counted as communication, and on CPU in the bucket chain's host memory, `stage_phases`).
     `every_layer`: every layer's gradients, where the backward also sums them (`overlap_gradient_reduction`)."""
     c = _DTYPE_BYTES[params.precision.compute_dtype]
     table = placement_table(params.model, Layout(dp=candidate.ep, tp=candidate.tp, pp=candidate.pp, ep=candidate.ep))
