@@ -285,6 +285,29 @@ def test_two_stores_buckets_merge_into_one_chain_in_the_order_the_backward_finis
     assert merged_order([[1, 5], [3]]) == ((1, 0), (0, 0), (0, 1))
 
 
+def test_each_zero2_bucket_sums_through_a_collective_of_its_own_marked_fused():
+    """MindSpore's kernel-by-kernel order runs what reads a plain collective's result only once nothing else is ready
+    (inside a backward: at its end), and what reads one with a non-zero `fusion` attribute once the next such
+    collective is issued (`comm.ReleasingReduceScatter`). Each bucket of a ZeRO-2 store gets its own collective with
+    its own non-zero id, so none is merged with another; natively a ReduceScatter, else the all-reduce fallback.
+    Built against a stand-in group: making the operators needs no job."""
+    from types import SimpleNamespace
+
+    weights = [Parameter(Tensor(np.zeros(shape, np.float32)), name=f"f{i}") for i, shape in enumerate([(4, 5), (3,), (6, 2)])]
+    for native, operator in ((False, "AllReduce"), (True, "ReduceScatter")):
+        group = SimpleNamespace(size=2, index=1, native_reduce_scatter=native, stand_ins=frozenset(),
+                                backend_name="hccl_world_group")
+        shards = GradientShards(weights, group, bucket_bytes=40)  # 5 elements a rank and bucket
+        sums = list(shards.sums)
+        assert len(sums) == shards.layout.buckets > 1
+        assert {type(s.operator).__name__ for s in sums} == {operator}
+        fusion = [s.operator.attrs["fusion"] for s in sums]
+        assert all(f > 0 for f in fusion) and len(set(fusion)) == len(fusion)
+    emulated = SimpleNamespace(size=2, index=1, native_reduce_scatter=True, stand_ins=frozenset({"reduce_scatter"}),
+                               backend_name="hccl_world_group")
+    assert type(comm.ReleasingReduceScatter(emulated).operator).__name__ == "AllReduce"  # the stand-in's fallback
+
+
 def test_gradient_shards_over_a_group_of_one_add_every_gradient_through_small_buckets():
     weights = [Parameter(Tensor(np.zeros(shape, np.float32)), name=f"w{i}") for i, shape in enumerate([(4, 5), (3,), (6, 2)])]
     shards = GradientShards(weights, comm.Group((0,), 0), bucket_bytes=28)  # 7 elements a bucket
