@@ -22,8 +22,8 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    (the embedding, the final norm, the head; a tied table two: the head's and the lookup's), in
                    the weights' dtypes and of the compute-dtype ones also their fp32 casts (ZeRO-2: the cast is its
                    bucket's input; ZeRO-3: none beside the shards). What only a CPU rank's peak RSS holds, the CPU
-                   kind adds: ZeRO-2's every bucket's flat fp32 input to its reduce-scatter, 4P; ZeRO-3's fresh
-                   gradient shards, 4P/dp. The update scales each gradient buffer in place as AdamW takes it;
+                   kind adds: the heap ZeRO-2's chain of bucket reduce-scatters leaves, 2.7P (fitted); ZeRO-3's
+                   fresh gradient shards, 4P/dp. The update scales each gradient buffer in place as AdamW takes it;
                    ZeRO-1 then cuts its shard's pieces out, held by its compiled update: 4P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 8P/dp (1/dp of the moments), and under ZeRO-1/2 with
                    compute-dtype weights 4P/dp more, the fp32 master weights of the shard; fp32 weights are updated
