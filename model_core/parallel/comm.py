@@ -238,8 +238,8 @@ class ReleasingReduceScatter(nn.Cell):
     inside a backward graph, where what reads each bucket's result must run while the backward goes on.
 
     MindSpore's kernel-by-kernel execution order (`ExecOrderBuilder`) queues what reads a plain collective's result
-    only once no other computation is ready: inside a backward, once the backward has ended, every bucket's result
-    and everything that waits for it alive until then. What reads a collective that carries a non-zero `fusion`
+    only once no other computation is ready: inside a backward, once the backward has ended, so every bucket's result,
+    and everything that waits for it, stays alive until then. What reads a collective that carries a non-zero `fusion`
     attribute is queued as soon as the next such collective of its group is issued. Each of these collectives
     carries an id of its own, so the attribute's other use, merging the collectives that share an id into one,
     never applies."""
