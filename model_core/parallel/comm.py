@@ -28,6 +28,7 @@ runs; on Ascend and GPU it is never set.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Sequence
 from functools import cache
@@ -230,7 +231,7 @@ class Group(nn.Cell):
         return self._sum(broadcast_contribution(x, self._is_me[root_index]))
 
 
-_fusion_ids = iter(range(1, 2**31))
+_fusion_ids = itertools.count(1)
 
 
 class ReleasingReduceScatter(nn.Cell):

@@ -195,7 +195,7 @@ class DeviceKind:
     # the stage (ZeRO-2: the heap its bucket chain's flat fp32 inputs and sums leave behind the backward, on which the
     # update's first compile then sits; fitted) or of its shard (ZeRO-3: the fresh gradient shards). MindSpore's
     # memory pool, what a device would hold, does not hold them (benchmarks/rank_memory.py --states, `acc plan`).
-    zero2_bucket_input_bytes: float = 0
+    zero2_bucket_chain_bytes: float = 0
     zero3_fresh_shard_bytes: int = 0
 
 
@@ -225,9 +225,8 @@ CPU = DeviceKind(
     # (benchmarks/README.md, "Model states against the ZeRO paper"): what the peak grows by per ZeRO-3 layer beyond
     # ZeRO-0's.
     zero3_bytes_per_layer=56 * 2**20,
-    # Fitted to the same model's ZeRO-2 ranks once each bucket's block was added during the backward (fp32 +7%,
-    # mixed -6%); 4, every bucket's input, while the additions waited for the backward's end.
-    zero2_bucket_input_bytes=2.7,
+    # Fitted to the same model's ZeRO-2 ranks (benchmarks/README.md, the same section).
+    zero2_bucket_chain_bytes=2.7,
     zero3_fresh_shard_bytes=4,
 )
 # Accelerators are counted, not measured: exactly the tensors the module docstring lists, and the four
@@ -667,15 +666,14 @@ def stage_phases(
     if candidate.pp > 1:  # a stage compiles a forward-only graph too (its backward recomputes the forward)
         recompute_graph += kind.recompute_bytes_per_layer * layers
     accumulated = 4 * (shard if zero >= 2 else held)  # the fp32 buffers the micro-batches add into
-    bucket_inputs = int(kind.zero2_bucket_input_bytes * held) if zero == 2 else 0
+    bucket_chain = int(kind.zero2_bucket_chain_bytes * held) if zero == 2 else 0  # scales with P
     # Summed inside the backward (`parallel.overlap_gradient_reduction`), a bucket's gradients wait for the end of
     # the backward (`data_parallel`): counted as every layer's, the bound they approach with depth.
     summed_inside = (params.parallel.overlap_gradient_reduction and zero < 2 and candidate.pp == 1
                      and params.parallel.micro_batches == 1 and dp * candidate.tp > 1)
     fresh = (kind.zero3_fresh_shard_bytes * shard if zero == 3
              else fresh_gradient_bytes(params, candidate, stage, apart, every_layer=summed_inside))
-    if bucket_inputs:  # the bucket chain's host memory (`DeviceKind.zero2_bucket_input_bytes`; it scales with P)
-        fresh += bucket_inputs
+    fresh += bucket_chain
     state = {
         # AdamW's two moments of what this rank updates; ZeRO-1/2 also keep the fp32 masters of their shard where
         # the weights are in the compute dtype, and otherwise update their fp32 weights' shard a bucket at a time

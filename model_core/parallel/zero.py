@@ -223,8 +223,8 @@ class GradientShards(nn.Cell):
     A bucket's flat input is cut from the gradients once the bucket before's input exists, not once its block has
     been added: every rank then issues the collectives in the chain's order, and no bucket waits for a collective's
     result. Each bucket's collective is a `comm.ReleasingReduceScatter`, so its block is added, and its gradients
-    freed, while the backward goes on (with the group's plain collective the additions, and every later bucket's
-    gradients, waited for the backward's end).
+    freed, while the backward goes on (through the group's plain collective the additions, and every later bucket's
+    gradients, would wait for the backward's end).
 
     `chunk` (`flat_shards`) lets two pipeline stages that hold the same tied table first cut it alike, so its
     gradient pieces can be summed over the two stages piece by piece.
