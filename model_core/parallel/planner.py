@@ -23,8 +23,8 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    the weights' dtypes and of the compute-dtype ones also their fp32 casts (ZeRO-2: the cast is its
                    bucket's input; ZeRO-3: none beside the shards). What only a CPU rank's peak RSS holds, the CPU
                    kind adds: the heap ZeRO-2's chain of bucket reduce-scatters leaves, 2.7P (fitted); ZeRO-3's
-                   fresh gradient shards, 4P/dp. The update scales each gradient buffer in place as AdamW takes it;
-                   ZeRO-1 then cuts its shard's pieces out, held by its compiled update: 4P/dp.
+                   fresh gradient shards, 4P/dp; what ZeRO-1's first update adds (its compile and the pieces it cuts
+                   from the gradient buffers, which the memory pool holds one at a time), 4P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 8P/dp (1/dp of the moments), and under ZeRO-1/2 with
                    compute-dtype weights 4P/dp more, the fp32 master weights of the shard; fp32 weights are updated
                    a bucket at a time in one scratch block of a bucket (parallel.gradient_bucket_mb / dp)
@@ -62,11 +62,11 @@ Adam; fp32 training keeps no separate master):
     2       4 + 12/dp       4 + 12/dp      2 + 16/dp                2 + 14/dp
     3       16/dp           16/dp          16/dp                    16/dp
 
-(mixed: every parameter a matmul weight; the fp32 embedding and norms count 4 where the table counts c. ZeRO-1's
-update adds its 4/dp pieces.) What is left over the paper: a full fp32 gradient buffer under ZeRO-1 where the
-paper reduce-scatters, and fp32 gradients (4) where its mixed precision counts 2; mixed ZeRO-0 the fp32 masters
-beside the compute-dtype weights. On CPU peak RSS also holds the heap ZeRO-2's bucket chain leaves (2.7, fitted),
-ZeRO-3's fresh gradient shards (4/dp) and a fixed graph cost per layer (ZeRO-3: more), none of them in MindSpore's
+(mixed: every parameter a matmul weight; the fp32 embedding and norms count 4 where the table counts c.) What is
+left over the paper: a full fp32 gradient buffer under ZeRO-1 where the paper reduce-scatters, and fp32 gradients
+(4) where its mixed precision counts 2; mixed ZeRO-0 the fp32 masters beside the compute-dtype weights. On CPU peak
+RSS also holds the heap ZeRO-2's bucket chain leaves (2.7, fitted), ZeRO-3's fresh gradient shards (4/dp), what
+ZeRO-1's first update adds (4/dp) and a fixed graph cost per layer (ZeRO-3: more), none of them in MindSpore's
 memory pool.
 benchmarks/README.md ("Model states against the ZeRO paper") measures them.
 
@@ -197,6 +197,10 @@ class DeviceKind:
     # memory pool, what a device would hold, does not hold them (benchmarks/rank_memory.py --states, `acc plan`).
     zero2_bucket_chain_bytes: float = 0
     zero3_fresh_shard_bytes: int = 0
+    # What a CPU rank's peak RSS grows by in ZeRO-1's first update beyond the counted tensors, bytes a parameter of
+    # the shard: its compile and the pieces it cuts from the gradient buffers, which the memory pool holds one at a
+    # time (benchmarks/rank_memory.py --states).
+    zero1_update_piece_bytes: int = 0
 
 
 # Fitted (least squares on relative error) to the peak RSS of single-process training steps (model_core.optim.step
@@ -228,6 +232,7 @@ CPU = DeviceKind(
     # Fitted to the same model's ZeRO-2 ranks (benchmarks/README.md, the same section).
     zero2_bucket_chain_bytes=2.7,
     zero3_fresh_shard_bytes=4,
+    zero1_update_piece_bytes=4,
 )
 # Accelerators are counted, not measured: exactly the tensors the module docstring lists, and the four
 # logits-sized fp32 tensors TokenNLLFunction's backward holds at once (logits, probabilities, one-hot, their
@@ -700,9 +705,7 @@ def stage_phases(
         sizes = [math.prod(row.block_shape(candidate.tp, candidate.ep)) for row in
                  placement_table(params.model, layout).on_stage(stage)]
         gathered = shard_gather_bytes(sizes, dp, bucket_bytes(params))
-    # AdamW scales each gradient buffer in place as it takes it; ZeRO-1 then cuts its piece out of the scaled buffer,
-    # and its compiled update holds the cut pieces, 4P/dp.
-    pieces = 4 * shard if dp > 1 and zero == 1 and not candidate.offload else 0
+    pieces = kind.zero1_update_piece_bytes * shard if dp > 1 and zero == 1 and not candidate.offload else 0
     update = Memory(parameters=masters, gradients=accumulated + pieces, activations=0, communication=gathered,
                     phase="update", **state)
     return backward, update
