@@ -400,10 +400,9 @@ class AdamW(nn.Cell):
         for g in range(len(self.gathers)):
             done = self.gathers[g](tuple(self.targets[i] for i in self.gathered[g]), done)
         for s in range(len(self.scratch)):
-            segments = ()
             for b in range(len(self.block_parts[s])):
                 done = self._update_block(s, b, grads, lr, grad_scale, beta1_power, beta2_power, eps_t, keep, done)
-                segments, done = self.block_gathers[s].bucket(b, ops.depend(self.scratch[s], done), segments, done)
+                done = self.block_gathers[s].bucket(b, ops.depend(self.scratch[s], done), done)
         return ops.depend(t, done)
 
     def _update_piece(self, i, grads, lr, grad_scale, beta1_power, beta2_power, eps_t, keep, after):

@@ -22,7 +22,7 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    (the embedding, the final norm, the head; a tied table two: the head's and the lookup's), in
                    the weights' dtypes and of the compute-dtype ones also their fp32 casts (ZeRO-2: the cast is its
                    bucket's input; ZeRO-3: none beside the shards). What only a CPU rank's peak RSS holds, the CPU
-                   kind adds: the heap ZeRO-2's chain of bucket reduce-scatters leaves, 2.7P (fitted); ZeRO-3's
+                   kind adds: the heap ZeRO-2's chain of bucket reduce-scatters leaves, 2.25P (fitted); ZeRO-3's
                    fresh gradient shards, 4P/dp; what ZeRO-1's first update adds (its compile and the pieces it cuts
                    from the gradient buffers, which the memory pool holds one at a time), 4P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 8P/dp (1/dp of the moments), and under ZeRO-1/2 with
@@ -46,8 +46,8 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    gathered parameters; tp > 1: two BTH c activations (sent and received; sequence parallelism
                    adds the BTH c / tp slice); pp > 1: a tick's
                    exchange, two fp32 BTH messages three times over (host buffer, its tensor, the sum);
-                   ZeRO-1/2 in the update: one all-gathered bucket (parallel.gradient_bucket_mb) and the segments
-                   gathered so far of the weights still incomplete, at most the largest weight meeting each shard
+                   ZeRO-1/2 in the update: one all-gathered bucket (parallel.gradient_bucket_mb), the slice of
+                   it being written into a weight and that slice cast to the compute dtype
     runtime        the device kind's process baseline and its compiled graph's cost per layer (and per
                    recomputed layer; a pipeline stage's forward-only graph is charged like one); a rank of
                    a job of several ranks adds what its collectives hold (`collective_graph_bytes`)
@@ -65,7 +65,7 @@ Adam; fp32 training keeps no separate master):
 (mixed: every parameter a matmul weight; the fp32 embedding and norms count 4 where the table counts c.) What is
 left over the paper: a full fp32 gradient buffer under ZeRO-1 where the paper reduce-scatters, and fp32 gradients
 (4) where its mixed precision counts 2; mixed ZeRO-0 the fp32 masters beside the compute-dtype weights. On CPU peak
-RSS also holds the heap ZeRO-2's bucket chain leaves (2.7, fitted), ZeRO-3's fresh gradient shards (4/dp), what
+RSS also holds the heap ZeRO-2's bucket chain leaves (2.25, fitted), ZeRO-3's fresh gradient shards (4/dp), what
 ZeRO-1's first update adds (4/dp) and a fixed graph cost per layer (ZeRO-3: more), none of them in MindSpore's
 memory pool.
 benchmarks/README.md ("Model states against the ZeRO paper") measures them.
@@ -230,7 +230,7 @@ CPU = DeviceKind(
     # ZeRO-0's.
     zero3_bytes_per_layer=56 * 2**20,
     # Fitted to the same model's ZeRO-2 ranks (benchmarks/README.md, the same section).
-    zero2_bucket_chain_bytes=2.7,
+    zero2_bucket_chain_bytes=2.25,
     zero3_fresh_shard_bytes=4,
     zero1_update_piece_bytes=4,
 )
@@ -699,12 +699,7 @@ def stage_phases(
         **state,
     )
     # ZeRO-1/2 gather the updated shards back in buckets.
-    gathered = 0
-    if dp > 1 and zero in (1, 2):
-        layout = Layout(dp=candidate.ep, tp=candidate.tp, pp=candidate.pp, ep=candidate.ep)
-        sizes = [math.prod(row.block_shape(candidate.tp, candidate.ep)) for row in
-                 placement_table(params.model, layout).on_stage(stage)]
-        gathered = shard_gather_bytes(sizes, dp, bucket_bytes(params))
+    gathered = shard_gather_bytes(held, dp, bucket_bytes(params), c) if dp > 1 and zero in (1, 2) else 0
     pieces = kind.zero1_update_piece_bytes * shard if dp > 1 and zero == 1 and not candidate.offload else 0
     update = Memory(parameters=masters, gradients=accumulated + pieces, activations=0, communication=gathered,
                     phase="update", **state)
@@ -768,16 +763,13 @@ def update_block_bytes(params: PipelineParams, dp: int, shard: int) -> int:
     return min(math.ceil(bucket_bytes(params) / dp), 4 * shard)
 
 
-def shard_gather_bytes(sizes: list[int], dp: int, bucket: int) -> int:
-    """What `zero.ShardGather` holds while it writes the updated shards back: one gathered bucket, and the segments
-    gathered so far of the parameters still incomplete, at most the largest parameter that meets each shard."""
-    length = math.ceil(sum(sizes) / dp)
-    largest, offset = [0] * dp, 0
-    for size in sizes:
-        for shard in range(offset // length, min(dp, (offset + size - 1) // length + 1)):
-            largest[shard] = max(largest[shard], size)
-        offset += size
-    return min(bucket, 4 * length * dp) + 4 * sum(largest)
+def shard_gather_bytes(parameters: int, dp: int, bucket: int, c: int) -> int:
+    """What `zero.ShardGather` holds while it writes the updated shards back: one gathered bucket (fp32, at most the
+    whole model's), the slice of it being written into a weight and, for a compute-dtype weight, that slice cast.
+    It writes each bucket into the weights it meets before the next is gathered, a weight that crosses a bucket's
+    edge in parts, so no weight is rebuilt whole."""
+    gathered = min(bucket, 4 * math.ceil(parameters / dp) * dp)
+    return 2 * gathered + (gathered * c // 4 if c != 4 else 0)
 
 
 def backward_communication_bytes(params: PipelineParams, candidate: Candidate, parameters: int) -> int:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, ParameterTuple, nn, ops
+from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from model_core.optim.step import AccumulateGradients
 from model_core.parallel.comm import Group, ReleasingReduceScatter
@@ -131,8 +131,10 @@ def gather_plan(sizes: Sequence[int], layout: FlatShards) -> tuple[tuple[int, tu
 class ShardGather(nn.Cell):
     """Every parameter set from the ranks' updated shards, bucket by bucket (`FlatShards`: bucket k's all-gather
     gives a contiguous run of the flat parameters): no buffer of the whole model is made. Each gathered bucket is
-    cut into the parameters' segments before the next is gathered, and a parameter is written once its last
-    segment is in; so besides one bucket, a rank holds the segments of at most one incomplete parameter.
+    written into the parameters it meets before the next is gathered: a parameter inside the bucket whole, one that
+    crosses a bucket's edge the rows and elements of it that the bucket holds, in place (`ops.scatter_nd_update`).
+    So besides one bucket a rank holds no segment of a parameter, and never a whole parameter's copy, however many
+    buckets the parameter spans (a vocabulary table spans several).
 
     Called with this rank's pieces (`pieces`: (parameter index, start, end), the pieces of `layout.pieces`) as
     tensors in that order."""
@@ -143,54 +145,79 @@ class ShardGather(nn.Cell):
         self.parameters = ParameterTuple(parameters)
         self.group = group
         self.shapes = tuple(tuple(p.shape) for p in parameters)
-        completions = gather_plan([int(np.prod(shape)) for shape in self.shapes], layout)
         self.buckets = layout.bucket_ranges()
-        # Segments are numbered in the order they are cut: bucket by bucket, each bucket's in parameter order.
-        cuts = [[] for _ in self.buckets]
-        numbered = {}
-        for done in completions:
+        writes: list[list] = [[] for _ in self.buckets]
+        indices = []
+        for done in gather_plan([int(np.prod(shape)) for shape in self.shapes], layout):
             for index, segments in done:
-                for segment in segments:
-                    cuts[segment[0]].append((index, segment))
-        for k in range(len(cuts)):
-            cuts[k].sort()
-            for index, segment in cuts[k]:
-                numbered[(index, segment)] = len(numbered)
-        self.cuts = tuple(tuple((start, end) for _, (_, start, end) in bucket) for bucket in cuts)
-        self.writes = tuple(
-            tuple((index, tuple(numbered[(index, segment)] for segment in segments)) for index, segments in done)
-            for done in completions
-        )
+                if len(segments) == 1:  # inside one bucket: written whole
+                    k, start, end = segments[0]
+                    writes[k].append((index, start, end, self.shapes[index], -1))
+                    continue
+                offset = 0
+                for k, start, end in segments:
+                    for lo, hi, where, shape in partial_writes(self.shapes[index], offset, offset + end - start):
+                        writes[k].append((index, start + lo - offset, start + hi - offset, shape, len(indices)))
+                        indices.append(Tensor(where, ms.int32))
+                    offset += end - start
+        self.writes = tuple(tuple(bucket) for bucket in writes)
+        self.indices = tuple(indices)
         self.local = shard_fill(self.buckets, [end - start for _, start, end in pieces])
 
     def construct(self, pieces, after=None):
         """Write the weights from `pieces`, once `after` (the update that made them), when given, is done."""
-        segments = ()
         done = ops.zeros((), ms.float32)
         if after is not None:
             done = ops.depend(done, after)
         for k in range(len(self.buckets)):
             parts = [pieces[j].reshape(-1)[a:b] if j >= 0 else ops.zeros((b - a,), ms.float32) for j, a, b in self.local[k]]
             mine = ops.cat(parts) if len(parts) > 1 else parts[0]
-            segments, done = self.bucket(k, mine, segments, done)
+            done = self.bucket(k, mine, done)
         return done
 
-    def bucket(self, k, mine, segments, done):
-        """Bucket k gathered from this rank's block of it (`mine`, once `done` exists), cut into segments that join
-        the earlier buckets' (`segments`), and every weight it completes written; returns (segments, done). The
-        optimizer calls it directly where it updates the blocks one bucket at a time in one scratch buffer."""
+    def bucket(self, k, mine, done):
+        """Bucket k gathered from this rank's block of it (`mine`, once `done` exists) and written into the parameters
+        it meets; returns what the next bucket waits for. The optimizer calls it directly where it updates the
+        blocks one bucket at a time in one scratch buffer."""
         bucket = self.group.all_gather(ops.depend(mine, done))
-        for start, end in self.cuts[k]:
-            segments = segments + (bucket[start:end],)
-            done = ops.depend(done, segments[-1])  # the next gather waits until this bucket is cut up
-        for i, numbers in self.writes[k]:
-            values = [segments[n] for n in numbers]
-            value = ops.cat(values) if len(values) > 1 else values[0]
-            # Every write, not only the bucket's last, goes before the next gather: a write left for later
-            # keeps its segments alive.
-            done = ops.depend(done, ops.assign(self.parameters[i],
-                                               value.reshape(self.shapes[i]).astype(self.parameters[i].dtype)))
-        return segments, done
+        for i, start, end, shape, where in self.writes[k]:
+            value = bucket[start:end].reshape(shape).astype(self.parameters[i].dtype)
+            if where < 0:
+                written = ops.assign(self.parameters[i], value)
+            else:
+                written = ops.scatter_nd_update(self.parameters[i], self.indices[where], value)
+            # Every write goes before the next gather: a write left for later keeps the bucket alive.
+            done = ops.depend(done, written)
+        return done
+
+
+def partial_writes(shape: Sequence[int], start: int, end: int) -> list[tuple[int, int, np.ndarray, tuple[int, ...]]]:
+    """How to write flat elements [start, end) of a parameter of `shape` in place with `ops.scatter_nd_update`:
+    (lo, hi, indices, value shape) for runs of whole rows (the last axis) and for the single elements of a row cut
+    at either end, lo and hi the run's flat elements. A vector's elements are its rows."""
+    if len(shape) == 1:
+        return [(start, end, np.arange(start, end).reshape(-1, 1), (end - start,))]
+    row = shape[-1]
+    leading = tuple(shape[:-1])
+    runs = []
+    first, last = -(-start // row), end // row  # the whole rows inside [start, end)
+    if first > last:  # inside one row
+        return [element_run(leading, row, start, end)]
+    if start < first * row:
+        runs.append(element_run(leading, row, start, first * row))
+    if first < last:
+        rows = np.stack(np.unravel_index(np.arange(first, last), leading), axis=1)
+        runs.append((first * row, last * row, rows, (last - first, row)))
+    if last * row < end:
+        runs.append(element_run(leading, row, last * row, end))
+    return runs
+
+
+def element_run(leading: tuple[int, ...], row: int, start: int, end: int) -> tuple[int, int, np.ndarray, tuple[int, ...]]:
+    """`partial_writes`' run of single elements [start, end) of one row."""
+    elements = np.arange(start, end)
+    where = np.stack([*np.unravel_index(elements // row, leading), elements % row], axis=1)
+    return start, end, where, (end - start,)
 
 
 def shard_fill(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
