@@ -24,7 +24,7 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    bucket's input; ZeRO-3: none beside the shards). What only a CPU rank's peak RSS holds, the CPU
                    kind adds: the heap ZeRO-2's chain of bucket reduce-scatters leaves, 2.25P (fitted); ZeRO-3's
                    fresh gradient shards, 4P/dp; what ZeRO-1's first update adds (its compile and the pieces it cuts
-                   from the gradient buffers, which the memory pool holds one at a time), 4P/dp.
+                   from the gradient buffers, which the memory pool does not hold together), 4P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 8P/dp (1/dp of the moments), and under ZeRO-1/2 with
                    compute-dtype weights 4P/dp more, the fp32 master weights of the shard; fp32 weights are updated
                    a bucket at a time in one scratch block of a bucket (parallel.gradient_bucket_mb / dp)
@@ -198,8 +198,8 @@ class DeviceKind:
     zero2_bucket_chain_bytes: float = 0
     zero3_fresh_shard_bytes: int = 0
     # What a CPU rank's peak RSS grows by in ZeRO-1's first update beyond the counted tensors, bytes a parameter of
-    # the shard: its compile and the pieces it cuts from the gradient buffers, which the memory pool holds one at a
-    # time (benchmarks/rank_memory.py --states).
+    # the shard: its compile and the pieces it cuts from the gradient buffers, which the memory pool does not hold
+    # together (benchmarks/rank_memory.py --states).
     zero1_update_piece_bytes: int = 0
 
 
