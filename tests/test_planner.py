@@ -204,8 +204,8 @@ def test_gradients_summed_inside_the_backward_are_counted_for_every_layer():
 
 def test_the_zero_update_holds_no_whole_model_buffer():
     """The update scales each gradient in place and gathers the updated shards in buckets: a 7B dp8 ZeRO-1/2 rank
-    holds, beyond its weights and optimizer state, the accumulated gradients and one bucket plus the parameters in
-    progress, not a scaled copy of all the gradients and an all-gather of every parameter; its peak is the
+    holds, beyond its weights and optimizer state, the accumulated gradients and one bucket plus the slice of it
+    being written, not a scaled copy of all the gradients and an all-gather of every parameter; its peak is the
     backward."""
     params = load_params("llama2_7b_dp8")
     held = stage_parameters(params.model, 1, 1, 0)

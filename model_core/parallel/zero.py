@@ -133,8 +133,8 @@ class ShardGather(nn.Cell):
     gives a contiguous run of the flat parameters): no buffer of the whole model is made. Each gathered bucket is
     written into the parameters it meets before the next is gathered: a parameter inside the bucket whole, one that
     crosses a bucket's edge the rows and elements of it that the bucket holds, in place (`ops.scatter_nd_update`).
-    So besides one bucket a rank holds no segment of a parameter, and never a whole parameter's copy, however many
-    buckets the parameter spans (a vocabulary table spans several).
+    So besides one bucket a rank holds only the slice of it being written, never a whole parameter's copy, however
+    many buckets the parameter spans (a vocabulary table spans several).
 
     Called with this rank's pieces (`pieces`: (parameter index, start, end), the pieces of `layout.pieces`) as
     tensors in that order."""
