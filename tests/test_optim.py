@@ -338,3 +338,39 @@ def test_mixed_precision_keeps_fp32_masters_in_the_optimizer_and_resumes_bit_exa
     assert [r["loss"] for r in resumed.history] == [r["loss"] for r in expected.history[2:]]
     for name, value in read_weights(expected.checkpoint).items():
         np.testing.assert_array_equal(read_weights(resumed.checkpoint)[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("compute_dtype", ["float32", "float16"])
+def test_the_embedding_gradient_taken_by_rows_equals_the_dense_lookup_gradient(tied, compute_dtype, monkeypatch):
+    """The step differentiates the looked-up rows and adds them into the table's buffer in place (`rows_table`):
+    two micro-batches of accumulated gradients, every buffer, equal those of the dense lookup gradient, tied and
+    untied, in fp32 and with float16 matmul weights."""
+    from test_model import SEQ, VOCAB, random_tokens, tiny_params
+
+    from model_core.model.llama import Llama
+    from model_core.optim import step
+    from model_core.parallel import parallelize
+
+    def accumulated(by_rows: bool):
+        ms.set_seed(0)
+        model = Llama(tiny_params(tie_embeddings=tied), compute_dtype)
+        if compute_dtype != "float32":
+            parallelize.to_compute_dtype(model, model.compute_dtype)
+        if not by_rows:
+            monkeypatch.setattr(step, "rows_table", lambda model: None)
+        accumulate = step.AccumulateGradients(model)
+        monkeypatch.undo()
+        assert (accumulate.lookup >= 0) == by_rows
+        mask = Tensor(np.ones((2, SEQ), np.float32))
+        for seed in (1, 2):
+            tokens = random_tokens(seed=seed)
+            tokens[0, :4] = tokens[0, 4]  # repeated tokens: their rows' gradients add in one row
+            losses = accumulate(Tensor(tokens, ms.int32), Tensor(random_tokens(seed=seed + 10) % VOCAB, ms.int32),
+                                mask, None, None, Tensor(1.0, ms.float32))
+        return float(losses.asnumpy()), [buffer.asnumpy() for buffer in accumulate.buffers]
+
+    (rows_loss, rows), (dense_loss, dense) = accumulated(True), accumulated(False)
+    assert rows_loss == dense_loss
+    for got, expected in zip(rows, dense):
+        np.testing.assert_allclose(got, expected, rtol=0, atol=1e-7 * np.abs(expected).max())

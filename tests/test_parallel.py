@@ -381,7 +381,12 @@ def test_zero3_over_one_rank_keeps_paths_gradients_decay_and_whole_checkpoint_te
         names = {id(param): name for name, param in named_weights(net).items()}
         gradients.append({names[id(w)]: b.asnumpy().reshape(-1) for w, b in zip(accumulate.weights, accumulate.buffers)})
     for name, expected in gradients[0].items():
-        np.testing.assert_array_equal(gradients[1][name], expected, err_msg=name)
+        if name == "embed_tokens.weight":
+            # The whole model adds the looked-up rows' gradients into the table's buffer one token at a time (after
+            # the tied head's); ZeRO-3's gathered table sums them first: the same terms in another order.
+            np.testing.assert_allclose(gradients[1][name], expected, rtol=0, atol=1e-6 * np.abs(expected).max())
+        else:
+            np.testing.assert_array_equal(gradients[1][name], expected, err_msg=name)
 
     names = list(sharded.shards)
     unsharded = AdamW.from_params([named_weights(full)[n] for n in names], params.optimizer, names)

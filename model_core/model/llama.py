@@ -285,7 +285,8 @@ class Llama(nn.Cell):
         self._cache_slots: dict[tuple[int, int], tuple[tuple[Parameter, ...], ...]] = {}  # keys, values, views
 
     def construct(self, tokens: Tensor, position_ids: Tensor | None = None, segment_ids: Tensor | None = None) -> Tensor:
-        """`tokens`: [B, T] ids, or on a pipeline stage after the first the previous stage's [B, T, hidden]."""
+        """`tokens`: [B, T] ids, their rows of the embedding table [B, T, hidden] (looked up by the caller), or
+        on a pipeline stage after the first the previous stage's [B, T, hidden]."""
         if self.has_moe:
             return self.routed(tokens, position_ids, segment_ids)[0]
         x, cos, sin, mask = self._inputs(tokens, position_ids, segment_ids)
@@ -324,7 +325,12 @@ class Llama(nn.Cell):
         seq = tokens.shape[1] if position_ids is None else position_ids.shape[1]
         cos, sin = self._rotary_angles(seq, position_ids)
         mask = self.attention_mask(seq, segment_ids)
-        x = self.embed_tokens(tokens).astype(self.compute_dtype) if self.takes_tokens else tokens
+        if not self.takes_tokens:
+            x = tokens
+        elif tokens.ndim == 3:  # rows the training step looked up itself (`AccumulateGradients`)
+            x = tokens.astype(self.compute_dtype)
+        else:
+            x = self.embed_tokens(tokens).astype(self.compute_dtype)
         return x, cos, sin, mask
 
     def _logits(self, x: Tensor) -> Tensor:

@@ -17,6 +17,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, mint, nn, ops
 
 from model_core.model import token_cross_entropy
 from model_core.model.fused import row_sum
+from model_core.model.llama import Embedding
 
 
 class SummedTokenLoss(nn.Cell):
@@ -67,7 +68,15 @@ class AccumulateGradients(nn.Cell):
     """Forward + backward of one micro-batch, adding its gradients into fp32 buffers.
 
     `buffers` replaces the default one-per-weight full-size buffers (ZeRO-2 passes this rank's shard); `loss`
-    replaces the single-device token loss (tensor parallelism passes its vocab-parallel one)."""
+    replaces the single-device token loss (tensor parallelism passes its vocab-parallel one).
+
+    The token embedding's gradient is taken by rows (`lookup`): the step looks the tokens up itself and
+    differentiates with respect to the rows it looked up, so the backward never makes the lookup's gradient as a
+    dense vocabulary x hidden tensor (nor, for a tied table, the sum of that and the head's). The rows are added into
+    the table's buffer in place (`ops.scatter_add`), or, where a dense gradient must travel (ZeRO-2's
+    reduce-scatter, an overlapped all-reduce), into the head's gradient (`dense_gradients`). This applies where the
+    model looks its tokens up in a plain `Embedding` it trains; tensor parallelism's vocab-parallel table and
+    ZeRO-3's gathered one keep their own backward."""
 
     def __init__(self, model: nn.Cell, buffers: ParameterTuple | None = None, loss: nn.Cell | None = None) -> None:
         super().__init__()
@@ -78,18 +87,74 @@ class AccumulateGradients(nn.Cell):
             for w in self.weights
         )
         self.routed = bool(getattr(self.loss, "routed", False))  # returns (summed, routing statistics)
-        self.value_and_grad = ops.value_and_grad(self.loss, None, self.weights, has_aux=True)
+        self.lookup = looked_up_table(model, self.weights)
+        # With the rows taken apart, an untied table's gradient is its rows' alone: it is not differentiated.
+        self.tied = self.lookup >= 0 and bool(model.tie_embeddings)
+        self.dense = tuple(i for i in range(len(self.weights)) if i != self.lookup or self.tied)
+        self.slots = tuple(self.dense.index(i) if i in self.dense else -1 for i in range(len(self.weights)))
+        self.value_and_grad = ops.value_and_grad(
+            self.loss, 0 if self.lookup >= 0 else None, ParameterTuple(self.weights[i] for i in self.dense),
+            has_aux=True,
+        )
+
+    def backward(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
+        """(the loss's outputs, the gradients of the weights in `dense`, the looked-up rows' gradient [B, T, hidden]
+        or None) of one micro-batch."""
+        if self.lookup < 0:
+            outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale,
+                                                 router_noise)
+            return outputs, grads, None
+        rows = ops.gather(self.weights[self.lookup], tokens, 0)
+        outputs, (rows_grad, grads) = self.value_and_grad(rows, labels, loss_mask, position_ids, segment_ids, scale,
+                                                          router_noise)
+        return outputs, grads, rows_grad
+
+    def dense_gradients(self, tokens, grads, rows_grad):
+        """Every weight's gradient, in weight order, from `backward`'s: the looked-up rows added into the table's
+        (the tied head's, or zeros), the one dense table gradient a collective can take."""
+        if self.lookup < 0:
+            return grads
+        table = self.weights[self.lookup]
+        if self.tied:
+            head = grads[self.slots[self.lookup]]
+        else:
+            head = ops.zeros(table.shape, ms.float32)
+        whole = ops.tensor_scatter_add(head.astype(ms.float32), tokens.expand_dims(-1), rows_grad.astype(ms.float32))
+        out = ()
+        for i in range(len(self.weights)):
+            out = out + ((whole,) if i == self.lookup else (grads[self.slots[i]],))
+        return out
 
     @ms.jit
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
-        outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise)
+        outputs, grads, rows_grad = self.backward(tokens, labels, loss_mask, position_ids, segment_ids, scale,
+                                                  router_noise)
         # Added last weight first, in the order the backward finishes the gradients: each add can then run as soon as
         # its gradient exists, which frees it, instead of the whole fresh set waiting for the embedding's, last.
-        for i in range(len(grads) - 1, -1, -1):
-            ops.assign_add(self.buffers[i], grads[i].astype(self.buffers[i].dtype))  # fp16 weights' into fp32
+        for j in range(len(self.dense) - 1, -1, -1):
+            i = self.dense[j]
+            ops.assign_add(self.buffers[i], grads[j].astype(self.buffers[i].dtype))  # fp16 weights' into fp32
+        if self.lookup >= 0:  # each looked-up row's gradient into its row, repeated tokens' one after another
+            ops.scatter_add(self.buffers[self.lookup], tokens, rows_grad.astype(self.buffers[self.lookup].dtype))
         if self.routed:
             return outputs[1], outputs[2]
         return outputs[1]
+
+
+def rows_table(model: nn.Cell) -> Parameter | None:
+    """The table whose gradient `AccumulateGradients` takes by rows: the one a model looks its tokens up in with a
+    plain `Embedding` and trains; None where it has none (a later pipeline stage, a frozen table) or looks up
+    another way (vocab-parallel, ZeRO-3)."""
+    embedding = getattr(model, "embed_tokens", None)
+    if type(embedding) is not Embedding or not getattr(model, "takes_tokens", False):
+        return None
+    return embedding.weight if embedding.weight.requires_grad else None
+
+
+def looked_up_table(model: nn.Cell, weights: ParameterTuple) -> int:
+    """The index in `weights` of `rows_table(model)`, -1 where there is none."""
+    table = rows_table(model)
+    return next((i for i, weight in enumerate(weights) if weight is table), -1) if table is not None else -1
 
 
 class GradientNorm(nn.Cell):

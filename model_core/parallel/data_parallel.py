@@ -51,26 +51,64 @@ def bucket_indices(sizes_in_bytes: Sequence[int], bucket_bytes: int) -> list[lis
 
 
 class GradientAllReduce(nn.Cell):
-    """Sum the gradient buffers over the group, in place, one flat all-reduce per bucket."""
+    """Sum the gradient buffers over the group, in place, one flat all-reduce per bucket of at most `bucket_bytes`.
+
+    A buffer larger than a bucket is summed a run of its elements at a time, each run written back into it in place
+    (`partial_writes`): besides the buffers a rank then holds one bucket and its sum, however large a weight is (a
+    vocabulary table spans several buckets). Summed whole, such a buffer was held three times over: its flat copy,
+    the sum and the slice written back."""
 
     def __init__(self, buffers: ParameterTuple, group: Group, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
         super().__init__()
         self.buffers = buffers
         self.group = group
-        self.shapes = tuple(tuple(b.shape) for b in buffers)
-        self.sizes = tuple(int(np.prod(shape)) for shape in self.shapes)
-        nbytes = [size * b.itemsize for size, b in zip(self.sizes, buffers)]
-        self.buckets = tuple(tuple(bucket) for bucket in bucket_indices(nbytes, bucket_bytes))
+        shapes = [tuple(b.shape) for b in buffers]
+        runs = [(i, start, end) for i, buffer in enumerate(buffers)
+                for start, end in bucket_runs(shapes[i], buffer.itemsize, bucket_bytes)]
+        nbytes = [(end - start) * buffers[i].itemsize for i, start, end in runs]
+        reads, writes, indices = [], [], []
+        for bucket in bucket_indices(nbytes, bucket_bytes):
+            bucket_writes, offset = [], 0  # offset: where the run starts in the bucket's sum
+            for i, start, end in (runs[j] for j in bucket):
+                if end - start == int(np.prod(shapes[i])):  # the whole buffer
+                    bucket_writes.append((i, offset, offset + end - start, shapes[i], -1))
+                else:
+                    for lo, hi, where, shape in partial_writes(shapes[i], start, end):
+                        bucket_writes.append((i, offset + lo - start, offset + hi - start, shape, len(indices)))
+                        indices.append(Tensor(where, ms.int32))
+                offset += end - start
+            reads.append(tuple(runs[j] for j in bucket))
+            writes.append(tuple(bucket_writes))
+        self.reads, self.writes, self.indices = tuple(reads), tuple(writes), tuple(indices)
 
     @ms.jit
     def construct(self):
         # Each bucket is flattened only once the previous one is written back: the concatenations read Parameters
         # alone, so the compiled graph would otherwise make every bucket's flat copy at its start, all at once.
         done = ops.zeros((), ms.float32)
-        for bucket in self.buckets:
-            flat = ops.cat([ops.depend(self.buffers[i], done).reshape(-1) for i in bucket])
-            done = write_back(self.buffers, bucket, self.group.all_reduce(flat), self.sizes, self.shapes)
+        for k in range(len(self.reads)):
+            parts = [ops.depend(self.buffers[i], done).reshape(-1)[start:end] for i, start, end in self.reads[k]]
+            summed = self.group.all_reduce(ops.cat(parts) if len(parts) > 1 else parts[0])
+            for i, lo, hi, shape, where in self.writes[k]:
+                value = (summed if hi - lo == summed.shape[0] else summed[lo:hi]).reshape(shape)
+                if where < 0:
+                    written = ops.assign(self.buffers[i], value)
+                else:
+                    written = ops.scatter_nd_update(self.buffers[i], self.indices[where], value)
+                done = ops.depend(done, written)  # every write before the next bucket: a later one keeps this alive
         return True
+
+
+def bucket_runs(shape: Sequence[int], itemsize: int, bucket_bytes: int) -> list[tuple[int, int]]:
+    """[start, end) runs of flat elements a buffer of `shape` is summed in: all of it when it fits a bucket, else runs
+    of at most a bucket, cut between rows (of the last axis) where a row fits in one."""
+    size = int(np.prod(shape))
+    per_bucket = max(bucket_bytes // itemsize, 1)
+    if size <= per_bucket:
+        return [(0, size)]
+    row = shape[-1] if len(shape) > 1 else 1
+    step = per_bucket // row * row if row <= per_bucket else per_bucket
+    return [(start, min(start + step, size)) for start in range(0, size, step)]
 
 
 def write_back(buffers, bucket, flat, sizes, shapes):
@@ -92,7 +130,7 @@ class AccumulateAndSumGradients(nn.Cell):
 
     def __init__(self, accumulate: nn.Cell, sums: Sequence[Sequence[Group]], bucket_bytes: int) -> None:
         super().__init__()
-        self.value_and_grad = accumulate.value_and_grad
+        self.accumulate = accumulate
         self.buffers = accumulate.buffers
         self.routed = accumulate.routed
         self.shapes = tuple(tuple(b.shape) for b in self.buffers)
@@ -114,7 +152,9 @@ class AccumulateAndSumGradients(nn.Cell):
 
     @ms.jit
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
-        outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise)
+        outputs, grads, rows_grad = self.accumulate.backward(tokens, labels, loss_mask, position_ids, segment_ids,
+                                                             scale, router_noise)
+        grads = self.accumulate.dense_gradients(tokens, grads, rows_grad)
         done = ops.zeros((), ms.float32)
         for kind, bucket in self.buckets:  # each flattened once the previous is written back (`GradientAllReduce`)
             flat = ops.cat([(ops.depend(self.buffers[i], done) + grads[i].astype(self.buffers[i].dtype)).reshape(-1)
@@ -142,3 +182,32 @@ def sum_over(group: Group, values: Sequence[float]) -> list[float]:
     with heartbeat.collective("all_reduce", group.ranks):
         total = group.all_reduce(Tensor(np.stack([high, low]))).asnumpy().astype(np.float64)
     return [float(v) for v in total[0] + total[1]]
+
+
+def partial_writes(shape: Sequence[int], start: int, end: int) -> list[tuple[int, int, np.ndarray, tuple[int, ...]]]:
+    """How to write flat elements [start, end) of a parameter of `shape` in place with `ops.scatter_nd_update`:
+    (lo, hi, indices, value shape) for runs of whole rows (the last axis) and for the single elements of a row cut
+    at either end, lo and hi the run's flat elements. A vector's elements are its rows."""
+    if len(shape) == 1:
+        return [(start, end, np.arange(start, end).reshape(-1, 1), (end - start,))]
+    row = shape[-1]
+    leading = tuple(shape[:-1])
+    runs = []
+    first, last = -(-start // row), end // row  # the whole rows inside [start, end)
+    if first > last:  # inside one row
+        return [element_run(leading, row, start, end)]
+    if start < first * row:
+        runs.append(element_run(leading, row, start, first * row))
+    if first < last:
+        rows = np.stack(np.unravel_index(np.arange(first, last), leading), axis=1)
+        runs.append((first * row, last * row, rows, (last - first, row)))
+    if last * row < end:
+        runs.append(element_run(leading, row, last * row, end))
+    return runs
+
+
+def element_run(leading: tuple[int, ...], row: int, start: int, end: int) -> tuple[int, int, np.ndarray, tuple[int, ...]]:
+    """`partial_writes`' run of single elements [start, end) of one row."""
+    elements = np.arange(start, end)
+    where = np.stack([*np.unravel_index(elements // row, leading), elements % row], axis=1)
+    return start, end, where, (end - start,)

@@ -19,7 +19,9 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
     gradients      4P accumulation buffer (ZeRO-2 and 3: 4P/dp) + in the backward the fresh gradients alive at once:
                    two layers' (`FRESH_GRADIENT_LAYERS`; every layer's where a step of one micro-batch sums them
                    inside its backward, `overlap_gradient_reduction`) and those of the weights outside the layers
-                   (the embedding, the final norm, the head; a tied table two: the head's and the lookup's), in
+                   (the final norm, the head, the embedding: a tied table's the head's, and where its lookup's
+                   gradient is a dense table, tp or pp > 1, ZeRO-2 or a sum inside the backward, also the lookup's;
+                   added into the buffer by rows it is B T H), in
                    the weights' dtypes and of the compute-dtype ones also their fp32 casts (ZeRO-2: the cast is its
                    bucket's input; ZeRO-3: none beside the shards). What only a CPU rank's peak RSS holds, the CPU
                    kind adds: the heap ZeRO-2's chain of bucket reduce-scatters leaves, 2.25P (fitted); ZeRO-3's
@@ -493,6 +495,13 @@ def stage_matmul_parameters(model: ModelParams, tp: int, stage: int) -> int:
                if not row.expert and (row.name.endswith("_proj.weight") or row.name == "lm_head.weight"))
 
 
+def rows_gradient(tp: int, pp: int, zero_stage: int) -> bool:
+    """Whether the step takes the embedding's gradient by rows (`model_core.optim.step.rows_table`): where the
+    model looks its tokens up in a whole table of its own, so not under tensor parallelism (vocab-parallel), a
+    pipeline (the stage's own backward) or ZeRO-3 (a gathered table)."""
+    return tp == 1 and pp == 1 and zero_stage < 3
+
+
 def expert_parameters(model: ModelParams) -> int:
     """Elements of every MoE block's expert stacks (what expert parallelism shares out)."""
     return sum(row.size for row in placement_table(model, Layout()) if row.expert)
@@ -728,13 +737,19 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
     held_layers = sorted(layer_rows, key=int)
     for index in held_layers if every_layer else held_layers[-FRESH_GRADIENT_LAYERS:]:  # the backward starts last
         kept += layer_rows[index]
+    # Where the rows are added into the table's buffer in place; a gradient that travels densely (ZeRO-2's
+    # reduce-scatter, a sum inside the backward) is a table-sized sum of them and the head's, as a dense lookup's is.
+    by_rows = rows_gradient(candidate.tp, candidate.pp, candidate.zero_stage) and candidate.zero_stage != 2 \
+        and not every_layer
     total = 0
     for row in kept:
         n = math.prod(row.block_shape(candidate.tp, candidate.ep))  # an expert stack: this rank's 1/ep
+        table = row.name == "embed_tokens.weight"
         matmul = apart and not row.expert and (row.name.endswith("_proj.weight") or row.name == "lm_head.weight")
         per_element = c + (4 if candidate.zero_stage != 2 else 0) if matmul else 4
-        total += per_element * n
-        if row.name == "embed_tokens.weight" and params.model.tie_embeddings:
+        if not table or not by_rows:  # taken by rows, the lookup's gradient is B T H, no table
+            total += per_element * n
+        if table and params.model.tie_embeddings:
             total += 4 * n  # the tied head's gradient of the same table
     return total
 

@@ -29,7 +29,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from model_core.optim.step import AccumulateGradients
 from model_core.parallel.comm import Group, ReleasingReduceScatter
-from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES
+from model_core.parallel.data_parallel import DEFAULT_BUCKET_BYTES, partial_writes
 
 
 @dataclass(frozen=True)
@@ -189,35 +189,6 @@ class ShardGather(nn.Cell):
             # Every write goes before the next gather: a write left for later keeps the bucket alive.
             done = ops.depend(done, written)
         return done
-
-
-def partial_writes(shape: Sequence[int], start: int, end: int) -> list[tuple[int, int, np.ndarray, tuple[int, ...]]]:
-    """How to write flat elements [start, end) of a parameter of `shape` in place with `ops.scatter_nd_update`:
-    (lo, hi, indices, value shape) for runs of whole rows (the last axis) and for the single elements of a row cut
-    at either end, lo and hi the run's flat elements. A vector's elements are its rows."""
-    if len(shape) == 1:
-        return [(start, end, np.arange(start, end).reshape(-1, 1), (end - start,))]
-    row = shape[-1]
-    leading = tuple(shape[:-1])
-    runs = []
-    first, last = -(-start // row), end // row  # the whole rows inside [start, end)
-    if first > last:  # inside one row
-        return [element_run(leading, row, start, end)]
-    if start < first * row:
-        runs.append(element_run(leading, row, start, first * row))
-    if first < last:
-        rows = np.stack(np.unravel_index(np.arange(first, last), leading), axis=1)
-        runs.append((first * row, last * row, rows, (last - first, row)))
-    if last * row < end:
-        runs.append(element_run(leading, row, last * row, end))
-    return runs
-
-
-def element_run(leading: tuple[int, ...], row: int, start: int, end: int) -> tuple[int, int, np.ndarray, tuple[int, ...]]:
-    """`partial_writes`' run of single elements [start, end) of one row."""
-    elements = np.arange(start, end)
-    where = np.stack([*np.unravel_index(elements // row, leading), elements % row], axis=1)
-    return start, end, where, (end - start,)
 
 
 def shard_fill(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
@@ -381,8 +352,9 @@ class ShardedAccumulateGradients(AccumulateGradients):
 
     @ms.jit
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
-        outputs, grads = self.value_and_grad(tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise)
-        self.shards(grads)
+        outputs, grads, rows_grad = self.backward(tokens, labels, loss_mask, position_ids, segment_ids, scale,
+                                                  router_noise)
+        self.shards(self.dense_gradients(tokens, grads, rows_grad))
         if self.routed:  # an MoE model's routing statistics ride along, as in `AccumulateGradients`
             return outputs[1], outputs[2]
         return outputs[1]
