@@ -374,3 +374,21 @@ def test_the_embedding_gradient_taken_by_rows_equals_the_dense_lookup_gradient(t
     assert rows_loss == dense_loss
     for got, expected in zip(rows, dense):
         np.testing.assert_allclose(got, expected, rtol=0, atol=1e-7 * np.abs(expected).max())
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_gradients_are_added_in_the_order_the_backward_makes_them(tied):
+    """The head's gradient first (a tied table's too, though the table is the first weight), then the layers' from the
+    last to the first: the adds run in program order, and a gradient waiting for its add stays alive."""
+    from test_model import tiny_params
+
+    from model_core.model.llama import Llama
+    from model_core.optim.step import AccumulateGradients, backward_order
+
+    assert backward_order(4) == (3, 2, 1, 0)
+    assert backward_order(4, head=0) == (0, 3, 2, 1)
+    accumulate = AccumulateGradients(Llama(tiny_params(tie_embeddings=tied), "float32"))
+    names = [accumulate.weights[accumulate.dense[j]].name.removeprefix("loss.model.") for j in accumulate.add_order]
+    assert names[:3] == ["embed_tokens.weight" if tied else "lm_head.weight", "norm.weight",
+                         "layers.1.mlp.down_proj.weight"]
+    assert names[-1] == "layers.0.input_layernorm.weight"

@@ -96,6 +96,7 @@ class AccumulateGradients(nn.Cell):
             self.loss, 0 if self.lookup >= 0 else None, ParameterTuple(self.weights[i] for i in self.dense),
             has_aux=True,
         )
+        self.add_order = backward_order(len(self.dense), self.slots[self.lookup] if self.tied else -1)
 
     def backward(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
         """(the loss's outputs, the gradients of the weights in `dense`, the looked-up rows' gradient [B, T, hidden]
@@ -129,9 +130,7 @@ class AccumulateGradients(nn.Cell):
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
         outputs, grads, rows_grad = self.backward(tokens, labels, loss_mask, position_ids, segment_ids, scale,
                                                   router_noise)
-        # Added last weight first, in the order the backward finishes the gradients: each add can then run as soon as
-        # its gradient exists, which frees it, instead of the whole fresh set waiting for the embedding's, last.
-        for j in range(len(self.dense) - 1, -1, -1):
+        for j in self.add_order:
             i = self.dense[j]
             ops.assign_add(self.buffers[i], grads[j].astype(self.buffers[i].dtype))  # fp16 weights' into fp32
         if self.lookup >= 0:  # each looked-up row's gradient into its row, repeated tokens' one after another
@@ -139,6 +138,19 @@ class AccumulateGradients(nn.Cell):
         if self.routed:
             return outputs[1], outputs[2]
         return outputs[1]
+
+
+def backward_order(count: int, head: int = -1) -> tuple[int, ...]:
+    """The order in which to add `count` weights' gradients (positions in model order) into their buffers: the order
+    the backward makes them, the last weight's first, and before all of them `head`'s, a tied table's gradient as the
+    head (-1: none), which the backward makes first though its table is the first weight.
+
+    The adds are side effects, so the compiled graph runs them one after another in program order, and a gradient
+    is freed only once its own add has run: an add placed later than its gradient is made keeps that gradient alive
+    through every add before it. Placed where its table's position puts it, last, a tied table's head gradient
+    (vocabulary x hidden, fp32) would stay alive through the whole backward."""
+    order = [j for j in range(count - 1, -1, -1) if j != head]
+    return tuple([head, *order] if head >= 0 else order)
 
 
 def rows_table(model: nn.Cell) -> Parameter | None:
