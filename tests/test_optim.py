@@ -314,8 +314,9 @@ def test_steps_outside_the_run_are_errors():
 
 
 def test_mixed_precision_keeps_fp32_masters_in_the_optimizer_and_resumes_bit_exactly(dataset_dir, tmp_path):
-    """float16 compute: the model's matmul weights are float16, the optimizer holds their fp32 masters, the
-    checkpoint stores the masters, and a run resumed from its step-2 checkpoint repeats its losses and weights."""
+    """float16 compute: the model's matmul weights and its embedding table (whose gradient the step takes by rows)
+    are float16, its norms fp32, the optimizer holds the fp32 masters, the checkpoint stores the masters, and a run
+    resumed from its step-2 checkpoint repeats its losses and weights."""
     from model_core.model.weights import named_weights
     from model_core.storage import read_weights
     from model_core.train.trainer import Trainer
@@ -324,7 +325,8 @@ def test_mixed_precision_keeps_fp32_masters_in_the_optimizer_and_resumes_bit_exa
     params = small(tmp_path, "train.steps=4", "train.checkpoint_interval=2", "precision.compute_dtype=float16")
     straight = Trainer(params, dataset_dir, tmp_path / "straight")
     dtypes = {name: weight.dtype for name, weight in named_weights(straight.model).items()}
-    assert dtypes["layers.0.self_attn.q_proj.weight"] == ms.float16 and dtypes["embed_tokens.weight"] == ms.float32
+    assert dtypes["layers.0.self_attn.q_proj.weight"] == dtypes["embed_tokens.weight"] == ms.float16
+    assert dtypes["norm.weight"] == ms.float32
     expected = straight.run()
     masters = straight.optimizer.master_weights()
     assert masters["layers.0.self_attn.q_proj.weight"].dtype == np.float32
@@ -345,7 +347,7 @@ def test_mixed_precision_keeps_fp32_masters_in_the_optimizer_and_resumes_bit_exa
 def test_the_embedding_gradient_taken_by_rows_equals_the_dense_lookup_gradient(tied, compute_dtype, monkeypatch):
     """The step differentiates the looked-up rows and adds them into the table's buffer in place (`rows_table`):
     two micro-batches of accumulated gradients, every buffer, equal those of the dense lookup gradient, tied and
-    untied, in fp32 and with float16 matmul weights."""
+    untied, in fp32 and with float16 matmul weights (and, by rows, a float16 table: its rows are added in fp32)."""
     from test_model import SEQ, VOCAB, random_tokens, tiny_params
 
     from model_core.model.llama import Llama
@@ -355,10 +357,11 @@ def test_the_embedding_gradient_taken_by_rows_equals_the_dense_lookup_gradient(t
     def accumulated(by_rows: bool):
         ms.set_seed(0)
         model = Llama(tiny_params(tie_embeddings=tied), compute_dtype)
+        if not by_rows:  # a dense lookup's table also stays fp32, as `to_compute_dtype` leaves it
+            monkeypatch.setattr(step, "rows_table", lambda model: None)
+            monkeypatch.setattr(parallelize, "rows_table", lambda model: None)
         if compute_dtype != "float32":
             parallelize.to_compute_dtype(model, model.compute_dtype)
-        if not by_rows:
-            monkeypatch.setattr(step, "rows_table", lambda model: None)
         accumulate = step.AccumulateGradients(model)
         monkeypatch.undo()
         assert (accumulate.lookup >= 0) == by_rows

@@ -36,10 +36,10 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from model_core.host_memory import release_free_heap
 from model_core.model.init import deferred, deferred_weights, shape_of
-from model_core.model.llama import Linear, Llama
+from model_core.model.llama import Embedding, Linear, Llama
 from model_core.model.lora import LoraSummary, apply_lora
 from model_core.model.weights import WeightMismatchError, load_weights, model_weights, named_weights
-from model_core.optim.step import AccumulateGradients, ApplyGradients, SummedTokenLoss, ZeroGradients
+from model_core.optim.step import AccumulateGradients, ApplyGradients, SummedTokenLoss, ZeroGradients, rows_table
 from model_core.parallel import comm
 from model_core.parallel.context import context_parallel
 from model_core.parallel.data_parallel import AccumulateAndSumGradients, GradientAllReduce
@@ -353,11 +353,16 @@ def keeps_masters_apart(params: PipelineParams, layout: Layout, zero_stage: int,
 def to_compute_dtype(model: nn.Cell, dtype) -> dict[str, Parameter]:
     """Swap every trainable `Linear` (and tensor parallelism's `RowParallelLinear`) weight of `model` for a copy in
     `dtype`, the one the matmul reads anyway (so the forward and its gradient are the same numbers); returns the
-    fp32 weights it replaced, by path, for the optimizer to keep as masters. The embedding and the norms stay fp32: a gather's gradient adds repeated
-    tokens' rows, and a norm computes in fp32."""
+    fp32 weights it replaced, by path, for the optimizer to keep as masters. The embedding table too where the step
+    takes its gradient by rows (`step.rows_table`): the head reads it in `dtype` anyway, and the looked-up rows'
+    gradients are added into its fp32 buffer in fp32, repeated tokens' one after another. Elsewhere a dense lookup's
+    gradient would sum repeated tokens' rows in the table's dtype, so the table stays fp32, as do the norms, which
+    compute in fp32."""
     replaced = {}
+    by_rows = rows_table(model)
     for path, cell in list(model.cells_and_names()):
-        if isinstance(cell, (Linear, RowParallelLinear)) and cell.weight.requires_grad and cell.weight.dtype != dtype:
+        held = isinstance(cell, (Linear, RowParallelLinear)) or (isinstance(cell, Embedding) and cell.weight is by_rows)
+        if held and cell.weight.requires_grad and cell.weight.dtype != dtype:
             name = f"{path}.weight" if path else "weight"
             master = replaced[name] = cell.weight
             cell.weight = Parameter(master.astype(dtype), name=name)

@@ -487,12 +487,15 @@ def masters_apart(params: PipelineParams, candidate: Candidate) -> bool:
     )
 
 
-def stage_matmul_parameters(model: ModelParams, tp: int, stage: int) -> int:
-    """Elements of the dense matmul weights (the attention and MLP projections, an untied LM head) on one rank of
-    a single-stage layout: the weights `parallelize.to_compute_dtype` keeps in the compute dtype."""
+def stage_matmul_parameters(model: ModelParams, tp: int, stage: int, zero_stage: int = 0) -> int:
+    """Elements of the weights `parallelize.to_compute_dtype` keeps in the compute dtype on one rank of a
+    single-stage layout: the dense matmul weights (the attention and MLP projections, an untied LM head) and, where
+    the step takes its gradient by rows (`rows_gradient`), the embedding table."""
     table = placement_table(model, Layout(tp=tp))
+    by_rows = rows_gradient(tp, 1, zero_stage)
     return sum(math.prod(row.block_shape(tp, 1)) for row in table.on_stage(stage)
-               if not row.expert and (row.name.endswith("_proj.weight") or row.name == "lm_head.weight"))
+               if not row.expert and (row.name.endswith("_proj.weight") or row.name == "lm_head.weight"
+                                      or (by_rows and row.name == "embed_tokens.weight")))
 
 
 def rows_gradient(tp: int, pp: int, zero_stage: int) -> bool:
@@ -666,9 +669,9 @@ def stage_phases(
     shard = math.ceil(dense / dp) + math.ceil(experts / (dp // candidate.ep))  # expert shards over expert-dp
     apart = masters_apart(params, candidate)
     if apart:
-        # The model holds its matmul weights in the compute dtype and the rest in fp32; the fp32 masters of the
-        # matmul weights are the optimizer's: ZeRO-0 all of them, ZeRO-1/2 their shard's, counted under "optimizer".
-        matmul = stage_matmul_parameters(params.model, candidate.tp, stage)
+        # The model holds its matmul weights (and a table taken by rows) in the compute dtype and the rest in fp32;
+        # their fp32 masters are the optimizer's: ZeRO-0 all of them, ZeRO-1/2 their shard's, under "optimizer".
+        matmul = stage_matmul_parameters(params.model, candidate.tp, stage, candidate.zero_stage)
         working = c * matmul + 4 * (held - matmul)
         masters = working + (4 * matmul if zero == 0 else 0)
         compute_copies = 0
@@ -724,7 +727,9 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
     whole model (benchmarks/README.md, "Model states against the ZeRO paper": the backward's memory grows with
     the layers by a fixed graph cost, not by their gradients). Each is in its weight's dtype and, where
     `apart`, a compute-dtype one also as its fp32 cast, except under ZeRO-2, where the cast is its bucket's input
-    (counted as communication, and on CPU in the bucket chain's host memory, `stage_phases`).
+    (counted as communication, and on CPU in the bucket chain's host memory, `stage_phases`). Where the rows are
+    added into the table's buffer, a tied table's head gradient is added first, before the layers' exist
+    (`step.backward_order`): it counts against them, not beside them; a dense table gradient waits for the lookup's.
     `every_layer`: every layer's gradients, where the backward also sums them (`overlap_gradient_reduction`)."""
     c = _DTYPE_BYTES[params.precision.compute_dtype]
     table = placement_table(params.model, Layout(dp=candidate.ep, tp=candidate.tp, pp=candidate.pp, ep=candidate.ep))
@@ -741,7 +746,7 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
     # reduce-scatter, a sum inside the backward) is a table-sized sum of them and the head's, as a dense lookup's is.
     by_rows = rows_gradient(candidate.tp, candidate.pp, candidate.zero_stage) and candidate.zero_stage != 2 \
         and not every_layer
-    total = 0
+    total = head = 0
     for row in kept:
         n = math.prod(row.block_shape(candidate.tp, candidate.ep))  # an expert stack: this rank's 1/ep
         table = row.name == "embed_tokens.weight"
@@ -750,8 +755,11 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
         if not table or not by_rows:  # taken by rows, the lookup's gradient is B T H, no table
             total += per_element * n
         if table and params.model.tie_embeddings:
-            total += 4 * n  # the tied head's gradient of the same table
-    return total
+            # The tied head's gradient of the same table: in the table's dtype, which a table taken by rows holds in
+            # the compute dtype (cast into its buffer when added, or under ZeRO-2 when the rows join it).
+            compute = apart and rows_gradient(candidate.tp, candidate.pp, candidate.zero_stage)
+            head = (c + (4 if by_rows else 0) if compute else 4) * n
+    return max(total, head) if by_rows else total + head
 
 
 def collective_graph_bytes(params: PipelineParams, candidate: Candidate, kind: DeviceKind, layers: int) -> int:
