@@ -746,6 +746,8 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
     # reduce-scatter, a sum inside the backward) is a table-sized sum of them and the head's, as a dense lookup's is.
     by_rows = rows_gradient(candidate.tp, candidate.pp, candidate.zero_stage) and candidate.zero_stage != 2 \
         and not every_layer
+    # A table taken by rows is held in the compute dtype (`stage_matmul_parameters`), and so is its head gradient.
+    compute_table = apart and rows_gradient(candidate.tp, candidate.pp, candidate.zero_stage)
     total = head = 0
     for row in kept:
         n = math.prod(row.block_shape(candidate.tp, candidate.ep))  # an expert stack: this rank's 1/ep
@@ -755,10 +757,9 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
         if not table or not by_rows:  # taken by rows, the lookup's gradient is B T H, no table
             total += per_element * n
         if table and params.model.tie_embeddings:
-            # The tied head's gradient of the same table: in the table's dtype, which a table taken by rows holds in
-            # the compute dtype (cast into its buffer when added, or under ZeRO-2 when the rows join it).
-            compute = apart and rows_gradient(candidate.tp, candidate.pp, candidate.zero_stage)
-            head = (c + (4 if by_rows else 0) if compute else 4) * n
+            # The tied head's gradient of the same table, in the table's dtype; a compute-dtype one is cast into its
+            # buffer when added, or under ZeRO-2 when the rows join it.
+            head = (c + (4 if by_rows else 0) if compute_table else 4) * n
     return max(total, head) if by_rows else total + head
 
 
