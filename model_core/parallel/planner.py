@@ -730,6 +730,8 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
     (counted as communication, and on CPU in the bucket chain's host memory, `stage_phases`). Where the rows are
     added into the table's buffer, a tied table's head gradient is added first, before the layers' exist
     (`step.backward_order`): it counts against them, not beside them; a dense table gradient waits for the lookup's.
+    So does an untied head's wherever `AccumulateGradients` adds the gradients (ZeRO-0/1, one stage, not summed in
+    the backward): the head is the last weight, and its gradient the backward's first.
     `every_layer`: every layer's gradients, where the backward also sums them (`overlap_gradient_reduction`)."""
     c = _DTYPE_BYTES[params.precision.compute_dtype]
     table = placement_table(params.model, Layout(dp=candidate.ep, tp=candidate.tp, pp=candidate.pp, ep=candidate.ep))
@@ -748,19 +750,22 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
         and not every_layer
     # A table taken by rows is held in the compute dtype (`stage_matmul_parameters`), and so is its head gradient.
     compute_table = apart and rows_gradient(candidate.tp, candidate.pp, candidate.zero_stage)
-    total = head = 0
+    added_in_order = candidate.zero_stage < 2 and candidate.pp == 1 and not every_layer
+    total = head = first = 0
     for row in kept:
         n = math.prod(row.block_shape(candidate.tp, candidate.ep))  # an expert stack: this rank's 1/ep
         table = row.name == "embed_tokens.weight"
         matmul = apart and not row.expert and (row.name.endswith("_proj.weight") or row.name == "lm_head.weight")
         per_element = c + (4 if candidate.zero_stage != 2 else 0) if matmul else 4
-        if not table or not by_rows:  # taken by rows, the lookup's gradient is B T H, no table
+        if row.name == "lm_head.weight" and added_in_order:
+            first = per_element * n  # added and freed before the layers' gradients exist
+        elif not table or not by_rows:  # taken by rows, the lookup's gradient is B T H, no table
             total += per_element * n
         if table and params.model.tie_embeddings:
             # The tied head's gradient of the same table, in the table's dtype; a compute-dtype one is cast into its
             # buffer when added, or under ZeRO-2 when the rows join it.
             head = (c + (4 if by_rows else 0) if compute_table else 4) * n
-    return max(total, head) if by_rows else total + head
+    return max(max(total, head) if by_rows else total + head, first)
 
 
 def collective_graph_bytes(params: PipelineParams, candidate: Candidate, kind: DeviceKind, layers: int) -> int:
