@@ -25,6 +25,7 @@ from model_core.parallel.layout import Layout, ParallelConfigError
 from model_core.parallel.zero import (
     FlatShards,
     GradientShards,
+    early_buckets,
     bucket_inputs,
     ShardGather,
     flat_shards,
@@ -348,6 +349,32 @@ def test_gradient_shards_over_a_group_of_one_add_every_gradient_through_small_bu
         step(ms.mutable(tuple(Tensor(g) for g in grads)))
     held = np.concatenate([buffer.asnumpy() for buffer in shards.buffers])
     np.testing.assert_array_equal(held, 2 * np.concatenate([g.reshape(-1) for g in grads]))
+
+
+def test_an_early_gradient_is_reduced_ahead_of_the_chain_in_the_buckets_that_hold_its_weight():
+    """A tied table's head gradient (`early`), passed apart from the rest of the table's gradient, is reduced first,
+    in the three buckets the table reaches (zeros for the next weight's elements in the last), and the rest after
+    it: each piece of the table holds the sum of the two, the other weights their own."""
+    weights = [Parameter(Tensor(np.zeros(shape, np.float32)), name=f"t{i}") for i, shape in enumerate([(4, 5), (3,), (6, 2)])]
+    shards = GradientShards(weights, comm.Group((0,), 0), bucket_bytes=28, early=0)  # 7 elements a bucket
+    assert early_buckets(shards.inputs, 0) == shards.early_buckets == (0, 1, 2)
+    assert shards.early_inputs[2] == ((0, 14, 20), (-1, 0, 1))
+
+    class Step(ms.nn.Cell):
+        def __init__(self):
+            super().__init__()
+            self.shards = shards
+
+        @ms.jit
+        def construct(self, grads, head):
+            return self.shards(grads, head)
+
+    grads = [np.arange(w.size, dtype=np.float32).reshape(w.shape) + i for i, w in enumerate(weights)]
+    head = np.full((4, 5), 0.5, np.float32)
+    Step()(ms.mutable(tuple(Tensor(g) for g in grads)), Tensor(head))
+    held = np.concatenate([buffer.asnumpy() for buffer in shards.buffers])
+    grads[0] = grads[0] + head
+    np.testing.assert_array_equal(held, np.concatenate([g.reshape(-1) for g in grads]))
 
 
 @pytest.mark.parametrize(("shards", "length"), [(1, 12), (2, 6), (3, 4), (5, 3)])

@@ -110,13 +110,14 @@ class AccumulateGradients(nn.Cell):
                                                           router_noise)
         return outputs, grads, rows_grad
 
-    def dense_gradients(self, tokens, grads, rows_grad):
+    def dense_gradients(self, tokens, grads, rows_grad, with_head=True):
         """Every weight's gradient, in weight order, from `backward`'s: the looked-up rows added into the table's
-        (the tied head's, or zeros), the one dense table gradient a collective can take."""
+        (the tied head's, or zeros; zeros too without `with_head`, where the caller takes the head's apart), the one
+        dense table gradient a collective can take."""
         if self.lookup < 0:
             return grads
         table = self.weights[self.lookup]
-        if self.tied:
+        if self.tied and with_head:
             head = grads[self.slots[self.lookup]]
         else:
             head = ops.zeros(table.shape, ms.float32)

@@ -39,7 +39,14 @@ from model_core.model.init import deferred, deferred_weights, shape_of
 from model_core.model.llama import Embedding, Linear, Llama
 from model_core.model.lora import LoraSummary, apply_lora
 from model_core.model.weights import WeightMismatchError, load_weights, model_weights, named_weights
-from model_core.optim.step import AccumulateGradients, ApplyGradients, SummedTokenLoss, ZeroGradients, rows_table
+from model_core.optim.step import (
+    AccumulateGradients,
+    ApplyGradients,
+    SummedTokenLoss,
+    ZeroGradients,
+    looked_up_table,
+    rows_table,
+)
 from model_core.parallel import comm
 from model_core.parallel.context import context_parallel
 from model_core.parallel.data_parallel import AccumulateAndSumGradients, GradientAllReduce
@@ -252,8 +259,10 @@ def parallelize(
         paths = {id(param): name for name, param in named_weights(model).items()}
         over_experts = {i for i, weight in enumerate(weights)
                         if table.gradient_reduction(paths[id(weight)]).scattered == "expert_dp"}
+        # A tied table taken by rows: its head's gradient is reduced ahead of the chain (`GradientShards.early`).
+        early = looked_up_table(model, ParameterTuple(weights)) if getattr(model, "tie_embeddings", False) else -1
         shards = (ExpertGradientShards(weights, over_experts, dp_group, expert_dp_group, bucket_bytes=bucket_bytes)
-                  if over_experts else GradientShards(weights, dp_group, bucket_bytes=bucket_bytes))
+                  if over_experts else GradientShards(weights, dp_group, bucket_bytes=bucket_bytes, early=early))
         accumulate = ShardedAccumulateGradients(model, shards, loss)
     elif table.param_offload:  # the model's shard Parameters are the gradient buffers (`param_offload`)
         accumulate = AccumulateGradients(model, ParameterTuple(model.trainable_params()), loss)

@@ -228,12 +228,20 @@ class GradientShards(nn.Cell):
     gradient pieces can be summed over the two stages piece by piece.
 
     The buckets run as one chain, in `order`; `ready[k]` is the first weight bucket k reads, which the backward
-    reaches last: `expert.ExpertGradientShards` merges two stores' chains by it (`merged_order`)."""
+    reaches last: `expert.ExpertGradientShards` merges two stores' chains by it (`merged_order`).
+
+    `early`: a weight whose gradient comes in two parts, the first made at the backward's start and the other at its
+    end: a tied table's, the head's gradient and the looked-up rows' (`ShardedAccumulateGradients`). Called with the
+    first part as `early_grad`, the store reduce-scatters it ahead of the chain, in the buckets that hold the weight
+    (zeros elsewhere in them), and adds its blocks into the weight's pieces; `grads` then carry the other part. Summed
+    in one with the rows at the end, the head's gradient (vocabulary x hidden) stayed alive through the whole
+    backward. The cost: the weight's buckets are reduced twice a micro-batch."""
 
     def __init__(self, weights: Sequence[Parameter], group: Group, chunk: int | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, early: int = -1) -> None:
         super().__init__()
         sizes = [int(np.prod(w.shape)) for w in weights]
+        self.sizes = tuple(sizes)
         self.layout = flat_shards(sizes, group.size, bucket_bytes, chunk)
         pieces = self.layout.pieces(sizes, group.index)
         self.buffers = ParameterTuple(
@@ -257,10 +265,23 @@ class GradientShards(nn.Cell):
         self.last_sum = Parameter(ops.zeros((1,), ms.float32), name=f"grad_shard.last_sum.{weights[-1].name}",
                                   requires_grad=False)
         self.sums = nn.CellList([ReleasingReduceScatter(group) for _ in range(self.layout.buckets)])
+        self.early = early
+        self.early_buckets = early_buckets(self.inputs, early) if early >= 0 else ()
+        # The early gradient is passed alone: its parts read input 0.
+        self.early_inputs = tuple(tuple((0, start, end) if i == early else (-1, 0, end - start)
+                                        for i, start, end in self.inputs[k]) for k in self.early_buckets)
+        self.early_sizes = (self.sizes[early],) if early >= 0 else ()
+        self.early_adds = tuple(tuple(add for add in self.adds[k] if self.piece_params[add[0]] == early)
+                                for k in self.early_buckets)
+        self.early_sums = nn.CellList([ReleasingReduceScatter(group) for _ in self.early_buckets])
 
-    def construct(self, grads):
+    def construct(self, grads, early_grad=None):
         done = ops.zeros((), ms.float32)
         previous = done
+        if early_grad is not None:
+            for n in range(len(self.early_buckets)):
+                previous, done = self.reduce(self.early_inputs[n], self.early_adds[n], self.early_sums[n],
+                                             (early_grad,), self.early_sizes, previous, done)
         for k in self.order:
             previous, done = self.sum_bucket(k, grads, previous, done)
         return self.finish(done)
@@ -274,18 +295,47 @@ class GradientShards(nn.Cell):
         reduce-scattered, and its block added into the pieces it holds: returns (the input, `done` joined with the
         additions). The wait for `previous` also keeps the inputs from being cut as soon as the gradients exist,
         which would make every bucket's at once."""
+        return self.reduce(self.inputs[k], self.adds[k], self.sums[k], grads, self.sizes, previous, done)
+
+    def reduce(self, inputs, adds, collective, grads, sizes, previous, done):
+        """`sum_bucket` of a bucket made of `inputs` ((input, start, end), -1 for zeros) of `grads` (of `sizes`),
+        added into `adds` through `collective`."""
         parts = []
-        for i, start, end in self.inputs[k]:
+        for i, start, end in inputs:
             if i < 0:
                 parts.append(ops.depend(ops.zeros((end - start,), ms.float32), previous))
+            elif end - start == sizes[i]:
+                parts.append(ops.depend(grads[i], previous).reshape(-1))
             else:
-                parts.append(ops.depend(grads[i], previous).reshape(-1)[start:end].astype(ms.float32))
-        flat = ops.cat(parts) if len(parts) > 1 else parts[0]
-        block = self.sums[k](flat)  # this rank's, summed
+                parts.append(ops.depend(grads[i], previous).reshape(-1)[start:end])
+        flat = flat_fp32(parts)
+        block = collective(flat)  # this rank's, summed
         done = ops.depend(done, block)  # kept where this rank holds no piece of the bucket (see `last_sum`)
-        for j, start, end in self.adds[k]:
+        for j, start, end in adds:
             done = ops.depend(done, ops.assign_add(self.buffers[j], block[start:end]))
         return flat, done
+
+
+def early_buckets(inputs, weight: int) -> tuple[int, ...]:
+    """The buckets (of `bucket_inputs`) that hold elements of `weight`, in the order the weight's gradient runs
+    through them."""
+    return tuple(k for k, parts in enumerate(inputs) if any(i == weight for i, _, _ in parts))
+
+
+def flat_fp32(parts):
+    """The flat parts concatenated in fp32. Consecutive parts of one dtype are concatenated before they are cast, so a
+    low-precision run is copied once at its own width and once cast, instead of cast part by part and the fp32 casts
+    copied again into the bucket: the same bits, one fp32 bucket-sized buffer fewer alive at once."""
+    runs = []
+    run = [parts[0]]
+    for part in parts[1:]:
+        if part.dtype == run[0].dtype:
+            run.append(part)
+        else:
+            runs.append((ops.cat(run) if len(run) > 1 else run[0]).astype(ms.float32))
+            run = [part]
+    runs.append((ops.cat(run) if len(run) > 1 else run[0]).astype(ms.float32))
+    return ops.cat(runs) if len(runs) > 1 else runs[0]
 
 
 def merged_order(readiness: Sequence[Sequence[int]]) -> tuple[tuple[int, int], ...]:
@@ -349,12 +399,18 @@ class ShardedAccumulateGradients(AccumulateGradients):
         self.shards = shards
         self.piece_params = shards.piece_params
         self.shard_chunks = shards.shard_chunks
+        # A tied table's head gradient goes ahead of the chain, where the store takes it (`GradientShards.early`).
+        self.head_early = self.tied and getattr(shards, "early", -1) == self.lookup
 
     @ms.jit
     def construct(self, tokens, labels, loss_mask, position_ids, segment_ids, scale, router_noise=None):
         outputs, grads, rows_grad = self.backward(tokens, labels, loss_mask, position_ids, segment_ids, scale,
                                                   router_noise)
-        self.shards(self.dense_gradients(tokens, grads, rows_grad))
+        if self.head_early:
+            self.shards(self.dense_gradients(tokens, grads, rows_grad, with_head=False),
+                        grads[self.slots[self.lookup]])
+        else:
+            self.shards(self.dense_gradients(tokens, grads, rows_grad))
         if self.routed:  # an MoE model's routing statistics ride along, as in `AccumulateGradients`
             return outputs[1], outputs[2]
         return outputs[1]
