@@ -31,6 +31,7 @@ from model_core.parallel.planner import (
     Candidate,
     estimate,
     format_plan_table,
+    fresh_gradient_bytes,
     parse_bytes,
     plan,
     shard_gather_bytes,
@@ -245,6 +246,16 @@ def test_the_backward_holds_two_layers_of_fresh_gradients_and_the_tables_not_a_w
     head_first = max(4 * (2 * layer + hidden), 4 * vocab * hidden)  # two layers and the final norm, or the head
     assert fresh(4) == fresh(8) == head_first
     assert fresh(8, tied=True) == head_first  # the tied table's: the head's
+
+    # ZeRO-2 reduces a tied head's gradient ahead of its bucket chain and the rows' dense table gradient after the
+    # layers' (`zero.GradientShards.early`): three times, the largest counts; untied, the head and the table are
+    # buckets' inputs beside the layers'.
+    def zero2(tied: bool) -> int:
+        params = _small_model(f"model.tie_embeddings={str(tied).lower()}", "precision.compute_dtype=float32")
+        return fresh_gradient_bytes(params, Candidate(2, 1, 1, 2, "none"), 0, apart=False)
+
+    assert zero2(tied=True) == max(4 * (2 * layer + hidden), 4 * vocab * hidden)
+    assert zero2(tied=False) == 4 * (2 * layer + hidden) + 2 * 4 * vocab * hidden
 
 
 def test_nothing_fits_says_so_and_names_the_smallest():

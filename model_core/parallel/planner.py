@@ -731,7 +731,8 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
     added into the table's buffer, a tied table's head gradient is added first, before the layers' exist
     (`step.backward_order`): it counts against them, not beside them; a dense table gradient waits for the lookup's.
     So does an untied head's wherever `AccumulateGradients` adds the gradients (ZeRO-0/1, one stage, not summed in
-    the backward): the head is the last weight, and its gradient the backward's first.
+    the backward): the head is the last weight, and its gradient the backward's first. Under ZeRO-2 a tied table's
+    head gradient is reduced ahead of the chain and the rows' table gradient after the layers': neither beside them.
     `every_layer`: every layer's gradients, where the backward also sums them (`overlap_gradient_reduction`)."""
     c = _DTYPE_BYTES[params.precision.compute_dtype]
     table = placement_table(params.model, Layout(dp=candidate.ep, tp=candidate.tp, pp=candidate.pp, ep=candidate.ep))
@@ -751,7 +752,11 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
     # A table taken by rows is held in the compute dtype (`stage_matmul_parameters`), and so is its head gradient.
     compute_table = apart and rows_gradient(candidate.tp, candidate.pp, candidate.zero_stage)
     added_in_order = candidate.zero_stage < 2 and candidate.pp == 1 and not every_layer
-    total = head = first = 0
+    # ZeRO-2 reduces a tied table's head gradient ahead of its bucket chain (`zero.GradientShards.early`) and the rows'
+    # dense table gradient once the backward has made it: each at a different time from the layers'.
+    apart_in_time = (candidate.zero_stage == 2 and candidate.ep == 1 and params.model.tie_embeddings
+                     and rows_gradient(candidate.tp, candidate.pp, candidate.zero_stage))
+    total = head = first = rows = 0
     for row in kept:
         n = math.prod(row.block_shape(candidate.tp, candidate.ep))  # an expert stack: this rank's 1/ep
         table = row.name == "embed_tokens.weight"
@@ -759,13 +764,21 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
         per_element = c + (4 if candidate.zero_stage != 2 else 0) if matmul else 4
         if row.name == "lm_head.weight" and added_in_order:
             first = per_element * n  # added and freed before the layers' gradients exist
+        elif table and apart_in_time:
+            rows = 4 * n
         elif not table or not by_rows:  # taken by rows, the lookup's gradient is B T H, no table
             total += per_element * n
         if table and params.model.tie_embeddings:
             # The tied head's gradient of the same table, in the table's dtype; a compute-dtype one is cast into its
-            # buffer when added, or under ZeRO-2 when the rows join it.
+            # buffer when added, or under ZeRO-2 into its bucket's input.
             head = (c + (4 if by_rows else 0) if compute_table else 4) * n
-    return max(max(total, head) if by_rows else total + head, first)
+    if by_rows:
+        held = max(total, head)
+    elif apart_in_time:
+        held = max(total, head, rows)
+    else:
+        held = total + head
+    return max(held, first)
 
 
 def collective_graph_bytes(params: PipelineParams, candidate: Candidate, kind: DeviceKind, layers: int) -> int:
