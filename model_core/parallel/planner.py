@@ -24,7 +24,7 @@ pp > 1); c the bytes of compute_dtype; B T tokens per micro-batch; H hidden, F f
                    added into the buffer by rows it is B T H), in
                    the weights' dtypes and of the compute-dtype ones also their fp32 casts (ZeRO-2: the cast is its
                    bucket's input; ZeRO-3: none beside the shards). What only a CPU rank's peak RSS holds, the CPU
-                   kind adds: the heap ZeRO-2's chain of bucket reduce-scatters leaves, 2.25P (fitted); ZeRO-3's
+                   kind adds: the heap ZeRO-2's chain of bucket reduce-scatters leaves, 3.15P (fitted); ZeRO-3's
                    fresh gradient shards, 4P/dp; what ZeRO-1's first update adds (its compile and the pieces it cuts
                    from the gradient buffers, which the memory pool does not hold together), 4P/dp.
     optimizer      8P AdamW moments m and v; ZeRO-1 and up: 8P/dp (1/dp of the moments), and under ZeRO-1/2 with
@@ -67,7 +67,7 @@ Adam; fp32 training keeps no separate master):
 (mixed: every parameter a matmul weight; the fp32 embedding and norms count 4 where the table counts c.) What is
 left over the paper: a full fp32 gradient buffer under ZeRO-1 where the paper reduce-scatters, and fp32 gradients
 (4) where its mixed precision counts 2; mixed ZeRO-0 the fp32 masters beside the compute-dtype weights. On CPU peak
-RSS also holds the heap ZeRO-2's bucket chain leaves (2.25, fitted), ZeRO-3's fresh gradient shards (4/dp), what
+RSS also holds the heap ZeRO-2's bucket chain leaves (3.15, fitted), ZeRO-3's fresh gradient shards (4/dp), what
 ZeRO-1's first update adds (4/dp) and a fixed graph cost per layer (ZeRO-3: more), none of them in MindSpore's
 memory pool.
 benchmarks/README.md ("Model states against the ZeRO paper") measures them.
@@ -232,7 +232,7 @@ CPU = DeviceKind(
     # ZeRO-0's.
     zero3_bytes_per_layer=56 * 2**20,
     # Fitted to the same model's ZeRO-2 ranks (benchmarks/README.md, the same section).
-    zero2_bucket_chain_bytes=2.25,
+    zero2_bucket_chain_bytes=3.15,
     zero3_fresh_shard_bytes=4,
     zero1_update_piece_bytes=4,
 )
