@@ -15,26 +15,25 @@ from mindspore import Parameter, Tensor
 from model_core.data import PackedRows
 from model_core.model import Llama
 from model_core.model.weights import model_weights, named_weights
-from model_core.parallel.optimizer import AdamW
 from model_core.optim.step import AccumulateGradients
 from model_core.parallel import comm
 from model_core.parallel import launch as launcher
 from model_core.parallel.data_parallel import bucket_indices
 from model_core.parallel.launch import launch, launch_training, log_tail
 from model_core.parallel.layout import Layout, ParallelConfigError
+from model_core.parallel.optimizer import AdamW, RankState
+from model_core.parallel.placement import PARAMETER_SHARD, StatePlacement
 from model_core.parallel.zero import (
     FlatShards,
     GradientShards,
-    early_buckets,
-    bucket_inputs,
     ShardGather,
+    block_pieces,
+    bucket_inputs,
+    early_buckets,
     flat_shards,
     gather_plan,
     merged_order,
-    block_pieces,
 )
-from model_core.parallel.optimizer import RankState
-from model_core.parallel.placement import PARAMETER_SHARD, StatePlacement
 from model_core.parallel.zero3 import join_shards, shard_parameters, take_shard
 from model_core.train.loader import ShuffledBatches
 from params import ParamsError, load_params
