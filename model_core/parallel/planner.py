@@ -747,15 +747,14 @@ def fresh_gradient_bytes(params: PipelineParams, candidate: Candidate, stage: in
         kept += layer_rows[index]
     # Where the rows are added into the table's buffer in place; a gradient that travels densely (ZeRO-2's
     # reduce-scatter, a sum inside the backward) is a table-sized sum of them and the head's, as a dense lookup's is.
-    by_rows = rows_gradient(candidate.tp, candidate.pp, candidate.zero_stage) and candidate.zero_stage != 2 \
-        and not every_layer
+    rows_taken = rows_gradient(candidate.tp, candidate.pp, candidate.zero_stage)
+    by_rows = rows_taken and candidate.zero_stage != 2 and not every_layer
     # A table taken by rows is held in the compute dtype (`stage_matmul_parameters`), and so is its head gradient.
-    compute_table = apart and rows_gradient(candidate.tp, candidate.pp, candidate.zero_stage)
+    compute_table = apart and rows_taken
     added_in_order = candidate.zero_stage < 2 and candidate.pp == 1 and not every_layer
     # ZeRO-2 reduces a tied table's head gradient ahead of its bucket chain (`zero.GradientShards.early`) and the rows'
     # dense table gradient once the backward has made it: each at a different time from the layers'.
-    apart_in_time = (candidate.zero_stage == 2 and candidate.ep == 1 and params.model.tie_embeddings
-                     and rows_gradient(candidate.tp, candidate.pp, candidate.zero_stage))
+    apart_in_time = rows_taken and candidate.zero_stage == 2 and candidate.ep == 1 and params.model.tie_embeddings
     total = head = first = rows = 0
     for row in kept:
         n = math.prod(row.block_shape(candidate.tp, candidate.ep))  # an expert stack: this rank's 1/ep

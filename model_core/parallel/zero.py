@@ -302,10 +302,8 @@ class GradientShards(nn.Cell):
         added into `adds` through `collective`."""
         parts = []
         for i, start, end in inputs:
-            if i < 0 and end - start > 4096:  # what the block of no added piece holds, made at run time, not stored
+            if i < 0:  # what the blocks no piece takes hold: zeros made at run time, not a constant of the graph
                 parts.append(ops.broadcast_to(ops.depend(ops.zeros((1,), ms.float32), previous), (end - start,)))
-            elif i < 0:
-                parts.append(ops.depend(ops.zeros((end - start,), ms.float32), previous))
             elif end - start == sizes[i]:
                 parts.append(ops.depend(grads[i], previous).reshape(-1))
             else:
