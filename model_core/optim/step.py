@@ -206,8 +206,33 @@ def sum_of_squares(x):
 
 class ApplyGradients(nn.Cell):
     """optimizer(buffers, lr, step, grad_scale), which scales each buffer as it uses it, then zero the buffers for
-    the next step."""
+    the next step.
 
+    The zeroing is a compiled graph of its own (`ZeroGradients`). In the update's graph it would write buffers the
+    update reads, and a graph copies every Load of a Parameter it writes later (TensorMove): each piece's update
+    then read a copy of its whole buffer, a vocabulary table's gradient among them (benchmarks/README.md, "Model
+    states against the ZeRO paper")."""
+
+    def __init__(self, buffers: ParameterTuple, optimizer: nn.Cell) -> None:
+        super().__init__()
+        self.update = _Update(buffers, optimizer)
+        self.zero = ZeroGradients(buffers)
+
+    @property
+    def optimizer(self) -> nn.Cell:
+        return self.update.optimizer
+
+    @property
+    def buffers(self) -> ParameterTuple:
+        return self.update.buffers
+
+    def construct(self, lr, step, grad_scale):
+        self.update(lr, step, grad_scale)
+        self.zero()
+        return grad_scale
+
+
+class _Update(nn.Cell):
     def __init__(self, buffers: ParameterTuple, optimizer: nn.Cell) -> None:
         super().__init__()
         self.buffers = buffers
@@ -215,9 +240,7 @@ class ApplyGradients(nn.Cell):
 
     @ms.jit
     def construct(self, lr, step, grad_scale):
-        done = self.optimizer(self.buffers, lr, step, grad_scale)
-        zero_in_turn(self.buffers, done)
-        return grad_scale
+        return self.optimizer(self.buffers, lr, step, grad_scale)
 
 
 class ZeroGradients(nn.Cell):

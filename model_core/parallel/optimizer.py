@@ -410,14 +410,18 @@ class AdamW(nn.Cell):
         k = self.alone[i]
         b = self.gradient_indices[k]
         grad = ops.depend(grads[b], after)
-        if grad_scale is not None and self.scales_buffer[k]:
-            # Scaled in place (the caller zeroes the buffer after the update anyway): the compiled graph then
-            # keeps no scaled copy. A piece's gradient is scaled whole and then cut: the graph keeps the piece.
-            # A buffer that several pieces read is scaled by the first of them, which the others follow.
-            grad = self._scale(grads[b], grad_scale, after)
         if self.gradient_slices[k] is not None:
+            # A ZeRO-1 piece, cut from its weight's whole buffer, is scaled as a cut: the rank scales the 1 / dp of
+            # the gradients it updates, and holds a piece's cut and its product rather than the product of a whole
+            # buffer (the CPU's in-place multiply writes a product and assigns it).
             start, end = self.gradient_slices[k]
             grad = grad.reshape(-1)[start:end]
+            if grad_scale is not None:
+                grad = grad * grad_scale
+        elif grad_scale is not None and self.scales_buffer[k]:
+            # A whole buffer is scaled in place (the caller zeroes it after the update anyway): the compiled graph
+            # then keeps no scaled copy.
+            grad = self._scale(grads[b], grad_scale, after)
         if self.gradient_shapes[i] is not None:
             grad = grad.reshape(self.gradient_shapes[i])
         if self.decays[k]:

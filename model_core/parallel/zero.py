@@ -163,6 +163,10 @@ class ShardGather(nn.Cell):
         self.writes = tuple(tuple(bucket) for bucket in writes)
         self.indices = tuple(indices)
         self.local = shard_fill(self.buckets, [end - start for _, start, end in pieces])
+        # A bucket whose parameters share one dtype is gathered in it: every rank casts its block before the
+        # all-gather instead of every rank casting the whole gathered bucket after it (the same bits, since a cast
+        # is elementwise), so a mixed-precision rank holds and moves the bucket at the compute dtype's width.
+        self.dtypes = tuple(bucket_dtype({self.parameters[i].dtype for i, *_ in bucket}) for bucket in self.writes)
 
     def construct(self, pieces, after=None):
         """Write the weights from `pieces`, once `after` (the update that made them), when given, is done."""
@@ -170,7 +174,8 @@ class ShardGather(nn.Cell):
         if after is not None:
             done = ops.depend(done, after)
         for k in range(len(self.buckets)):
-            parts = [pieces[j].reshape(-1)[a:b] if j >= 0 else ops.zeros((b - a,), ms.float32) for j, a, b in self.local[k]]
+            parts = [ops.depend(pieces[j], done).reshape(-1)[a:b] if j >= 0 else ops.zeros((b - a,), ms.float32)
+                     for j, a, b in self.local[k]]
             mine = ops.cat(parts) if len(parts) > 1 else parts[0]
             done = self.bucket(k, mine, done)
         return done
@@ -179,7 +184,7 @@ class ShardGather(nn.Cell):
         """Bucket k gathered from this rank's block of it (`mine`, once `done` exists) and written into the parameters
         it meets; returns what the next bucket waits for. The optimizer calls it directly where it updates the
         blocks one bucket at a time in one scratch buffer."""
-        bucket = self.group.all_gather(ops.depend(mine, done))
+        bucket = self.group.all_gather(ops.depend(mine, done).astype(self.dtypes[k]))
         for i, start, end, shape, where in self.writes[k]:
             value = bucket[start:end].reshape(shape).astype(self.parameters[i].dtype)
             if where < 0:
@@ -189,6 +194,12 @@ class ShardGather(nn.Cell):
             # Every write goes before the next gather: a write left for later keeps the bucket alive.
             done = ops.depend(done, written)
         return done
+
+
+def bucket_dtype(dtypes):
+    """The dtype a bucket meeting parameters of these dtypes is gathered in: theirs where they share one, else
+    fp32 (the updated shards' own)."""
+    return next(iter(dtypes)) if len(dtypes) == 1 else ms.float32
 
 
 def shard_fill(buckets, lengths: Sequence[int]) -> tuple[tuple[tuple[int, int, int], ...], ...]:
