@@ -429,7 +429,8 @@ class Parallelized:
         self.stage = self.layout.coordinates(rank).pp
         self.offload = optimizer.offloaded  # the moments' offload file, where the placement puts them there
         self._apply = ApplyGradients(accumulate.buffers, optimizer) if self.offload is None else None
-        self._zero = ZeroGradients(accumulate.buffers)
+        # One compiled zeroing graph: the update's own where it has one (it zeroes after every update).
+        self._zero = self._apply.zero if self._apply is not None else ZeroGradients(accumulate.buffers)
         self._routing: Tensor | None = None  # summed on the device, read once a step
 
     @property
