@@ -222,10 +222,6 @@ class ApplyGradients(nn.Cell):
     def optimizer(self) -> nn.Cell:
         return self.update.optimizer
 
-    @property
-    def buffers(self) -> ParameterTuple:
-        return self.update.buffers
-
     def construct(self, lr, step, grad_scale):
         self.update(lr, step, grad_scale)
         self.zero()
