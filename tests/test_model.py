@@ -362,6 +362,23 @@ def test_hand_written_backward_matches_automatic_differentiation(case):
         np.testing.assert_allclose(mine.asnumpy(), expected.asnumpy(), atol=1e-5)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "jit"])
+def test_after_passes_both_values_and_their_gradients_through_unchanged(compiled):
+    rng = np.random.default_rng(0)
+    earlier, x, d_earlier, d_x = (ms.Tensor(rng.standard_normal(shape).astype(np.float32))
+                                  for shape in ((2, 5, 3), (2, 5, 7), (2, 5, 3), (2, 5, 7)))
+    after = fused.After()
+
+    def objective(earlier, x):
+        first, second = after(earlier, x)
+        return (first * d_earlier).sum() + (second * d_x).sum()
+
+    values = after(earlier, x)
+    grads = ms.grad(ms.jit(objective) if compiled else objective, (0, 1))(earlier, x)
+    for got, expected in zip((*values, *grads), (earlier, x, d_earlier, d_x), strict=True):
+        np.testing.assert_array_equal(got.asnumpy(), expected.asnumpy())
+
+
 def test_attention_in_query_blocks_matches_one_block(monkeypatch):
     """Blocks of 4 query rows over 6 queries (the last block short) against 10 keys under a [B, 1, T, S] mask of
     documents: the output and dq, dk, dv of the plain formulation."""

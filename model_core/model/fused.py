@@ -215,6 +215,20 @@ class RotaryFunction(nn.Cell):
         return dx, ops.zeros_like(cos), ops.zeros_like(sin)
 
 
+class After(nn.Cell):
+    """(earlier, x once `earlier` exists); in the backward, `earlier`'s gradient once x's exists.
+
+    An ordering, not a computation: what computes `earlier` runs its forward before, and its backward after, what
+    reads the x returned, where a compiled graph would run the two side by side."""
+
+    def construct(self, earlier, x):
+        return earlier, ops.depend(x, earlier)
+
+    def bprop(self, earlier, x, out, dout):
+        d_earlier, d_x = dout
+        return ops.depend(d_earlier, d_x), d_x
+
+
 class SwiGLUFunction(nn.Cell):
     """silu(gate) * up, keeping its two inputs and sigmoid(gate), gate * sigmoid(gate) for the backward.
 

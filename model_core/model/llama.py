@@ -33,6 +33,7 @@ from mindspore import Parameter, Tensor, mint, nn, ops
 
 from model_core.model.attention import Attention, CausalMask, cached_attention, fused_attention_available
 from model_core.model.fused import (
+    After,
     HeadsFirst,
     HeadsLast,
     LinearFunction,
@@ -182,9 +183,13 @@ class SwiGLU(nn.Cell):
         self.up_proj = Linear(params.hidden_size, inner, params.init_std)
         self.down_proj = Linear(inner, params.hidden_size, output_std)
         self.swiglu = SwiGLUFunction()
+        self.after = After()
 
     def construct(self, x: Tensor) -> Tensor:
-        return self.down_proj(self.swiglu(self.gate_proj(x), self.up_proj(x)))
+        # up after gate: each projection's backward holds its weight's fp32 cast and fp32 gradient on the CPU, and
+        # run side by side the two would hold both pairs at once.
+        gate, x = self.after(self.gate_proj(x), x)
+        return self.down_proj(self.swiglu(gate, self.up_proj(x)))
 
     def construct_cached(self, x: Tensor) -> Tensor:
         """`construct` for decoding: silu(gate) * up as Sigmoid and one Addcmul, a kernel fewer than the training path's
