@@ -186,8 +186,8 @@ class SwiGLU(nn.Cell):
         self.after = After()
 
     def construct(self, x: Tensor) -> Tensor:
-        # up after gate: each projection's backward holds its weight's fp32 cast and fp32 gradient on the CPU, and
-        # run side by side the two would hold both pairs at once.
+        # Gate's backward after up's: each projection's backward holds its weight's fp32 cast and fp32 gradient on
+        # the CPU, and run side by side the two would hold both pairs at once.
         gate, x = self.after(self.gate_proj(x), x)
         return self.down_proj(self.swiglu(gate, self.up_proj(x)))
 
